@@ -1,0 +1,1 @@
+"""Grafana dashboard, provisioning files and the Prometheus scrape config."""

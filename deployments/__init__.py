@@ -1,0 +1,1 @@
+"""Host vLLM engine replicas in Ray Serve and build the application from a validated config."""

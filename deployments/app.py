@@ -1,0 +1,69 @@
+"""Build the Ray Serve application graph from a validated config.
+
+``serve run deployments/dp.yaml`` calls ``build_app`` with the YAML's ``args``: one
+Serve deployment per engine replica (so the router, not Serve, picks the replica and
+each replica keeps its own queue), and the router ingress bound to their handles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from deployments.config import AppConfig, PoolConfig, parse_app_config
+from deployments.engine import EngineReplica, EngineSpec
+from deployments.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
+from router.ingress import Router
+
+
+def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig]]:
+    """Stable replica names: ``engine-0``, ``engine-1`` or ``prefill-0``, ``decode-0``."""
+    names = []
+    for pool in config.pools:
+        prefix = "engine" if pool.role == "mixed" else pool.role
+        names.extend((f"{prefix}-{index}", pool) for index in range(pool.replicas))
+    return names
+
+
+def engine_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[str, str]:
+    """Environment of one engine replica's process, inherited by vLLM's engine processes."""
+    env = {"VLLM_LOGGING_LEVEL": "WARNING", ORPHAN_GUARD_ENV: "1"}
+    if config.accelerator == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(pool.kv_cache_gib)
+        if pool.cpu_binds is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = pool.cpu_binds[replica_index]
+    return env
+
+
+def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
+    spec = EngineSpec(
+        name=name, role=pool.role, model=config.model, pool=pool, accelerator=config.accelerator
+    )
+    actor_options: dict[str, Any] = {
+        "num_cpus": config.resources.engine_num_cpus,
+        "runtime_env": {"env_vars": engine_env(config, pool, replica_index)},
+    }
+    if config.accelerator == "gpu":
+        actor_options["num_gpus"] = pool.ranks_per_replica
+    return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
+        spec.model_dump()
+    )
+
+
+def build_app_from_config(config: AppConfig) -> Application:
+    engines: dict[str, Application] = {}
+    roles: dict[str, str] = {}
+    index_in_pool: dict[str, int] = {}
+    for name, pool in engine_names(config):
+        index = index_in_pool.get(pool.role, 0)
+        index_in_pool[pool.role] = index + 1
+        engines[name] = build_engine(config, name, pool, index)
+        roles[name] = pool.role
+    router = Router.options(ray_actor_options={"num_cpus": config.resources.router_num_cpus})
+    return router.bind(config.model_dump(), roles, engines)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder: ``import_path: deployments.app:build_app``."""
+    return build_app_from_config(parse_app_config(args))

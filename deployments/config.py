@@ -1,0 +1,169 @@
+"""The validated shape of a Serve YAML's ``args``: model, engine pools, router.
+
+One pydantic object per concern. Errors name the field and the allowed values, and
+``load_app_config`` reports them all at once with the YAML path they came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from deployments.protocol import EngineRole
+
+Strategy = Literal["single", "dp", "tp", "pp", "pd"]
+Accelerator = Literal["cpu", "gpu"]
+ReplicaChoice = Literal["round_robin"]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(StrictModel):
+    """Which weights to serve and how vLLM should hold them."""
+
+    source: str = Field(
+        "embedded",
+        description="'embedded' (the tiny offline Llama), a local folder, or a Hugging Face id.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients use in 'model'; defaults to the source's name."
+    )
+    dtype: str = "auto"
+    max_model_len: int = Field(4096, gt=0)
+    block_size: int | None = Field(None, gt=0, description="KV block size; engine default if None.")
+    enforce_eager: bool = True
+    seed: int = 0
+    enable_prefix_caching: bool = True
+
+
+class PoolConfig(StrictModel):
+    """A group of identical engine replicas with one role."""
+
+    role: EngineRole = "mixed"
+    replicas: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    cpu_binds: list[str] | None = Field(
+        None,
+        description=(
+            "CPU only: VLLM_CPU_OMP_THREADS_BIND per replica, e.g. ['0', '1'] or ['0|1'] for"
+            " TP/PP=2. Unset: vLLM's automatic binding ('auto')."
+        ),
+    )
+    kv_cache_gib: int = Field(1, ge=1, description="CPU only: KV cache GiB per engine.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vllm AsyncEngineArgs fields, passed as is."
+    )
+
+    @model_validator(mode="after")
+    def _binds_match_replicas(self) -> PoolConfig:
+        if self.cpu_binds is not None and len(self.cpu_binds) != self.replicas:
+            raise ValueError(
+                f"cpu_binds has {len(self.cpu_binds)} entries but replicas is {self.replicas};"
+                " give one bind per replica"
+            )
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        for bind in self.cpu_binds or []:
+            if bind not in ("auto", "nobind") and len(bind.split("|")) != ranks:
+                raise ValueError(
+                    f"cpu_binds entry {bind!r} names {len(bind.split('|'))} rank(s) but the"
+                    f" engine has tensor_parallel_size*pipeline_parallel_size = {ranks};"
+                    " separate ranks with '|'"
+                )
+        return self
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class ResourcesConfig(StrictModel):
+    """Ray logical CPUs reserved per actor: fractional, so the engines keep the real cores."""
+
+    router_num_cpus: float = Field(0.1, ge=0)
+    engine_num_cpus: float = Field(0.1, ge=0)
+
+
+class RouterConfig(StrictModel):
+    replica_choice: ReplicaChoice = "round_robin"
+    request_timeout_s: float = Field(600.0, gt=0)
+    health_check_timeout_s: float = Field(5.0, gt=0)
+    stats_interval_s: float = Field(
+        0.2, gt=0, description="How often the router polls every engine for its load."
+    )
+
+
+class AppConfig(StrictModel):
+    """Everything one splitserve application needs; the ``args`` of a Serve YAML."""
+
+    strategy: Strategy
+    accelerator: Accelerator = "cpu"
+    model: ModelConfig = ModelConfig()
+    pools: list[PoolConfig] = Field(min_length=1)
+    router: RouterConfig = RouterConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+
+    @model_validator(mode="after")
+    def _pools_fit_strategy(self) -> AppConfig:
+        roles = sorted(pool.role for pool in self.pools)
+        if self.strategy == "pd":
+            if roles != ["decode", "prefill"]:
+                raise ValueError(
+                    f"strategy 'pd' needs exactly one 'prefill' and one 'decode' pool, got {roles}"
+                )
+            return self
+        if roles != ["mixed"]:
+            raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
+        pool = self.pools[0]
+        expected = {
+            "single": (1, 1, 1),
+            "tp": (1, None, 1),
+            "pp": (1, 1, None),
+            "dp": (None, 1, 1),
+        }[self.strategy]
+        actual = (pool.replicas, pool.tensor_parallel_size, pool.pipeline_parallel_size)
+        names = ("replicas", "tensor_parallel_size", "pipeline_parallel_size")
+        for name, want, got in zip(names, expected, actual, strict=True):
+            if want is None and got < 2:
+                raise ValueError(f"strategy {self.strategy!r} needs {name} >= 2, got {got}")
+            if want is not None and got != want:
+                raise ValueError(f"strategy {self.strategy!r} needs {name} = {want}, got {got}")
+        return self
+
+    def pool(self, role: EngineRole) -> PoolConfig:
+        return next(pool for pool in self.pools if pool.role == role)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served, with every problem named."""
+
+
+def parse_app_config(args: dict[str, Any], origin: str = "args") -> AppConfig:
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, origin)) from None
+
+
+def load_app_config(path: Path | str, app_index: int = 0) -> AppConfig:
+    """The AppConfig of one application of a Serve YAML file."""
+    document = yaml.safe_load(Path(path).read_text())
+    try:
+        args = document["applications"][app_index]["args"]
+    except (KeyError, IndexError, TypeError):
+        raise ConfigError(f"{path}: no applications[{app_index}].args") from None
+    return parse_app_config(args, origin=f"{path}: applications[{app_index}].args")
+
+
+def _describe(error: ValidationError, origin: str) -> str:
+    lines = [f"invalid splitserve config in {origin}:"]
+    for problem in error.errors():
+        where = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        lines.append(f"  - {where}: {problem['msg']}")
+    return "\n".join(lines)

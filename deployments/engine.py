@@ -1,0 +1,184 @@
+"""One vLLM engine (AsyncLLM) hosted in one Ray Serve replica.
+
+It takes token ids and a SamplingParams, and streams token deltas back. Everything
+OpenAI-shaped lives in the router; see docs/ARCHITECTURE.md for why we host
+AsyncLLM ourselves instead of through ray.serve.llm's LLMServer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+
+from deployments.config import ModelConfig, PoolConfig
+from deployments.model_source import resolve_model
+from deployments.protocol import EngineRole, EngineStats, GenerateChunk, GenerateRequest
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("splitserve.engine")
+
+
+class EngineSpec(BaseModel):
+    """What one engine replica needs to start: its name, role, model and pool settings."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    role: EngineRole
+    model: ModelConfig
+    pool: PoolConfig
+    accelerator: str
+
+
+class _LatestSchedulerStats:
+    """Holds what the engine's scheduler last reported, for the router to read."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.reported_at = 0.0
+
+    def update(self, scheduler_stats: Any) -> None:
+        self.num_running = scheduler_stats.num_running_reqs
+        self.num_waiting = scheduler_stats.num_waiting_reqs
+        self.kv_cache_usage = scheduler_stats.kv_cache_usage
+        prefix = scheduler_stats.prefix_cache_stats
+        self.prefix_cache_queries += prefix.queries
+        self.prefix_cache_hits += prefix.hits
+        self.reported_at = time.time()
+
+
+def _stat_logger_factory(latest: _LatestSchedulerStats) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SchedulerStatsTap(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                latest.update(scheduler_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SchedulerStatsTap
+
+
+def build_engine_args(spec: EngineSpec) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    model = resolve_model(spec.model)
+    pool = spec.pool
+    known = set(AsyncEngineArgs.__dataclass_fields__)
+    unknown = sorted(set(pool.engine_kwargs) - known)
+    if unknown:
+        raise ValueError(f"engine_kwargs has fields vLLM does not know: {unknown}")
+    kwargs: dict[str, Any] = {
+        "model": model.path,
+        "served_model_name": [model.served_name],
+        "dtype": spec.model.dtype,
+        "max_model_len": spec.model.max_model_len,
+        "enforce_eager": spec.model.enforce_eager,
+        "seed": spec.model.seed,
+        "enable_prefix_caching": spec.model.enable_prefix_caching,
+        "tensor_parallel_size": pool.tensor_parallel_size,
+        "pipeline_parallel_size": pool.pipeline_parallel_size,
+        "disable_log_stats": False,
+    }
+    if pool.ranks_per_replica > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    if spec.model.block_size is not None:
+        kwargs["block_size"] = spec.model.block_size
+    if spec.accelerator == "gpu":
+        kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
+    kwargs.update(pool.engine_kwargs)
+    return AsyncEngineArgs(**kwargs)
+
+
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=5)
+class EngineReplica:
+    """A Serve replica that owns one AsyncLLM and its engine processes."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._spec = EngineSpec.model_validate(spec)
+        self._latest = _LatestSchedulerStats()
+        started = time.perf_counter()
+        self._engine: AsyncLLM = AsyncLLM.from_engine_args(
+            build_engine_args(self._spec),
+            stat_loggers=[_stat_logger_factory(self._latest)],
+        )
+        logger.info(
+            "engine %s (%s) ready in %.1fs",
+            self._spec.name,
+            self._spec.role,
+            time.perf_counter() - started,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from vllm.inputs import TokensPrompt
+
+        params = request.sampling_params
+        if request.kv_transfer_params is not None:
+            params.extra_args = {
+                **(params.extra_args or {}),
+                "kv_transfer_params": request.kv_transfer_params,
+            }
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        # AsyncLLM aborts the request in the engine when this generator is cancelled,
+        # which is what a client disconnect turns into.
+        async for output in self._engine.generate(prompt, params, request.request_id):
+            completion = output.outputs[0]
+            yield GenerateChunk(
+                token_ids=list(completion.token_ids),
+                text=completion.text,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                num_prompt_tokens=len(output.prompt_token_ids or ()),
+                num_cached_tokens=output.num_cached_tokens or 0,
+                kv_transfer_params=output.kv_transfer_params if output.finished else None,
+            )
+
+    def stats(self) -> EngineStats:
+        latest = self._latest
+        return EngineStats(
+            replica=self._spec.name,
+            role=self._spec.role,
+            num_running=latest.num_running,
+            num_waiting=latest.num_waiting,
+            num_unfinished=self._engine.output_processor.get_num_unfinished_requests(),
+            kv_cache_usage=latest.kv_cache_usage,
+            prefix_cache_queries=latest.prefix_cache_queries,
+            prefix_cache_hits=latest.prefix_cache_hits,
+            reported_at=latest.reported_at,
+        )
+
+    def block_size(self) -> int:
+        return self._engine.vllm_config.cache_config.block_size
+
+    async def check_health(self) -> None:
+        # Serve calls this periodically; raising marks the replica unhealthy and restarts it.
+        await self._engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,1 @@
+"""An external OpenAI-compatible load generator: workloads, arrivals, statistics, reports."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible ingress: validation, tokenization, replica choice, stream relay."""

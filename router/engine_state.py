@@ -1,0 +1,54 @@
+"""What each engine replica reports about its load, polled in the background.
+
+The router reads the latest snapshot when it routes; the same numbers are exported
+as gauges so a dashboard (and the tests) see what the router sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from deployments.protocol import EngineStats
+from router.metrics import RouterMetrics
+from router.replicas import Replica
+
+logger = logging.getLogger("splitserve.router")
+
+
+class EngineStatePoller:
+    def __init__(self, replicas: list[Replica], metrics: RouterMetrics, interval_s: float) -> None:
+        self._replicas = replicas
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self.latest: dict[str, EngineStats] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            started = time.perf_counter()
+            await asyncio.gather(*(self._poll(replica) for replica in self._replicas))
+            elapsed = time.perf_counter() - started
+            await asyncio.sleep(max(0.0, self._interval_s - elapsed))
+
+    async def _poll(self, replica: Replica) -> None:
+        try:
+            stats: EngineStats = await asyncio.wait_for(
+                replica.handle.stats.remote(), timeout=max(1.0, 5 * self._interval_s)
+            )
+        except Exception as error:  # a replica that is starting or gone: keep the last view
+            logger.debug("no stats from %s: %s", replica.name, error)
+            return
+        self.latest[replica.name] = stats
+        labels = (replica.name, replica.role)
+        gauges = self._metrics
+        gauges.engine_requests.labels(*labels, "running").set(stats.num_running)
+        gauges.engine_requests.labels(*labels, "waiting").set(stats.num_waiting)
+        gauges.engine_requests.labels(*labels, "unfinished").set(stats.num_unfinished)
+        gauges.engine_kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
+        gauges.engine_stats_age.labels(*labels).set(max(0.0, time.time() - stats.reported_at))

@@ -1,0 +1,247 @@
+"""The OpenAI-compatible ingress deployment (FastAPI inside Ray Serve).
+
+One request: parse and validate (OpenAI error body on bad input), tokenize, choose an
+engine replica, stream its token deltas back as SSE or one JSON body. A client that
+goes away cancels the engine stream, which aborts the request inside vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from ray import serve
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+from deployments.config import AppConfig
+from deployments.model_source import resolve_model
+from deployments.protocol import GenerateRequest
+from router.engine_state import EngineStatePoller
+from router.errors import OpenAIError, bad_request
+from router.metrics import RouterMetrics
+from router.replicas import Replica, make_replica_choice
+from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, parse_request
+from router.responses import SSE_DONE, ResponseWriter, Transcript
+
+logger = logging.getLogger("splitserve.router")
+REQUEST_ID_HEADER = "x-request-id"
+REPLICA_HEADER = "x-splitserve-replica"
+
+app = FastAPI(title="splitserve router")
+
+
+async def _json_body(raw: Request) -> Any:
+    body = await raw.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"malformed JSON in the request body: {error}") from None
+
+
+@serve.deployment(max_ongoing_requests=4096)
+@serve.ingress(app)
+class Router:
+    async def __init__(
+        self, config: dict[str, Any], roles: dict[str, str], engines: dict[str, Any]
+    ) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self._config = AppConfig.model_validate(config)
+        model = resolve_model(self._config.model)
+        self._served_name = model.served_name
+        tokenizer = AutoTokenizer.from_pretrained(model.path)
+        vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
+        self._prompts = PromptBuilder(tokenizer, self._config.model.max_model_len, vocab_size)
+        self._replicas = [Replica(name, roles[name], handle) for name, handle in engines.items()]
+        self._choice = make_replica_choice(self._config.router.replica_choice)
+        self._metrics = RouterMetrics()
+        self._mode = self._config.strategy
+        self._engine_state = EngineStatePoller(
+            self._replicas, self._metrics, self._config.router.stats_interval_s
+        )
+        self._engine_state.start()
+
+    # ---- routes -------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, raw: Request) -> Response:
+        return await self._generate(raw, CompletionRequest, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, raw: Request) -> Response:
+        return await self._generate(raw, ChatCompletionRequest, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        card = ModelCard(
+            id=self._served_name,
+            owned_by="splitserve",
+            max_model_len=self._config.model.max_model_len,
+        )
+        self._metrics.requests.labels("/v1/models", "200").inc()
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        states = await asyncio.gather(*(self._replica_health(r) for r in self._replicas))
+        healthy = all(state == "ok" for state in states)
+        status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
+        body = {
+            "status": "ok" if healthy else "degraded",
+            "replicas": {r.name: state for r, state in zip(self._replicas, states, strict=True)},
+        }
+        return JSONResponse(body, status_code=int(status))
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- one generation request ----------------------------------------------------------
+
+    async def _generate(self, raw: Request, model_cls: type[OpenAIRequest], route: str) -> Response:
+        arrival = time.perf_counter()
+        request_id = raw.headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+        # Serve's proxy echoes x-request-id (or creates one) on every response itself.
+        headers: dict[str, str] = {}
+        try:
+            request = parse_request(model_cls, await _json_body(raw))
+            self._check_model(request.model)
+            prepared = self._prompts.prepare(request)
+        except OpenAIError as error:
+            self._metrics.requests.labels(route, str(int(error.status))).inc()
+            return error.response(headers)
+        replica = self._choice.choose(self._replicas)
+        headers[REPLICA_HEADER] = replica.name
+        engine_request = GenerateRequest(
+            # vLLM needs ids unique among running requests; clients may reuse theirs.
+            request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=prepared.sampling_params,
+        )
+        chat = model_cls is ChatCompletionRequest
+        writer = ResponseWriter(
+            chat=chat,
+            model=self._served_name,
+            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+            return_token_ids=prepared.return_token_ids,
+        )
+        events = self._events(replica, engine_request, prepared, writer, arrival)
+        if prepared.stream:
+            self._metrics.requests.labels(route, "200").inc()
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return await self._collect(events, writer, route, headers)
+
+    async def _collect(
+        self,
+        events: AsyncIterator[Transcript | str],
+        writer: ResponseWriter,
+        route: str,
+        headers: dict[str, str],
+    ) -> Response:
+        transcript: Transcript | None = None
+        try:
+            async for item in events:
+                if isinstance(item, Transcript):
+                    transcript = item
+        except OpenAIError as error:
+            self._metrics.requests.labels(route, str(int(error.status))).inc()
+            return error.response(headers)
+        assert transcript is not None
+        self._metrics.requests.labels(route, "200").inc()
+        return JSONResponse(writer.final_response(transcript), headers=headers)
+
+    async def _events(
+        self,
+        replica: Replica,
+        engine_request: GenerateRequest,
+        prepared: PreparedRequest,
+        writer: ResponseWriter,
+        arrival: float,
+    ) -> AsyncIterator[Any]:
+        """SSE strings when streaming; for non-stream requests, the final Transcript."""
+        transcript = Transcript(prompt_token_ids=prepared.prompt_token_ids)
+        stream = replica.handle.options(stream=True).generate.remote(engine_request)
+        self._track(replica, +1)
+        finished = False
+        last_token_at: float | None = None
+        try:
+            if prepared.stream and (opening := writer.first_event(transcript)):
+                yield opening
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    self._observe_token_timing(arrival, last_token_at, now, prepared.stream)
+                    last_token_at = now
+                first = not transcript.token_ids
+                transcript.add(chunk)
+                if prepared.stream:
+                    yield writer.delta_event(chunk, transcript, first)
+            finished = True
+            self._metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
+            self._metrics.tokens.labels("prompt").inc(len(transcript.prompt_token_ids))
+            self._metrics.tokens.labels("generation").inc(len(transcript.token_ids))
+            if not prepared.stream:
+                yield transcript
+                return
+            if prepared.include_usage:
+                yield writer.usage_event(transcript)
+            yield SSE_DONE
+        except Exception as error:  # the engine failed mid-request
+            finished = True
+            logger.exception("request %s failed on %s", engine_request.request_id, replica.name)
+            failure = OpenAIError(
+                f"the engine replica {replica.name} failed: {type(error).__name__}",
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+            )
+            if not prepared.stream:
+                raise failure from error
+            yield writer.error_event(failure)
+            yield SSE_DONE
+        finally:
+            self._track(replica, -1)
+            if not finished:
+                # The client went away (or the stream was closed early): stop the engine too.
+                stream.cancel()
+
+    def _observe_token_timing(
+        self, arrival: float, last_token_at: float | None, now: float, streamed: bool
+    ) -> None:
+        if not streamed:
+            return
+        if last_token_at is None:
+            self._metrics.ttft.labels(self._mode, "local").observe(now - arrival)
+        else:
+            self._metrics.itl.labels(self._mode).observe(now - last_token_at)
+
+    def _track(self, replica: Replica, delta: int) -> None:
+        replica.in_flight += delta
+        self._metrics.replica_in_flight.labels(replica.name, replica.role).set(replica.in_flight)
+        if delta > 0:
+            self._metrics.replica_requests.labels(replica.name, replica.role).inc()
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._served_name:
+            raise OpenAIError(
+                f"The model '{model}' does not exist; this server serves '{self._served_name}'.",
+                HTTPStatus.NOT_FOUND,
+                "model",
+            )
+
+    async def _replica_health(self, replica: Replica) -> str:
+        timeout = self._config.router.health_check_timeout_s
+        try:
+            await asyncio.wait_for(replica.handle.check_health.remote(), timeout)
+        except Exception as error:
+            return f"unhealthy: {type(error).__name__}"
+        return "ok"
