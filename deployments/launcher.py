@@ -1,0 +1,154 @@
+"""Start and stop a splitserve application exactly as a user does: ``serve run FILE.yaml``.
+
+Used by the demo, the tests and the benchmarks, so they all exercise the real entry
+point. Stopping is graceful first (SIGINT makes ``serve run`` shut the application
+down, which shuts every engine down) and then checked: no vLLM engine process that
+the application started may outlive it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
+ENGINE_PROCESS_MARKERS = ("VLLM::", "EngineCore")
+
+
+class LaunchError(RuntimeError):
+    """The application did not come up, or did not go away cleanly."""
+
+
+@dataclass(frozen=True)
+class RunningApp:
+    base_url: str
+    config_path: Path
+    log_path: Path
+
+
+def config_path(name_or_path: str) -> Path:
+    """``dp`` names ``deployments/dp.yaml``; anything with a slash or suffix is a path."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or len(candidate.parts) > 1:
+        return candidate.resolve()
+    return DEPLOYMENTS_DIR / f"{name_or_path}.yaml"
+
+
+def engine_pids() -> set[int]:
+    """PIDs of vLLM engine-core and worker processes on this machine."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(marker in cmdline for marker in ENGINE_PROCESS_MARKERS):
+            pids.add(int(entry.name))
+    return pids
+
+
+@contextlib.contextmanager
+def serve_run(
+    name_or_path: str,
+    *,
+    ray_address: str | None = None,
+    port: int = 8000,
+    ready_timeout_s: float = 420.0,
+    stop_timeout_s: float = 90.0,
+    log_dir: Path | None = None,
+) -> Iterator[RunningApp]:
+    """Run ``serve run`` for a config until the block ends; wait for every engine to be ready."""
+    path = config_path(name_or_path)
+    if not path.exists():
+        raise LaunchError(f"no such config: {path}")
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="splitserve-"))
+    log_path = log_dir / f"serve-{path.stem}.log"
+    env = dict(os.environ)
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    before = engine_pids()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [_serve_cli(), "run", str(path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(process, base_url, log_path, ready_timeout_s)
+        yield RunningApp(base_url=base_url, config_path=path, log_path=log_path)
+    finally:
+        _stop(process, stop_timeout_s)
+        leftovers = _wait_engines_gone(engine_pids() - before, stop_timeout_s)
+        if leftovers:
+            _kill(leftovers)
+            raise LaunchError(
+                f"engine processes {sorted(leftovers)} outlived {path.name}; killed them"
+            )
+
+
+def _serve_cli() -> str:
+    beside_python = Path(sys.executable).with_name("serve")
+    return str(beside_python) if beside_python.exists() else (shutil.which("serve") or "serve")
+
+
+def _wait_ready(
+    process: subprocess.Popen[bytes], base_url: str, log_path: Path, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise LaunchError(f"serve run exited with {process.returncode}:\n{_tail(log_path)}")
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.get(f"{base_url}/health", timeout=10)
+            if response.status_code == 200:
+                return
+        time.sleep(2)
+    raise LaunchError(f"not ready after {timeout_s:.0f}s:\n{_tail(log_path)}")
+
+
+def _stop(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _wait_engines_gone(pids: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = alive & engine_pids()
+    return alive
+
+
+def _kill(pids: set[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
