@@ -1,0 +1,218 @@
+"""What does our serving stack cost over bare vLLM? (benchmark, not a test)
+
+The same workload (random 512-token prompts, 64 output tokens with ignore_eos, Poisson
+4 req/s, 100 requests), driven by vLLM's own benchmark client, against:
+  (a) the bare vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server),
+  (b) our deployments/single.yaml through the router (serve run),
+  (c) ray.serve.llm's build_openai_app.
+Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON.
+
+    python bench/overhead.py [--only a,b] [--num-prompts 100] [--out results/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from deployments.launcher import REPO_ROOT, engine_pids, serve_run
+from deployments.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
+
+console = Console()
+PORT_BARE = 8100
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+TARGETS = {"b": {"ttft_p50": 1.25, "itl_p50": 1.10}}
+
+
+def run_client(base_url: str, args: argparse.Namespace) -> dict[str, float]:
+    """vLLM's benchmark client, in-process; percentiles over every request's samples."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    client_args = parser.parse_args(
+        [
+            "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+            "--model", EMBEDDED_MODEL_NAME, "--tokenizer", str(embedded_model_path()),
+            "--dataset-name", "random", "--random-input-len", "512",
+            "--random-output-len", "64", "--ignore-eos",
+            "--request-rate", str(args.request_rate), "--num-prompts", str(args.num_prompts),
+            "--seed", "0", "--disable-tqdm",
+        ]
+    )  # fmt: skip
+    result = main(client_args)
+    ttfts = np.array([t for t in result["ttfts"] if t]) * 1000
+    itls = np.array([gap for gaps in result["itls"] for gap in gaps]) * 1000
+    return {
+        "completed": result["completed"],
+        "failed": result.get("failed", 0),
+        "request_throughput": result["request_throughput"],
+        "ttft_p50_ms": float(np.percentile(ttfts, 50)),
+        "ttft_p99_ms": float(np.percentile(ttfts, 99)),
+        "itl_p50_ms": float(np.percentile(itls, 50)),
+        "itl_p99_ms": float(np.percentile(itls, 99)),
+    }
+
+
+@contextlib.contextmanager
+def bare_vllm() -> Iterator[str]:
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(embedded_model_path()), "--served-model-name", EMBEDDED_MODEL_NAME,
+        "--port", str(PORT_BARE), "--enforce-eager", "--max-model-len", "4096",
+    ]  # fmt: skip
+    with _background(command, "bare-vllm") as process:
+        base_url = f"http://127.0.0.1:{PORT_BARE}"
+        _wait_health(process, f"{base_url}/health")
+        yield base_url
+
+
+@contextlib.contextmanager
+def ray_serve_llm() -> Iterator[str]:
+    with _background([sys.executable, __file__, "--serve-ray-llm"], "ray-serve-llm") as process:
+        _wait_health(process, "http://127.0.0.1:8000/v1/models")
+        yield "http://127.0.0.1:8000"
+
+
+def serve_ray_llm_forever() -> None:
+    """Child process of case (c): ray.serve.llm's own OpenAI app on the embedded model."""
+    import ray
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    # LLMServer's placement groups ask for whole CPUs: give Ray more than the 2 cores.
+    ray.init(num_cpus=8, include_dashboard=False)
+    config = LLMConfig(
+        model_loading_config={
+            "model_id": EMBEDDED_MODEL_NAME,
+            "model_source": str(embedded_model_path()),
+        },
+        accelerator_config={"kind": "cpu"},
+        engine_kwargs={"max_model_len": 4096, "enforce_eager": True},
+        runtime_env={"env_vars": ENGINE_ENV},
+        deployment_config={"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
+    )
+    serve.run(build_openai_app({"llm_configs": [config]}), blocking=False)
+    signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    serve.shutdown()
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def _background(command: list[str], name: str) -> Iterator[subprocess.Popen[bytes]]:
+    before = engine_pids()
+    log = Path(tempfile.gettempdir()) / f"splitserve-bench-{name}.log"
+    env = dict(os.environ, **ENGINE_ENV)
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=sink, stderr=sink)
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        deadline = time.monotonic() + 60
+        while engine_pids() - before and time.monotonic() < deadline:
+            time.sleep(1)
+        for pid in engine_pids() - before:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _wait_health(process: subprocess.Popen[bytes], url: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}; see its log")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5).status_code == 200:
+                time.sleep(2)  # let a freshly listening server finish its warm-up
+                return
+        time.sleep(2)
+    raise RuntimeError(f"{url} not ready after {timeout_s}s")
+
+
+CASES = {
+    "a": ("bare vLLM OpenAI server", bare_vllm),
+    "b": ("splitserve single.yaml (router)", lambda: _serve_run_url("single")),
+    "c": ("ray.serve.llm build_openai_app", ray_serve_llm),
+}
+
+
+@contextlib.contextmanager
+def _serve_run_url(name: str) -> Iterator[str]:
+    with serve_run(name) as app:
+        yield app.base_url
+
+
+def print_table(results: dict[str, dict[str, float]]) -> None:
+    table = Table(title="Serving overhead: 512 in / 64 out, Poisson 4 req/s")
+    for column in ("case", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "vs (a)"):
+        table.add_column(column, justify="right" if column != "case" else "left")
+    base = results.get("a")
+    for key, row in results.items():
+        ratio = ""
+        if base and key != "a":
+            ratio = (
+                f"TTFT {row['ttft_p50_ms'] / base['ttft_p50_ms']:.2f}x"
+                f" / ITL {row['itl_p50_ms'] / base['itl_p50_ms']:.2f}x"
+            )
+        table.add_row(
+            f"({key}) {CASES[key][0]}",
+            f"{row['request_throughput']:.2f}",
+            f"{row['ttft_p50_ms']:.1f} ms",
+            f"{row['ttft_p99_ms']:.1f} ms",
+            f"{row['itl_p50_ms']:.2f} ms",
+            f"{row['itl_p99_ms']:.2f} ms",
+            ratio,
+        )
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--only", default="a,b,c", help="cases to run, e.g. a,b")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--request-rate", type=float, default=4.0)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "overhead.json")
+    parser.add_argument("--serve-ray-llm", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_ray_llm:
+        serve_ray_llm_forever()
+        return
+    results: dict[str, dict[str, float]] = {}
+    for key in args.only.split(","):
+        title, server = CASES[key]
+        console.print(f"[bold]({key}) {title}[/]: starting")
+        with server() as base_url:
+            results[key] = run_client(base_url, args)
+        console.print(f"({key}) done: {results[key]}")
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"workload": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
+    )
+    console.print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
