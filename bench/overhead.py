@@ -34,6 +34,7 @@ from deployments.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 
 console = Console()
 PORT_BARE = 8100
+DTYPE = "float32"  # what deployments/single.yaml runs the embedded model in
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 TARGETS = {"b": {"ttft_p50": 1.25, "itl_p50": 1.10}}
 
@@ -52,7 +53,7 @@ def run_client(base_url: str, args: argparse.Namespace) -> dict[str, float]:
             "--dataset-name", "random", "--random-input-len", "512",
             "--random-output-len", "64", "--ignore-eos",
             "--request-rate", str(args.request_rate), "--num-prompts", str(args.num_prompts),
-            "--seed", "0", "--disable-tqdm",
+            "--seed", "0", "--disable-tqdm", "--save-detailed",
         ]
     )  # fmt: skip
     result = main(client_args)
@@ -75,6 +76,7 @@ def bare_vllm() -> Iterator[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(embedded_model_path()), "--served-model-name", EMBEDDED_MODEL_NAME,
         "--port", str(PORT_BARE), "--enforce-eager", "--max-model-len", "4096",
+        "--dtype", DTYPE,
     ]  # fmt: skip
     with _background(command, "bare-vllm") as process:
         base_url = f"http://127.0.0.1:{PORT_BARE}"
@@ -103,7 +105,7 @@ def serve_ray_llm_forever() -> None:
             "model_source": str(embedded_model_path()),
         },
         accelerator_config={"kind": "cpu"},
-        engine_kwargs={"max_model_len": 4096, "enforce_eager": True},
+        engine_kwargs={"max_model_len": 4096, "enforce_eager": True, "dtype": DTYPE},
         runtime_env={"env_vars": ENGINE_ENV},
         deployment_config={"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
     )

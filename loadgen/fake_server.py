@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import json
 import signal
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ MAX_HEADER_BYTES = 64 * 1024
 # Byte-level tokens, like the embedded model's tokenizer: token id = byte value.
 TOKEN_ID_MODULUS = 256
 FIRST_PRINTABLE = 32
+RENDERED_CACHE_SIZE = 4096
 
 
 class FakeServerConfig(BaseModel):
@@ -85,6 +87,13 @@ class _Metrics:
         self.gpu = Gauge(
             "splitserve_gpu_utilization_percent", "Utilization per GPU.", ["gpu"], registry=r
         )
+        # The router labels its latency histograms with its strategy; so does this one.
+        self.served = Counter(
+            "splitserve_e2e_request_latency_seconds_count",
+            "Streamed requests by mode.",
+            ["mode"],
+            registry=r,
+        ).labels(config.mode)
         self.in_flight = 0
         self.gpus = config.gpus
         self.max_model_len = config.max_model_len
@@ -103,7 +112,8 @@ class _ServerState:
     metrics: _Metrics
     generation_requests: int = 0
     kv_tokens: int = 0
-    served: dict[str, int] = field(default_factory=dict)
+    # Zero-latency streams depend only on the request's shape: render each shape once.
+    rendered: dict[tuple[object, ...], bytes] = field(default_factory=dict)
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
@@ -200,6 +210,15 @@ class _Generation:
             usage = json.dumps({"id": "fake", "choices": [], "usage": self.usage()})
             tail = f"data: {usage}\n\n".encode()
         return tail + b"data: [DONE]\n\n"
+
+    def cache_key(self) -> tuple[object, ...]:
+        return (
+            self.chat,
+            self.max_tokens,
+            self.prompt_tokens,
+            self.include_usage,
+            self.return_token_ids,
+        )
 
     def full_body(self) -> dict[str, Any]:
         text = "".join(bytes(c).decode("latin-1") for c in self.token_chunks())
@@ -327,12 +346,19 @@ class _Connection(asyncio.Protocol):
             return None
         state.metrics.requests.labels(route, "200").inc()
         state.metrics.prefill.labels("local", "fake").inc()
+        state.metrics.served.inc()
         if not generation.stream:
             self._write(_json_response(200, generation.full_body()))
             return None
         config = state.config
         if config.ttft_ms == 0 and config.itl_ms == 0:
-            self._write(self._whole_stream(generation))
+            key = generation.cache_key()
+            stream = state.rendered.get(key)
+            if stream is None:
+                if len(state.rendered) >= RENDERED_CACHE_SIZE:
+                    state.rendered.clear()
+                stream = state.rendered[key] = self._whole_stream(generation)
+            self._write(stream)
             return None
         return self._paced_stream(generation)
 
@@ -403,3 +429,48 @@ def run_fake_server(config: FakeServerConfig) -> None:
             await task
 
     run_event_loop(main())
+
+
+@contextlib.contextmanager
+def fake_server_in_thread(config: FakeServerConfig) -> Iterator[str]:
+    """Run the fake server on a background thread's loop; yields its base URL.
+
+    Port 0 picks a free port. For tests and benchmarks inside one process.
+    """
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder: dict[str, Any] = {}
+
+    async def main() -> None:
+        state = _ServerState(config=config, metrics=_Metrics(config))
+        server = await loop.create_server(
+            lambda: _Connection(state), config.host, config.port, reuse_address=True
+        )
+        holder["task"] = asyncio.current_task()
+        holder["port"] = server.sockets[0].getsockname()[1]
+        started.set()
+        async with server:
+            await server.serve_forever()
+
+    thread = threading.Thread(
+        target=lambda: _run_until_cancelled(loop, main()), name="fake-server", daemon=True
+    )
+    thread.start()
+    if not started.wait(10):
+        raise RuntimeError("the fake server did not start")
+    try:
+        yield f"http://{config.host}:{holder['port']}"
+    finally:
+        loop.call_soon_threadsafe(holder["task"].cancel)
+        thread.join(10)
+
+
+def _run_until_cancelled(loop: asyncio.AbstractEventLoop, coroutine: Any) -> None:
+    asyncio.set_event_loop(loop)
+    with contextlib.suppress(asyncio.CancelledError):
+        loop.run_until_complete(coroutine)
+    pending = asyncio.all_tasks(loop)  # streams still being paced out
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()

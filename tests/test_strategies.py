@@ -244,3 +244,15 @@ def test_disconnect_aborts_request_in_engine(app: RunningApp) -> None:
     assert _wait_for(lambda: _engine_requests(app.base_url, "unfinished") == 0, 20), (
         "the engine still holds the request after the client went away"
     )
+
+
+def test_request_id_is_echoed_or_created(app: RunningApp) -> None:
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 1}
+    given = httpx.post(
+        f"{app.base_url}/v1/completions", json=body, headers={"x-request-id": "trace-42"}
+    )
+    assert given.headers["x-request-id"] == "trace-42"
+    assert given.json()["id"].endswith("trace-42")
+    created = httpx.post(f"{app.base_url}/v1/completions", json=body)
+    assert created.headers["x-request-id"]
+    assert created.headers.get_list("x-request-id") == [created.headers["x-request-id"]]

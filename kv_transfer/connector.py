@@ -1,0 +1,174 @@
+"""ObjectStoreConnector: vLLM's KV connector interface over Ray's object store.
+
+vLLM builds one instance in the EngineCore (role SCHEDULER) and one in every worker
+rank (role WORKER); this class only routes each call to the half that owns it
+(``scheduler_side.TransferScheduler``, ``worker_side.TransferWorker``). Select it with
+``kv_transfer.kv_transfer_config(role)``.
+
+Granularity (measured with bench/kv_transfer.py, 2,048 tokens in the Llama-3.2-1B
+layout = 64 MiB, two Ray actors on this 2-core machine, 1 GiB object store, medians):
+one object per request per rank holding every layer: put 12.1 ms, get+write 12.9 ms;
+the same through a staging buffer: put 67 ms (a fresh 64 MiB buffer per request pays
+its page faults); one object per layer: put 23.3 ms, get+write 15.4 ms (16 puts and 16
+gets of fixed cost). A numpy copy of 64 MiB took 9.2 ms. Hence one object per request
+per rank, packed as views of the cache pages so that ``ray.put`` makes the only copy.
+Per-layer objects would only pay off with layer-wise pipelining of the load, which the
+CPU backend does not overlap with compute anyway.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kv_transfer.directory import disconnect_ray
+from kv_transfer.handle import layout_fingerprint
+from kv_transfer.orders import TransferOrders
+from kv_transfer.scheduler_side import TransferScheduler
+from kv_transfer.settings import ConnectorSettings
+from kv_transfer.worker_side import TransferWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class ObjectStoreConnector(KVConnectorBase_V1):
+    """Moves one request's KV blocks from a prefill engine to a decode engine via Ray."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _check_supported(vllm_config, kv_cache_config)
+        settings = ConnectorSettings.from_vllm_config(vllm_config)
+        self._scheduler: TransferScheduler | None = None
+        self._worker: TransferWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            transfer_config = self._kv_transfer_config
+            self._scheduler = TransferScheduler(
+                engine_id=str(transfer_config.engine_id),
+                layout=layout_fingerprint(vllm_config),
+                settings=settings,
+                is_producer=transfer_config.is_kv_producer,
+                is_consumer=transfer_config.is_kv_consumer,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = TransferWorker(
+                rank=get_tensor_model_parallel_rank(),
+                block_size=vllm_config.cache_config.block_size,
+                settings=settings,
+            )
+
+    # ---- scheduler side -------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler_half.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_half.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_half.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler_half.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_half.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_half.request_finished(request)
+
+    # ---- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_half.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_half.start_loads(self._orders().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete between steps, before the request is scheduled
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # one put per request after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker_half.save(self._orders().saves)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker_half.transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_half.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        disconnect_ray()
+
+    # ---- helpers --------------------------------------------------------------------
+
+    @property
+    def _scheduler_half(self) -> TransferScheduler:
+        assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
+        return self._scheduler
+
+    @property
+    def _worker_half(self) -> TransferWorker:
+        assert self._worker is not None, "worker-side call on a scheduler-side connector"
+        return self._worker
+
+    def _orders(self) -> TransferOrders:
+        orders = self._get_connector_metadata()
+        assert isinstance(orders, TransferOrders)
+        return orders
+
+
+def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise NotImplementedError("ObjectStoreConnector supports TP, not pipeline parallelism")
+    if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+        raise NotImplementedError("ObjectStoreConnector does not support context parallelism")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        raise NotImplementedError(
+            "ObjectStoreConnector supports models with one full-attention KV cache group, "
+            f"this one has {[type(group.kv_cache_spec).__name__ for group in groups]}"
+        )

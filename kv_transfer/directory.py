@@ -1,0 +1,273 @@
+"""The directory: one Ray actor per namespace that knows every KV transfer in flight.
+
+Ownership. Ray 2.56 removed ``ray.put(..., _owner=...)``, so an object is owned by the
+process that puts it: the prefill engine's worker rank. That worker registers the
+``ObjectRef`` here (the directory becomes a borrower) and drops its own reference, so
+the directory alone decides how long the object lives; Ray frees it when the directory
+and any decode worker reading it have let go. The price: an object dies with its
+producer process. A decode engine then finds the transfer lost and recomputes the
+prompt itself, which is also the behaviour we want when a prefill replica is gone.
+
+Lifetime. A transfer is closed, and its references dropped, when every part is loaded
+(``loaded``), when ``ttl_s`` passes without that (``expired``; a claim restarts the
+clock, so a slow load is not cut off), when a consumer reports it unusable (``failed``)
+or when someone gives it up (``released``). The directory also aggregates the transfer
+metrics (see ``kv_transfer.metrics``).
+
+Engine processes are vLLM's multiprocessing children, not Ray workers; they join the
+cluster as drivers through ``connect_ray`` (``RAY_ADDRESS``, which vLLM sets when its
+engine is started from a Ray actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from kv_transfer.handle import PARAMS_KEY
+from kv_transfer.metrics import Outcome, TransferStats
+from kv_transfer.settings import DEFAULT_NAMESPACE
+
+logger = logging.getLogger("splitserve.kv_transfer")
+
+DIRECTORY_NAME = "splitserve-kv-directory"
+SWEEP_INTERVAL_S = 0.5
+# Closed transfer ids are remembered so that a late claim learns why, not just "unknown".
+CLOSED_MEMORY = 10_000
+
+_connect_lock = threading.Lock()
+_directories: dict[str, Any] = {}
+_connected_here = False  # whether this process joined Ray through connect_ray
+
+
+def connect_ray(namespace: str = DEFAULT_NAMESPACE) -> None:
+    """Join the Ray cluster once per process; a process already in Ray keeps its connection."""
+    global _connected_here
+    with _connect_lock:
+        if ray.is_initialized():
+            return
+        address = os.environ.get("RAY_ADDRESS") or "auto"
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        # ray.init replaces the SIGTERM handler (and the excepthook); vLLM's engine
+        # processes shut down through their own handler, so keep it.
+        sigterm_handler = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+        excepthook = sys.excepthook
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
+            _connected_here = True
+        except ConnectionError as error:
+            raise RuntimeError(
+                f"the KV connector found no Ray cluster at {address!r}; engine processes "
+                "join the cluster of RAY_ADDRESS (set it, or start the engine in a Ray actor)"
+            ) from error
+        finally:
+            if sigterm_handler is not None:
+                signal.signal(signal.SIGTERM, sigterm_handler)
+            sys.excepthook = excepthook
+
+
+def disconnect_ray() -> None:
+    """Leave the cluster if connect_ray joined it, while vLLM tears the process down.
+
+    vLLM gives an engine process a few seconds to exit after SIGTERM; disconnecting
+    here keeps Ray's own exit hook from spending them.
+    """
+    global _connected_here
+    with _connect_lock:
+        if _connected_here:
+            _directories.clear()
+            ray.shutdown()
+            _connected_here = False
+
+
+def get_kv_directory(namespace: str = DEFAULT_NAMESPACE) -> Any:
+    """The directory actor of ``namespace``, created on first use; it outlives its creator."""
+    directory = _directories.get(namespace)
+    if directory is None:
+        connect_ray(namespace)
+        directory = KVObjectDirectory.options(
+            name=DIRECTORY_NAME,
+            namespace=namespace,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+        ).remote()
+        _directories[namespace] = directory
+    return directory
+
+
+def release_handle(kv_transfer_params: dict[str, Any]) -> Any:
+    """Free a transfer that will never be loaded (client gone between prefill and decode).
+
+    Returns the ObjectRef of the call; awaiting it is optional.
+    """
+    fields = kv_transfer_params[PARAMS_KEY]
+    directory = get_kv_directory(fields["namespace"])
+    return directory.release.remote(fields["transfer_id"])
+
+
+def shutdown_kv_directory(namespace: str = DEFAULT_NAMESPACE) -> None:
+    """Kill the directory (it is detached); every transfer it holds is freed."""
+    directory = _directories.pop(namespace, None)
+    if directory is None:
+        try:
+            directory = ray.get_actor(DIRECTORY_NAME, namespace=namespace)
+        except ValueError:
+            return
+    ray.kill(directory)
+
+
+@dataclass
+class _Part:
+    """One producer rank's object."""
+
+    ref: ray.ObjectRef | None
+    nbytes: int
+    layout: dict[str, Any]
+
+
+@dataclass
+class _Transfer:
+    num_parts: int
+    ttl_s: float
+    deadline: float
+    parts: dict[int, _Part] = field(default_factory=dict)
+    loaded_ranks: set[int] = field(default_factory=set)
+    part_registered: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def live_bytes(self) -> int:
+        return sum(part.nbytes for part in self.parts.values() if part.ref is not None)
+
+
+@ray.remote
+class KVObjectDirectory:
+    """Maps transfer id → the object refs of its parts; frees them after use or TTL."""
+
+    def __init__(self) -> None:
+        self._transfers: dict[str, _Transfer] = {}
+        self._closed: OrderedDict[str, Outcome] = OrderedDict()
+        self._stats = TransferStats()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def register(
+        self,
+        transfer_id: str,
+        rank: int,
+        num_parts: int,
+        refs: list[ray.ObjectRef],
+        nbytes: int,
+        layout: dict[str, Any],
+        put_seconds: float,
+        ttl_s: float,
+    ) -> bool:
+        """A producer rank's part is in the object store; False if the transfer is closed."""
+        self._ensure_sweeper()
+        self._stats.observe("put", put_seconds, nbytes)
+        if transfer_id in self._closed:
+            return False  # released before it was registered: let the object go at once
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            transfer = _Transfer(num_parts, ttl_s, time.monotonic() + ttl_s)
+            self._transfers[transfer_id] = transfer
+        # A list keeps the ref a ref: Ray resolves top-level ObjectRef arguments.
+        transfer.parts[rank] = _Part(refs[0], nbytes, layout)
+        transfer.part_registered.set()
+        transfer.part_registered = asyncio.Event()
+        return True
+
+    async def claim(self, transfer_id: str, rank: int, wait_s: float) -> dict[str, Any]:
+        """Hand a consumer rank its part: {"status": "ok", "refs": [ref], ...} or why not."""
+        self._ensure_sweeper()
+        deadline = time.monotonic() + wait_s
+        while True:
+            if transfer_id in self._closed:
+                return {"status": self._closed[transfer_id]}
+            transfer = self._transfers.get(transfer_id)
+            part = transfer.parts.get(rank) if transfer is not None else None
+            if part is not None and transfer is not None:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return {"status": "unknown"}
+            if transfer is None:
+                await asyncio.sleep(min(remaining, 0.05))
+            else:
+                await _wait(transfer.part_registered, remaining)
+        if part.ref is None:
+            return {"status": "loaded"}
+        # The load is under way: give it a full TTL, so only abandoned loads expire.
+        transfer.deadline = max(transfer.deadline, time.monotonic() + transfer.ttl_s)
+        return {"status": "ok", "refs": [part.ref], "nbytes": part.nbytes, "layout": part.layout}
+
+    async def confirm_loaded(
+        self, transfer_id: str, rank: int, seconds: float, nbytes: int
+    ) -> None:
+        self._stats.observe("get", seconds, nbytes)
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            return
+        part = transfer.parts.get(rank)
+        if part is not None:
+            part.ref = None  # this rank's copy is in its KV cache; free the object now
+        transfer.loaded_ranks.add(rank)
+        if len(transfer.loaded_ranks) >= transfer.num_parts:
+            self._close(transfer_id, "loaded")
+
+    async def fail(self, transfer_id: str, reason: str) -> None:
+        logger.warning("KV transfer %s failed: %s", transfer_id, reason)
+        self._close(transfer_id, "failed")
+
+    async def release(self, transfer_id: str) -> None:
+        self._close(transfer_id, "released")
+
+    async def metrics_snapshot(self) -> dict[str, Any]:
+        live_bytes = sum(transfer.live_bytes() for transfer in self._transfers.values())
+        return self._stats.snapshot(len(self._transfers), live_bytes)
+
+    async def live_object_ids(self) -> list[str]:
+        """Hex ids of the objects the directory still holds (for tests and debugging)."""
+        return [
+            part.ref.hex()
+            for transfer in self._transfers.values()
+            for part in transfer.parts.values()
+            if part.ref is not None
+        ]
+
+    def _close(self, transfer_id: str, outcome: Outcome) -> None:
+        if transfer_id in self._closed:
+            return
+        transfer = self._transfers.pop(transfer_id, None)
+        self._closed[transfer_id] = outcome
+        if len(self._closed) > CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+        if transfer is not None:  # never registered (the put failed): nothing to count
+            self._stats.count_outcome(outcome)
+            transfer.part_registered.set()
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now = time.monotonic()
+            expired = [tid for tid, transfer in self._transfers.items() if transfer.deadline < now]
+            for transfer_id in expired:
+                self._close(transfer_id, "expired")
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout_s)

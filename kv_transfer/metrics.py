@@ -1,0 +1,139 @@
+"""Transfer metrics: their names (defined only here), the aggregate, and a Prometheus view.
+
+Transfers happen in vLLM engine processes, which nobody scrapes. Each put and each load
+is therefore reported to the directory actor, which aggregates plain numbers in a
+``TransferStats``; ``KVObjectDirectory.metrics_snapshot()`` returns them, and the router
+turns a snapshot into Prometheus metrics with ``KVTransferCollector``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+BYTES_TOTAL = "splitserve_kv_transfer_bytes_total"
+SECONDS = "splitserve_kv_transfer_seconds"
+TRANSFERS_TOTAL = "splitserve_kv_transfers_total"
+LIVE_TRANSFERS = "splitserve_kv_transfer_live_transfers"
+LIVE_BYTES = "splitserve_kv_transfer_live_bytes"
+
+Operation = Literal["put", "get"]
+OPERATIONS: tuple[Operation, ...] = ("put", "get")
+# loaded: every part written into a decode engine's cache; expired: TTL passed first;
+# failed: layout mismatch, lost object or load error; released: freed unused (the
+# decode side had every block in its prefix cache, the router or an abort gave it up).
+Outcome = Literal["loaded", "expired", "failed", "released"]
+OUTCOMES: tuple[Outcome, ...] = ("loaded", "expired", "failed", "released")
+# One part of a 2k-token prompt is tens of MiB; puts and gets take 1 ms to 1 s.
+SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+
+
+class _Histogram:
+    """Cumulative-bucket histogram in plain numbers, as Prometheus exposes it."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self._upper_bounds = buckets
+        self._counts = [0] * (len(buckets) + 1)  # last slot: above every bound (+Inf)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._upper_bounds, value)] += 1
+        self._sum += value
+
+    def snapshot(self) -> dict[str, Any]:
+        cumulative, running = [], 0
+        for bound, count in zip((*self._upper_bounds, float("inf")), self._counts, strict=True):
+            running += count
+            cumulative.append((bound, running))
+        return {"buckets": cumulative, "sum": self._sum, "count": running}
+
+
+class TransferStats:
+    """What the directory counts: bytes and seconds per operation, transfers by outcome."""
+
+    def __init__(self) -> None:
+        self._bytes = dict.fromkeys(OPERATIONS, 0)
+        self._seconds = {op: _Histogram(SECONDS_BUCKETS) for op in OPERATIONS}
+        self._outcomes = dict.fromkeys(OUTCOMES, 0)
+
+    def observe(self, op: Operation, seconds: float, nbytes: int) -> None:
+        self._bytes[op] += nbytes
+        self._seconds[op].observe(seconds)
+
+    def count_outcome(self, outcome: Outcome) -> None:
+        self._outcomes[outcome] += 1
+
+    def snapshot(self, live_transfers: int, live_bytes: int) -> dict[str, Any]:
+        return {
+            "bytes_total": dict(self._bytes),
+            "seconds": {op: hist.snapshot() for op, hist in self._seconds.items()},
+            "transfers_total": dict(self._outcomes),
+            "live_transfers": live_transfers,
+            "live_bytes": live_bytes,
+        }
+
+
+class KVTransferCollector:
+    """A prometheus-client collector that renders the latest directory snapshot.
+
+    ``snapshot_source`` returns the last ``metrics_snapshot()`` (or None before the
+    first one); fetch it from the directory outside the scrape, e.g. in the router's
+    polling loop, so a scrape never waits on Ray.
+    """
+
+    def __init__(self, snapshot_source: Callable[[], dict[str, Any] | None]) -> None:
+        self._snapshot_source = snapshot_source
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        snapshot = self._snapshot_source()
+        if snapshot is None:
+            return
+        nbytes = CounterMetricFamily(
+            BYTES_TOTAL, "KV bytes moved through Ray's object store", labels=["op"]
+        )
+        for op, value in snapshot["bytes_total"].items():
+            nbytes.add_metric([op], value)
+        yield nbytes
+        seconds = HistogramMetricFamily(
+            SECONDS, "Time of one KV put (prefill) or get+write (decode)", labels=["op"]
+        )
+        for op, hist in snapshot["seconds"].items():
+            buckets = [(_bound_label(bound), count) for bound, count in hist["buckets"]]
+            seconds.add_metric([op], buckets, sum_value=hist["sum"])
+        yield seconds
+        outcomes = CounterMetricFamily(
+            TRANSFERS_TOTAL, "KV transfers by how they ended", labels=["outcome"]
+        )
+        for outcome, value in snapshot["transfers_total"].items():
+            outcomes.add_metric([outcome], value)
+        yield outcomes
+        yield GaugeMetricFamily(
+            LIVE_TRANSFERS, "KV transfers held in the object store", snapshot["live_transfers"]
+        )
+        yield GaugeMetricFamily(
+            LIVE_BYTES, "Bytes of KV held in the object store", snapshot["live_bytes"]
+        )
+
+
+def _bound_label(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)

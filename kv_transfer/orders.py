@@ -1,0 +1,34 @@
+"""What the scheduler half tells the worker half to do in one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class SaveOrder:
+    """Prefill side: this step completes the prompt; put these blocks (every layer)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_parts: int
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOrder:
+    """Decode side: write transferred blocks ``first_source_block...`` into ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    first_source_block: int
+    block_ids: list[int]
+
+
+@dataclass
+class TransferOrders(KVConnectorMetadata):
+    saves: list[SaveOrder] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)

@@ -1,0 +1,146 @@
+"""The connector's worker half, in each vLLM worker rank (one process per TP rank).
+
+Save (prefill): in ``wait_for_save``, after the forward pass that wrote the prompt's
+KV, each rank puts its own shard of the request's blocks, one object holding every
+layer, and registers it with the directory before the step returns.
+
+Load (decode): ``start_load_kv`` hands each LoadOrder to a thread that claims the part
+from the directory, checks its page layout against ours, gets it (zero copy from the
+local object store), writes the pages and confirms; the scheduler hears about it
+through ``transfer_results`` on a later step. A failed load reports its blocks as load
+errors, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kv_transfer.directory import get_kv_directory
+from kv_transfer.orders import LoadOrder, SaveOrder
+from kv_transfer.paged_cache import PagedKVCache
+from kv_transfer.settings import ConnectorSettings
+
+logger = logging.getLogger("vllm.splitserve.kv_transfer")
+
+# Two loads in flight overlap one's directory round trip with the other's copy.
+LOADER_THREADS = 2
+
+
+class TransferLostError(RuntimeError):
+    """The directory has no usable part for this transfer (expired, released, failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LoadResult:
+    request_id: str
+    failed_block_ids: tuple[int, ...]
+
+
+class TransferWorker:
+    def __init__(self, rank: int, block_size: int, settings: ConnectorSettings) -> None:
+        self._rank = rank
+        self._block_size = block_size
+        self._settings = settings
+        self._cache: PagedKVCache | None = None
+        self._directory: Any = None
+        self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-load")
+        self._finished_loads: queue.SimpleQueue[_LoadResult] = queue.SimpleQueue()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._cache = PagedKVCache(kv_caches, self._block_size)
+        # Join Ray now, at engine start-up, rather than inside the first request.
+        self._directory = get_kv_directory(self._settings.namespace)
+
+    # ---- prefill ------------------------------------------------------------------
+
+    def save(self, orders: Iterable[SaveOrder]) -> None:
+        for order in orders:
+            try:
+                self._save(order)
+            except Exception:
+                # The decode side will find no part, report the load failed and recompute.
+                logger.exception("KV transfer %s: put failed", order.transfer_id)
+
+    def _save(self, order: SaveOrder) -> None:
+        assert self._cache is not None
+        started = time.perf_counter()
+        ref = ray.put(self._cache.pack(order.block_ids))  # copies the pages: they may be freed
+        seconds = time.perf_counter() - started
+        nbytes = len(order.block_ids) * self._cache.page_bytes * self._cache.num_layers
+        # Registered before the step ends, so the handle is valid once the client has t1.
+        # After that the directory's borrowed reference alone keeps the object alive.
+        ray.get(
+            self._directory.register.remote(
+                order.transfer_id,
+                self._rank,
+                order.num_parts,
+                [ref],
+                nbytes,
+                self._cache.layout,
+                seconds,
+                order.ttl_s,
+            )
+        )
+
+    # ---- decode -------------------------------------------------------------------
+
+    def start_loads(self, orders: Iterable[LoadOrder]) -> None:
+        for order in orders:
+            self._loader.submit(self._load_and_report, order)
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        """Loads finished since the last call; failed blocks go to ``take_load_errors``."""
+        finished: set[str] = set()
+        while True:
+            try:
+                result = self._finished_loads.get_nowait()
+            except queue.Empty:
+                break
+            finished.add(result.request_id)
+            self._load_errors.update(result.failed_block_ids)
+        return KVConnectorTransferResults(finished_recving=finished)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+    def _load_and_report(self, order: LoadOrder) -> None:
+        failed: tuple[int, ...] = ()
+        try:
+            self._load(order)
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}"
+            logger.warning("KV transfer %s not loaded (%s); recomputing", order.transfer_id, reason)
+            self._directory.fail.remote(order.transfer_id, reason)
+            failed = tuple(order.block_ids)
+        self._finished_loads.put(_LoadResult(order.request_id, failed))
+
+    def _load(self, order: LoadOrder) -> None:
+        assert self._cache is not None
+        started = time.perf_counter()
+        claim = ray.get(
+            self._directory.claim.remote(order.transfer_id, self._rank, self._settings.claim_wait_s)
+        )
+        if claim["status"] != "ok":
+            raise TransferLostError(f"transfer is {claim['status']}")
+        if claim["layout"] != self._cache.layout:
+            raise ValueError(f"part layout {claim['layout']} != ours {self._cache.layout}")
+        packed = ray.get(claim["refs"][0], timeout=self._settings.ttl_s)
+        nbytes = self._cache.unpack(packed, order.first_source_block, order.block_ids)
+        del packed, claim  # drop our views of the object before the directory frees it
+        seconds = time.perf_counter() - started
+        self._directory.confirm_loaded.remote(order.transfer_id, self._rank, seconds, nbytes)

@@ -1,0 +1,130 @@
+"""When each request is sent: offsets in seconds from the start of a run.
+
+Every process returns the whole schedule up front, so a run with the same seed sends
+at the same offsets, and the dispatcher only has to sleep until the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class ArrivalProcess(Protocol):
+    """Something that can lay out ``n`` send times (seconds, non-decreasing, first at 0)."""
+
+    def schedule(self, n: int) -> list[float]: ...
+
+    @property
+    def label(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class PoissonArrivals:
+    """Independent exponential gaps with mean ``1 / rate``: the study's QPS 1, 2, 4, 8."""
+
+    rate: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"a Poisson rate must be positive and finite, not {self.rate}")
+
+    def schedule(self, n: int) -> list[float]:
+        rng = np.random.default_rng(self.seed)
+        gaps = rng.exponential(1.0 / self.rate, size=max(n - 1, 0))
+        return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+    @property
+    def label(self) -> str:
+        return f"{self.rate:g}"
+
+
+@dataclass(frozen=True)
+class ConstantArrivals:
+    """Evenly spaced sends; useful to measure the client's own send lag."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        if not (self.rate > 0 and math.isfinite(self.rate)):
+            raise ValueError(f"a constant rate must be positive and finite, not {self.rate}")
+
+    def schedule(self, n: int) -> list[float]:
+        return [index / self.rate for index in range(n)]
+
+    @property
+    def label(self) -> str:
+        return f"{self.rate:g}"
+
+
+@dataclass(frozen=True)
+class GammaArrivals:
+    """Gamma-distributed gaps: ``shape`` < 1 is burstier than Poisson (BurstGPT's fit)."""
+
+    rate: float
+    shape: float
+    seed: int = 0
+
+    def schedule(self, n: int) -> list[float]:
+        rng = np.random.default_rng(self.seed)
+        gaps = rng.gamma(self.shape, 1.0 / (self.rate * self.shape), size=max(n - 1, 0))
+        return [0.0, *np.cumsum(gaps).tolist()][:n]
+
+    @property
+    def label(self) -> str:
+        return f"gamma{self.rate:g}"
+
+
+@dataclass(frozen=True)
+class UnlimitedArrivals:
+    """QPS ``inf``: everything is due at once; ``--max-concurrency`` is the only brake."""
+
+    def schedule(self, n: int) -> list[float]:
+        return [0.0] * n
+
+    @property
+    def label(self) -> str:
+        return "inf"
+
+
+@dataclass(frozen=True)
+class TraceReplayArrivals:
+    """A trace's own inter-arrival times, multiplied by ``time_scale`` (0.5: twice as fast)."""
+
+    timestamps: Sequence[float]
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.time_scale > 0:
+            raise ValueError(f"--time-scale must be positive, not {self.time_scale}")
+
+    def schedule(self, n: int) -> list[float]:
+        if n > len(self.timestamps):
+            raise ValueError(f"the trace window has {len(self.timestamps)} arrivals, not {n}")
+        start = self.timestamps[0] if n else 0.0
+        return [(t - start) * self.time_scale for t in self.timestamps[:n]]
+
+    @property
+    def label(self) -> str:
+        return "replay"
+
+
+def make_arrivals(qps: float, process: str, seed: int) -> ArrivalProcess:
+    """The study's rates: a finite QPS is a Poisson (or constant) process, inf unlimited."""
+    if math.isinf(qps):
+        return UnlimitedArrivals()
+    if process == "constant":
+        return ConstantArrivals(qps)
+    if process == "poisson":
+        return PoissonArrivals(qps, seed)
+    raise ValueError(f"unknown arrival process {process!r}; use 'poisson' or 'constant'")
+
+
+def format_qps(qps: float) -> str:
+    """The label a rate has in tables, files and metrics: '1', '0.5', 'inf'."""
+    return "inf" if math.isinf(qps) else f"{qps:g}"

@@ -1,0 +1,543 @@
+"""``python -m loadgen``: run, sweep, demo, fake-server, trace-stats."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import resource
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from loadgen.burstgpt import (
+    STUDY_MEANS,
+    TraceUnavailableError,
+    default_cache_dir,
+    subset_means,
+)
+from loadgen.config import (
+    DEFAULT_BASE_URL,
+    DEFAULT_WARMUP_REQUESTS,
+    STUDY_REQUESTS_PER_CELL,
+    WORKLOAD_NAMES,
+    RunConfig,
+    WorkloadConfig,
+)
+from loadgen.demo import DEMO_CONFIG, DEMO_RATE, DEMO_REQUESTS, DemoOptions, run_demo
+from loadgen.eventloop import run_event_loop
+from loadgen.exposition import Exposition
+from loadgen.fake_server import FakeServerConfig, run_fake_server
+from loadgen.launcher import LaunchError
+from loadgen.report import (
+    plot_run,
+    print_run_table,
+    print_trace_stats,
+    summary_row,
+    write_run_json,
+    write_summary_csv,
+)
+from loadgen.runner import RunError, RunResult, execute_run
+from loadgen.sweep import (
+    SMOKE_QPS,
+    SMOKE_REQUESTS,
+    SMOKE_WARMUP_REQUESTS,
+    SMOKE_WORKLOADS,
+    STUDY_MODES,
+    STUDY_QPS,
+    STUDY_WORKLOADS,
+    SweepConfig,
+    run_sweep,
+)
+from loadgen.workloads import load_trace
+
+SUBCOMMANDS = ("run", "sweep", "demo", "fake-server", "trace-stats")
+RESULTS_ROOT = Path("results/loadgen")
+
+RUN_EXAMPLES = """examples:
+  # the study's general workload at QPS 1,2,4,8,inf, 200 requests each, against serve run
+  python -m loadgen --workload general --qps 1,2,4,8,inf
+  # custom lengths with a +-20%% spread, Poisson 4 req/s, goodput under SLOs
+  python -m loadgen --input-len 512 --output-len 64 --spread 0.2 --qps 4 \\
+      --slo-ttft-ms 200 --slo-tpot-ms 20
+  # BurstGPT: the long-prompt subset at QPS 8; the trace's own arrivals, 10x faster
+  python -m loadgen --trace burstgpt --trace-file BurstGPT_1.csv --workload T-prefill-heavy --qps 8
+  python -m loadgen --trace burstgpt --workload T-burst-replay --time-scale 0.1
+  # offline: the BurstGPT-shaped generator (labelled synthetic)
+  python -m loadgen --trace burstgpt-synthetic --workload T-general --qps 8
+  # live metrics for Prometheus/Grafana while it runs; chat endpoint
+  python -m loadgen --metrics-port 9400 --endpoint chat --qps inf --max-concurrency 16
+
+other commands: sweep (the study's matrix), demo (pd.yaml + a BurstGPT-shaped run),
+fake-server (a zero-latency streaming server), trace-stats (BurstGPT subset means).
+Run `python -m loadgen COMMAND --help` for each."""
+
+SWEEP_EXAMPLES = """examples:
+  # the study's whole matrix: starts and stops serve run deployments/<mode>.yaml per mode
+  python -m loadgen sweep --modes tp,pp,dp,pd --qps 1,2,4,8,inf --trace-file BurstGPT_1.csv
+  # a few minutes on a laptop: 10 requests a cell, QPS 4 and inf, synthetic trace
+  python -m loadgen sweep --smoke --modes dp,tp
+  # servers that are already up
+  python -m loadgen sweep --urls tp=http://10.0.0.5:8000,dp=http://10.0.0.6:8000"""
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [math.inf if part.strip() == "inf" else float(part) for part in text.split(",")]
+    except ValueError:
+        message = f"expected numbers or inf, comma-separated: {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def _name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _url_map(text: str) -> dict[str, str]:
+    pairs = {}
+    for part in _name_list(text):
+        mode, _, url = part.partition("=")
+        if not url:
+            raise argparse.ArgumentTypeError(f"expected MODE=URL, got {part!r}")
+        pairs[mode] = url
+    return pairs
+
+
+def _add_target_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("target")
+    group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the OpenAI-compatible server")
+    group.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions: exact token-id prompts; chat: calibrated text",
+    )
+    group.add_argument("--model", help="default: the first model of GET /v1/models")
+    group.add_argument("--max-model-len", type=int, help="default: from GET /v1/models")
+    group.add_argument(
+        "--mode", help="label of the serving mode (tp, pp, dp, pd); default: the router's"
+    )
+
+
+def _add_workload_options(parser: argparse.ArgumentParser, single: bool = True) -> None:
+    group = parser.add_argument_group("workload")
+    if single:
+        group.add_argument(
+            "--workload",
+            choices=WORKLOAD_NAMES,
+            help="default: general, or T-burst-replay with --trace",
+        )
+        group.add_argument("--input-len", type=int, help="custom workload: prompt tokens")
+        group.add_argument("--output-len", type=int, help="custom workload: output tokens")
+        group.add_argument(
+            "--spread",
+            type=float,
+            default=0.0,
+            help="custom workload: lengths uniform in L*(1 +- spread)",
+        )
+    group.add_argument(
+        "--trace",
+        choices=("burstgpt", "burstgpt-synthetic"),
+        help="source of the T-* workloads (default burstgpt: the real CSV)",
+    )
+    group.add_argument(
+        "--trace-file", type=Path, help="the BurstGPT CSV (else cache, else download)"
+    )
+    group.add_argument(
+        "--trace-cache-dir",
+        type=Path,
+        default=None,
+        help=f"where the downloaded CSV is kept (default {default_cache_dir()})",
+    )
+    group.add_argument(
+        "--trace-model", type=_name_list, help="keep these models, e.g. ChatGPT,GPT-4"
+    )
+    group.add_argument(
+        "--trace-log-type", type=_name_list, help="keep these log types, e.g. 'Conversation log'"
+    )
+    group.add_argument("--trace-start", type=int, default=0, help="T-burst-replay: first row")
+    group.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="T-burst-replay: multiply the trace's gaps (0.1 = ten times faster)",
+    )
+
+
+def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None:
+    group = parser.add_argument_group("load")
+    group.add_argument(
+        "--qps",
+        type=_float_list,
+        default=_float_list(qps_default),
+        help=f"request rates, comma-separated; inf = unlimited (default {qps_default})",
+    )
+    group.add_argument(
+        "--arrivals",
+        choices=("poisson", "constant"),
+        default="poisson",
+        help="process of a finite QPS",
+    )
+    group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    group.add_argument(
+        "--num-requests",
+        type=int,
+        default=STUDY_REQUESTS_PER_CELL,
+        help="measured requests per run (the study: 200)",
+    )
+    group.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=DEFAULT_WARMUP_REQUESTS,
+        help="sent before each run, left out of the figures",
+    )
+    group.add_argument("--seed", type=int, default=0, help="same seed, same requests and schedule")
+    group.add_argument("--timeout", type=float, default=1800.0, help="seconds per request, total")
+    group.add_argument("--read-timeout", type=float, default=300.0, help="seconds between bytes")
+    group.add_argument("--connect-timeout", type=float, default=10.0)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="do not ask for vLLM's return_token_ids (count one token per chunk)",
+    )
+
+
+def _add_report_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("figures and reports")
+    group.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT target")
+    group.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT target")
+    group.add_argument("--metrics-port", type=int, help="expose live Prometheus metrics here")
+    group.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port")
+    group.add_argument(
+        "--prometheus-url", help="also read GPU utilization/KV usage from Prometheus"
+    )
+    group.add_argument(
+        "--no-server-metrics", action="store_true", help="do not scrape the server's /metrics"
+    )
+    group.add_argument(
+        "--server-sample-interval",
+        type=float,
+        default=0.5,
+        help="seconds between /metrics samples during a run",
+    )
+    group.add_argument("--out", type=Path, help="output folder (default results/loadgen/<time>)")
+    group.add_argument("--run-name", help="name of the run's files (one QPS only)")
+    group.add_argument("--no-progress", action="store_true", help="no live progress display")
+    group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    group.add_argument("-v", "--verbose", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen",
+        description="Load an OpenAI-compatible endpoint with the study's workloads or the"
+        " BurstGPT trace at set rates; report TTFT, ITL, E2E, throughput and goodput.",
+        epilog=RUN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_target_options(parser)
+    _add_workload_options(parser)
+    _add_load_options(parser, "inf")
+    _add_report_options(parser)
+    return parser
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen sweep",
+        description="The study's matrix: modes x workloads x QPS; starts and stops each"
+        " Serve application (serve run deployments/<mode>.yaml) unless given --urls.",
+        epilog=SWEEP_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    matrix = parser.add_argument_group("matrix")
+    matrix.add_argument("--modes", type=_name_list, default=list(STUDY_MODES))
+    matrix.add_argument(
+        "--workloads", type=_name_list, help=f"default: {','.join(STUDY_WORKLOADS)}"
+    )
+    matrix.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"{SMOKE_REQUESTS} requests a cell, QPS 4,inf, synthetic trace",
+    )
+    matrix.add_argument("--urls", type=_url_map, default={}, help="MODE=URL,...: do not launch")
+    matrix.add_argument(
+        "--launch-command",
+        help="instead of serve run: a command template with {mode} {config} {port}",
+    )
+    matrix.add_argument("--deployments-dir", type=Path, help="where <mode>.yaml files are")
+    matrix.add_argument("--port", type=int, default=8000, help="port of launched servers")
+    matrix.add_argument("--ready-timeout", type=float, default=600.0)
+    matrix.add_argument("--stop-timeout", type=float, default=120.0)
+    matrix.add_argument("--figure-qps", type=float, default=8.0, help="QPS of Figure 1's bars")
+    _add_target_options(parser)
+    _add_workload_options(parser, single=False)
+    _add_load_options(parser, ",".join("inf" if math.isinf(q) else f"{q:g}" for q in STUDY_QPS))
+    _add_report_options(parser)
+    return parser
+
+
+def build_demo_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen demo",
+        description="Start deployments/<config>.yaml, replay a BurstGPT-shaped trace on it,"
+        " print the table and the plots' path, stop it.",
+    )
+    parser.add_argument("--config", default=DEMO_CONFIG, help="a name under deployments/")
+    parser.add_argument("--num-requests", type=int, default=DEMO_REQUESTS)
+    parser.add_argument("--rate", type=float, default=DEMO_RATE, help="mean requests/s")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--out", type=Path, default=RESULTS_ROOT / "demo")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def build_fake_server_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen fake-server",
+        description="A tiny OpenAI-compatible streaming server (zero latency by default).",
+    )
+    defaults = FakeServerConfig()
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--itl-ms", type=float, default=0.0)
+    parser.add_argument("--tokens-per-chunk", type=int, default=1)
+    parser.add_argument("--reject-every", type=int, default=0, help="503 every Nth request")
+    parser.add_argument("--reject-status", type=int, default=503, choices=(429, 503))
+    parser.add_argument("--mode", default=defaults.mode)
+    return parser
+
+
+def build_trace_stats_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen trace-stats",
+        description="Rows and mean lengths of the BurstGPT subsets, next to the study's Table 2.",
+    )
+    _add_workload_options(parser, single=False)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    return parser
+
+
+# ---- building configs ---------------------------------------------------------------------
+
+
+def workload_config(args: argparse.Namespace, name: str | None) -> WorkloadConfig:
+    if name is None:
+        if getattr(args, "input_len", None) or getattr(args, "output_len", None):
+            name = "custom"
+        else:
+            name = "T-burst-replay" if args.trace else "general"
+    return WorkloadConfig(
+        name=name,
+        input_len=getattr(args, "input_len", None),
+        output_len=getattr(args, "output_len", None),
+        spread=getattr(args, "spread", 0.0),
+        trace=args.trace or "burstgpt",
+        trace_file=args.trace_file,
+        trace_cache_dir=args.trace_cache_dir,
+        trace_models=args.trace_model,
+        trace_log_types=args.trace_log_type,
+        trace_start=args.trace_start,
+        time_scale=args.time_scale,
+    )
+
+
+def run_config(args: argparse.Namespace, workload: WorkloadConfig, qps: float) -> RunConfig:
+    return RunConfig(
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        workload=workload,
+        qps=qps,
+        arrival_process=args.arrivals,
+        max_concurrency=args.max_concurrency,
+        num_requests=args.num_requests,
+        warmup_requests=args.warmup_requests,
+        seed=args.seed,
+        connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout,
+        request_timeout_s=args.timeout,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        mode=args.mode,
+        run_name=getattr(args, "run_name", None),
+        prometheus_url=args.prometheus_url,
+        server_metrics=not args.no_server_metrics,
+        server_sample_interval_s=args.server_sample_interval,
+        temperature=args.temperature,
+        return_token_ids=not args.no_token_ids,
+        show_progress=not args.no_progress,
+    )
+
+
+def _exposition(args: argparse.Namespace, console: Console) -> Exposition | None:
+    if args.metrics_port is None:
+        return None
+    exposition = Exposition()
+    exposition.serve(args.metrics_port, args.metrics_host)
+    console.print(f"live metrics on http://{args.metrics_host}:{args.metrics_port}/metrics")
+    return exposition
+
+
+def _out_dir(args: argparse.Namespace, kind: str) -> Path:
+    if args.out is not None:
+        return args.out
+    return RESULTS_ROOT / f"{kind}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def raise_open_file_limit() -> None:
+    """Each connection is a file descriptor; the default soft limit of 1024 is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# ---- commands -----------------------------------------------------------------------------
+
+
+def command_run(argv: list[str], console: Console) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    if args.run_name and len(args.qps) > 1:
+        raise ValueError("--run-name names one run; give one --qps value with it")
+    workload = workload_config(args, args.workload)
+    configs = [run_config(args, workload, qps) for qps in args.qps]
+    if workload.is_replay and len(configs) > 1:
+        configs = configs[:1]  # the replay follows the trace's clock, not a QPS
+    out = _out_dir(args, "run")
+    exposition = _exposition(args, console)
+
+    async def all_runs() -> list[RunResult]:
+        return [await execute_run(config, console, exposition) for config in configs]
+
+    results = run_event_loop(all_runs())
+    print_run_table(console, results)
+    for result in results:
+        console.print(f"records: {write_run_json(result, out)}")
+        if not args.no_plots:
+            console.print(f"plot: {plot_run(result, out / f'{result.run_id}.png')}")
+    console.print(
+        f"summary: {write_summary_csv([summary_row(r) for r in results], out / 'summary.csv')}"
+    )
+    return 0
+
+
+def command_sweep(argv: list[str], console: Console) -> int:
+    args = build_sweep_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    explicit = set(argv)
+    workloads = args.workloads or list(SMOKE_WORKLOADS if args.smoke else STUDY_WORKLOADS)
+    qps = args.qps
+    if args.smoke:
+        qps = qps if "--qps" in explicit else list(SMOKE_QPS)
+        if "--num-requests" not in explicit:
+            args.num_requests = SMOKE_REQUESTS
+        if "--warmup-requests" not in explicit:
+            args.warmup_requests = SMOKE_WARMUP_REQUESTS
+        if args.trace is None and args.trace_file is None:
+            args.trace = "burstgpt-synthetic"
+    modes = args.modes if "--modes" in explicit or not args.urls else list(args.urls)
+    sweep_fields: dict[str, object] = {
+        "modes": modes,
+        "workloads": workloads,
+        "qps": qps,
+        "urls": args.urls,
+        "launch_command": args.launch_command,
+        "port": args.port,
+        "ready_timeout_s": args.ready_timeout,
+        "stop_timeout_s": args.stop_timeout,
+        "figure_qps": args.figure_qps,
+        "out_dir": _out_dir(args, "sweep"),
+        "plots_per_run": not args.no_plots,
+    }
+    if args.deployments_dir is not None:
+        sweep_fields["deployments_dir"] = args.deployments_dir
+    sweep = SweepConfig.model_validate(sweep_fields)
+    base = run_config(args, workload_config(args, workloads[0]), qps[0])
+    exposition = _exposition(args, console)
+    result = run_event_loop(run_sweep(sweep, base, console, exposition))
+    for name, path in result.outputs.items():
+        console.print(f"{name}: {path}")
+    for mode, error in result.failures.items():
+        console.print(f"[red]not measured: {mode}[/] ({error.splitlines()[0]})")
+    return 1 if result.failures and not result.rows else 0
+
+
+def command_demo(argv: list[str], console: Console) -> int:
+    args = build_demo_parser().parse_args(argv)
+    _configure_logging(False)
+    options = DemoOptions(args.config, args.num_requests, args.rate, args.port, args.out, args.seed)
+    run_demo(options, console)
+    return 0
+
+
+def command_fake_server(argv: list[str], console: Console) -> int:
+    args = build_fake_server_parser().parse_args(argv)
+    run_fake_server(
+        FakeServerConfig(
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            max_model_len=args.max_model_len,
+            ttft_ms=args.ttft_ms,
+            itl_ms=args.itl_ms,
+            tokens_per_chunk=args.tokens_per_chunk,
+            reject_every=args.reject_every,
+            reject_status=args.reject_status,
+            mode=args.mode,
+        )
+    )
+    return 0
+
+
+def command_trace_stats(argv: list[str], console: Console) -> int:
+    args = build_trace_stats_parser().parse_args(argv)
+    _configure_logging(False)
+    workload = workload_config(args, "T-general")
+    trace = load_trace(workload)
+    means = subset_means(trace, args.max_model_len)
+    print_trace_stats(console, trace.source, len(trace), means, STUDY_MEANS)
+    return 0
+
+
+COMMANDS = {
+    "run": command_run,
+    "sweep": command_sweep,
+    "demo": command_demo,
+    "fake-server": command_fake_server,
+    "trace-stats": command_trace_stats,
+}
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console = Console()
+    command = "run"
+    if argv and argv[0] in SUBCOMMANDS:
+        command = argv.pop(0)
+    raise_open_file_limit()
+    try:
+        return COMMANDS[command](argv, console)
+    except (RunError, LaunchError, TraceUnavailableError, ValueError, ValidationError) as error:
+        console.print(f"[red]error:[/] {error}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130

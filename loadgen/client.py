@@ -1,0 +1,210 @@
+"""The streaming OpenAI client: one httpx connection pool, one timestamp per network read.
+
+A request's JSON body and httpx ``Request`` are built before the run starts, so the
+send path does no encoding. While a response streams, the client only stores each
+read with ``time.perf_counter()``; turning reads into tokens (``loadgen.sse``) happens
+once the stream has ended, off the timing-critical path.
+
+Outcomes: ``ok`` (200 and a complete stream), ``rejected`` (503 or 429, the QoS
+layer's answer, never a latency sample), ``error`` (any other status, a timeout, a
+broken connection or an error event in the stream), counted by status or kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from loadgen.sse import read_stream
+from loadgen.transport import make_transport
+
+Endpoint = Literal["completions", "chat"]
+Outcome = Literal["pending", "ok", "rejected", "error"]
+REJECTION_STATUSES = frozenset({429, 503})
+ENDPOINT_PATHS: dict[str, str] = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}
+ERROR_BODY_LIMIT = 2000
+JSON_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    """Seconds. ``read`` bounds each wait for the next bytes; ``total`` the whole request."""
+
+    connect: float = 10.0
+    read: float = 300.0
+    total: float = 1800.0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Everything the client saw of one request; absolute times are ``perf_counter``."""
+
+    index: int
+    input_len: int
+    output_len: int
+    warmup: bool = False
+    scheduled_at: float = math.nan
+    sent_at: float = math.nan
+    done_at: float = math.nan
+    status: int | None = None
+    outcome: Outcome = "pending"
+    error: str | None = None
+    retry_after_s: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    @property
+    def status_key(self) -> str:
+        """How an unsuccessful request is counted: its HTTP status or the failure's kind."""
+        if self.status is not None and self.status != 200:
+            return str(self.status)
+        return (self.error or "unknown").split(":", 1)[0]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    return_token_ids: bool = True
+
+
+def build_payload(
+    endpoint: Endpoint,
+    model: str,
+    prompt: list[int] | str,
+    max_tokens: int,
+    sampling: SamplingOptions,
+) -> bytes:
+    """The request body: streaming, usage at the end, fixed output length."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if sampling.ignore_eos:
+        body["ignore_eos"] = True
+    if sampling.return_token_ids:
+        body["return_token_ids"] = True
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+class StreamingClient:
+    """httpx ``AsyncClient`` whose pool holds ``max_connections`` keep-alive connections."""
+
+    def __init__(
+        self,
+        base_url: str,
+        endpoint: Endpoint,
+        max_connections: int,
+        timeouts: ClientTimeouts | None = None,
+    ) -> None:
+        self._timeouts = timeouts or ClientTimeouts()
+        self._url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            transport=make_transport(base_url, max_connections),
+            timeout=httpx.Timeout(
+                self._timeouts.read,
+                connect=self._timeouts.connect,
+                pool=self._timeouts.total,
+            ),
+        )
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The underlying client, for the few plain GETs (models, metrics)."""
+        return self._http
+
+    def prepare(self, payload: bytes) -> httpx.Request:
+        return self._http.build_request("POST", self._url, content=payload, headers=JSON_HEADERS)
+
+    async def send(self, request: httpx.Request, record: RequestRecord) -> None:
+        """Send, stream, classify; never raises for what a server or network can do."""
+        record.sent_at = time.perf_counter()
+        reads: list[tuple[float, bytes]] = []
+        try:
+            async with asyncio.timeout(self._timeouts.total):
+                await self._stream(request, record, reads)
+        except TimeoutError:
+            _fail(record, "Timeout: no complete answer within the total timeout")
+        except httpx.TimeoutException as error:
+            _fail(record, f"{type(error).__name__}: {error}")
+        except (httpx.HTTPError, OSError) as error:
+            _fail(record, f"{type(error).__name__}: {error}")
+        record.done_at = time.perf_counter()
+        if record.outcome == "pending" or reads:
+            _finish_stream(record, reads)
+
+    async def _stream(
+        self, request: httpx.Request, record: RequestRecord, reads: list[tuple[float, bytes]]
+    ) -> None:
+        response = await self._http.send(request, stream=True)
+        try:
+            record.status = response.status_code
+            if response.status_code != 200:
+                await _classify_refusal(response, record)
+                return
+            append = reads.append
+            clock = time.perf_counter
+            async for data in response.aiter_raw():
+                append((clock(), data))
+        finally:
+            await response.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _fail(record: RequestRecord, error: str) -> None:
+    record.outcome = "error"
+    record.error = error
+
+
+async def _classify_refusal(response: httpx.Response, record: RequestRecord) -> None:
+    body = (await response.aread())[:ERROR_BODY_LIMIT].decode(errors="replace")
+    if response.status_code in REJECTION_STATUSES:
+        record.outcome = "rejected"
+        record.retry_after_s = _retry_after(response.headers.get("retry-after"))
+    else:
+        record.outcome = "error"
+    record.error = f"HTTP {response.status_code}: {body}"
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: rare, and not needed for the figures
+
+
+def _finish_stream(record: RequestRecord, reads: list[tuple[float, bytes]]) -> None:
+    reading = read_stream(reads)
+    record.chunk_times = reading.chunk_times
+    record.chunk_tokens = reading.chunk_tokens
+    record.prompt_tokens = reading.prompt_tokens
+    record.completion_tokens = reading.completion_tokens
+    if record.outcome != "pending":
+        return
+    if reading.error is not None:
+        _fail(record, f"StreamError: {reading.error}")
+    elif not reading.chunk_tokens:
+        _fail(record, "EmptyStream: the stream ended without a token")
+    else:
+        record.outcome = "ok"

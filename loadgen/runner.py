@@ -1,0 +1,389 @@
+"""One run end to end: discover the model, plan the requests, warm up, send on
+schedule, collect every request's record and the server's view.
+
+The send path is kept short on purpose: bodies and httpx requests are built before
+the first send, the dispatcher only sleeps until the next scheduled time and starts
+a task, and results are turned into figures when each request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import httpx
+from rich.console import Console
+
+from loadgen.arrivals import (
+    ArrivalProcess,
+    TraceReplayArrivals,
+    format_qps,
+    make_arrivals,
+)
+from loadgen.client import (
+    ClientTimeouts,
+    RequestRecord,
+    SamplingOptions,
+    StreamingClient,
+    build_payload,
+)
+from loadgen.config import RunConfig
+from loadgen.exposition import Exposition, RunMetrics
+from loadgen.progress import RunProgress
+from loadgen.server_view import ServerView, ServerViewRecorder, discover_mode, parse_metrics
+from loadgen.stats import (
+    RequestMetrics,
+    RunSummary,
+    ServiceLevel,
+    request_metrics,
+    run_duration,
+    summarize_run,
+)
+from loadgen.workloads import (
+    TextCalibration,
+    TextPrompts,
+    TokenPrompts,
+    WorkloadPlan,
+    arrival_seed,
+    plan_workload,
+)
+
+logger = logging.getLogger("loadgen.runner")
+
+DEFAULT_CONTEXT_TOKENS = 4096
+MAX_POOL_CONNECTIONS = 1024
+WARMUP_CONCURRENCY = 4
+START_LEAD_S = 0.02  # the schedule starts a moment after the dispatcher does
+SPIN_BELOW_S = 0.002  # the last stretch before a send is spent yielding, not sleeping
+LIVE_TICK_S = 0.25
+CHAT_PROBE_CHARS = (64, 512)
+CONTROL_TIMEOUT_S = 10.0
+
+
+class RunError(RuntimeError):
+    """The run could not start: unreachable server, unusable workload."""
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    config: RunConfig
+    mode: str
+    model: str
+    max_model_len: int
+    workload: WorkloadPlan
+    qps_label: str
+    arrivals: str
+    started_at: str
+    summary: RunSummary
+    server: ServerView
+    requests: list[RequestMetrics]
+    chat_calibration: TextCalibration | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    model: str
+    max_model_len: int
+
+
+async def discover_endpoint(http: httpx.AsyncClient, config: RunConfig) -> Endpoint:
+    """The served model and its context, from ``GET /v1/models`` unless given."""
+    try:
+        response = await http.get(f"{config.base_url}/v1/models", timeout=CONTROL_TIMEOUT_S)
+        response.raise_for_status()
+        cards = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as error:
+        raise RunError(f"cannot list models at {config.base_url}/v1/models: {error}") from error
+    if not cards and config.model is None:
+        raise RunError(f"{config.base_url}/v1/models lists no model; pass --model")
+    card = next((c for c in cards if c.get("id") == config.model), cards[0] if cards else {})
+    model = config.model or card["id"]
+    max_model_len = config.max_model_len or card.get("max_model_len")
+    if not max_model_len:
+        logger.warning("the server does not say its context; assuming %d", DEFAULT_CONTEXT_TOKENS)
+        max_model_len = DEFAULT_CONTEXT_TOKENS
+    return Endpoint(model, int(max_model_len))
+
+
+def pool_size(config: RunConfig) -> int:
+    """Connections the client may open: the concurrency the run can reach."""
+    if config.max_concurrency is not None:
+        return max(config.max_concurrency, WARMUP_CONCURRENCY)
+    return max(min(config.num_requests, MAX_POOL_CONNECTIONS), WARMUP_CONCURRENCY)
+
+
+def run_identifier(config: RunConfig, mode: str) -> str:
+    name = config.run_name or f"{mode}-{config.workload.label}-qps{format_qps(config.qps)}"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+
+
+def arrival_process(config: RunConfig, plan: WorkloadPlan) -> ArrivalProcess:
+    if plan.trace_arrivals is not None:
+        return TraceReplayArrivals(plan.trace_arrivals, config.workload.time_scale)
+    return make_arrivals(config.qps, config.arrival_process, arrival_seed(config.seed))
+
+
+class Dispatcher:
+    """Sends prepared requests at their scheduled times, at most ``max_concurrency`` at once."""
+
+    def __init__(
+        self,
+        client: StreamingClient,
+        max_concurrency: int | None,
+        on_sent: Callable[[], None],
+        on_done: Callable[[RequestRecord], None],
+    ) -> None:
+        self._client = client
+        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self._on_sent = on_sent
+        self._on_done = on_done
+
+    async def run(
+        self,
+        items: list[tuple[RequestRecord, httpx.Request]],
+        schedule: list[float],
+        start: float,
+    ) -> None:
+        """Send item i at ``start + schedule[i]`` (``perf_counter`` seconds)."""
+        tasks: set[asyncio.Task[None]] = set()
+        for (record, request), offset in zip(items, schedule, strict=True):
+            await _sleep_until(start + offset)
+            if self._slots is not None:
+                await self._slots.acquire()
+            record.scheduled_at = start + offset
+            task = asyncio.create_task(self._send(record, request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+
+    async def _send(self, record: RequestRecord, request: httpx.Request) -> None:
+        self._on_sent()
+        try:
+            await self._client.send(request, record)
+        finally:
+            if self._slots is not None:
+                self._slots.release()
+        self._on_done(record)
+
+
+async def _sleep_until(deadline: float) -> None:
+    """Timers have millisecond granularity (uvloop rounds): sleep, then yield to the end."""
+    while (delay := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(delay if delay > SPIN_BELOW_S else 0)
+
+
+class Run:
+    """State of one run while it executes."""
+
+    def __init__(self, config: RunConfig, console: Console, exposition: Exposition | None) -> None:
+        self.config = config
+        self.console = console
+        self.exposition = exposition
+        self.client = StreamingClient(
+            config.base_url,
+            config.endpoint,
+            pool_size(config),
+            ClientTimeouts(
+                config.connect_timeout_s, config.read_timeout_s, config.request_timeout_s
+            ),
+        )
+        self.control = httpx.AsyncClient(timeout=CONTROL_TIMEOUT_S)
+        self.sampling = SamplingOptions(
+            temperature=config.temperature, return_token_ids=config.return_token_ids
+        )
+        self.notes: list[str] = []
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await self.control.aclose()
+
+    async def execute(self) -> RunResult:
+        config = self.config
+        endpoint = await discover_endpoint(self.control, config)
+        plan = plan_workload(
+            config.workload,
+            config.num_requests,
+            config.warmup_requests,
+            config.seed,
+            endpoint.max_model_len,
+        )
+        calibration = await self._chat_calibration(endpoint.model)
+        prompts = self._prompt_source(calibration)
+        warmups = self._prepare(plan.warmup_shapes, endpoint.model, prompts, warmup=True)
+        items = self._prepare(plan.shapes, endpoint.model, prompts, warmup=False)
+        arrivals = arrival_process(config, plan)
+        schedule = arrivals.schedule(len(items))
+        warmup_metrics = await self._warm_up(warmups)
+        recorder = ServerViewRecorder(
+            self.control,
+            f"{config.base_url}/metrics",
+            config.server_sample_interval_s,
+            config.prometheus_url,
+        )
+        mode = config.mode or await self._discover_mode(recorder) or "unknown"
+        run_id = run_identifier(config, mode)
+        started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        live = (
+            self.exposition.for_run(run_id, mode, plan.label, config.qps)
+            if self.exposition
+            else None
+        )
+        if config.server_metrics:
+            await recorder.start()
+        metrics = await self._send_all(
+            items, schedule, live, f"{mode} {plan.label} {arrivals.label}"
+        )
+        if config.server_metrics:
+            await recorder.stop()
+            server = await recorder.view()
+        else:
+            server = ServerView(notes=["server metrics were not scraped (--no-server-metrics)"])
+        service_level = ServiceLevel(
+            None if config.slo_ttft_ms is None else config.slo_ttft_ms / 1000,
+            None if config.slo_tpot_ms is None else config.slo_tpot_ms / 1000,
+        )
+        summary = summarize_run(metrics, run_duration(metrics), service_level)
+        return RunResult(
+            run_id=run_id,
+            config=config,
+            mode=mode,
+            model=endpoint.model,
+            max_model_len=endpoint.max_model_len,
+            workload=plan,
+            qps_label=arrivals.label if plan.trace_arrivals is not None else format_qps(config.qps),
+            arrivals=type(arrivals).__name__,
+            started_at=started_at,
+            summary=summary,
+            server=server,
+            requests=warmup_metrics + metrics,
+            chat_calibration=calibration,
+            notes=self.notes,
+        )
+
+    # ---- preparation -----------------------------------------------------------------------
+
+    async def _chat_calibration(self, model: str) -> TextCalibration | None:
+        """Chat prompts are text: measure how the server counts our text, template included."""
+        if self.config.endpoint != "chat":
+            return None
+        text = TextPrompts(self.config.seed)
+        probes = []
+        for chars in CHAT_PROBE_CHARS:
+            record = RequestRecord(index=-1, input_len=chars, output_len=1, warmup=True)
+            payload = build_payload("chat", model, text.text(chars), 1, self.sampling)
+            await self.client.send(self.client.prepare(payload), record)
+            if record.prompt_tokens is None:
+                self.notes.append("chat prompts uncalibrated: the server reports no usage")
+                return TextCalibration()
+            probes.append((chars, record.prompt_tokens))
+        return TextCalibration.from_probes(probes[0], probes[1])
+
+    def _prompt_source(self, calibration: TextCalibration | None) -> TokenPrompts | TextPrompts:
+        if self.config.endpoint == "chat":
+            return TextPrompts(self.config.seed, calibration)
+        return TokenPrompts(self.config.seed)
+
+    def _prepare(
+        self, shapes: list, model: str, prompts: TokenPrompts | TextPrompts, warmup: bool
+    ) -> list[tuple[RequestRecord, httpx.Request]]:
+        items = []
+        for index, shape in enumerate(shapes):
+            payload = build_payload(
+                self.config.endpoint,
+                model,
+                prompts.prompt(shape.input_len),
+                shape.output_len,
+                self.sampling,
+            )
+            record = RequestRecord(
+                index=index, input_len=shape.input_len, output_len=shape.output_len, warmup=warmup
+            )
+            items.append((record, self.client.prepare(payload)))
+        return items
+
+    async def _discover_mode(self, recorder: ServerViewRecorder) -> str | None:
+        text = await recorder.scrape_text()
+        with contextlib.suppress(ValueError):
+            return discover_mode(parse_metrics(text)) if text else None
+        return None
+
+    # ---- sending -------------------------------------------------------------------------
+
+    async def _warm_up(
+        self, items: list[tuple[RequestRecord, httpx.Request]]
+    ) -> list[RequestMetrics]:
+        if not items:
+            return []
+        slots = asyncio.Semaphore(WARMUP_CONCURRENCY)
+        start = time.perf_counter()
+
+        async def one(record: RequestRecord, request: httpx.Request) -> None:
+            async with slots:
+                record.scheduled_at = time.perf_counter()
+                await self.client.send(request, record)
+
+        await asyncio.gather(*(one(record, request) for record, request in items))
+        failed = sum(record.outcome != "ok" for record, _ in items)
+        if failed:
+            self.notes.append(f"{failed} of {len(items)} warm-up requests failed")
+        return [request_metrics(record, start) for record, _ in items]
+
+    async def _send_all(
+        self,
+        items: list[tuple[RequestRecord, httpx.Request]],
+        schedule: list[float],
+        live: RunMetrics | None,
+        title: str,
+    ) -> list[RequestMetrics]:
+        done: list[RequestMetrics] = []
+        progress = RunProgress(title, len(items), self.console, self.config.show_progress)
+
+        def on_sent() -> None:
+            progress.request_sent()
+            if live is not None:
+                live.request_sent(progress.sent, progress.in_flight)
+
+        def on_done(record: RequestRecord) -> None:
+            metrics = request_metrics(record, run_start)
+            done.append(metrics)
+            progress.request_done(metrics.outcome, metrics.ttft_s)
+            if live is not None:
+                live.request_done(metrics, progress.in_flight)
+
+        dispatcher = Dispatcher(self.client, self.config.max_concurrency, on_sent, on_done)
+        run_start = time.perf_counter() + START_LEAD_S
+        with progress:
+            ticker = asyncio.create_task(_tick(progress, live))
+            try:
+                await dispatcher.run(items, schedule, run_start)
+            finally:
+                ticker.cancel()
+        return sorted(done, key=lambda m: m.index)
+
+
+async def _tick(progress: RunProgress, live: RunMetrics | None) -> None:
+    while True:
+        await asyncio.sleep(LIVE_TICK_S)
+        progress.refresh()
+        if live is not None and (p50 := progress.live_ttft_p50()) is not None:
+            live.live_ttft_p50(p50)
+
+
+async def execute_run(
+    config: RunConfig, console: Console, exposition: Exposition | None = None
+) -> RunResult:
+    """Run one configuration and return every request's record and the summary."""
+    run = Run(config, console, exposition)
+    try:
+        return await run.execute()
+    finally:
+        await run.close()

@@ -1,0 +1,253 @@
+"""What each request asks for: prompt and output lengths, and the prompts themselves.
+
+Synthetic workloads (the study's Table 2): ``general`` 1024→128, ``prefill-heavy``
+2048→32, ``decode-heavy`` 128→512, or ``custom`` lengths with an optional spread.
+Trace workloads: the BurstGPT subsets of ``loadgen.burstgpt``, from the real file or
+its BurstGPT-shaped stand-in.
+
+Prompts: on ``/v1/completions`` a prompt is a list of random token ids (0-255 by
+default: bytes on a byte-level tokenizer, ordinary tokens on BPE ones), so its length
+is exact by construction. On ``/v1/chat/completions`` it is random text sized by a
+calibration against the server's own count (``usage.prompt_tokens``), including the
+chat template's overhead; every request's reported count is kept to check it.
+
+Every random draw comes from ``--seed`` through independent streams, so the lengths
+do not change when, say, the warm-up count does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loadgen.burstgpt import (
+    BurstGPTShapedGenerator,
+    BurstGPTTrace,
+    filter_trace,
+    read_trace_csv,
+    replay_window,
+    resolve_trace_file,
+    trace_subset,
+)
+from loadgen.config import CUSTOM_WORKLOAD, SYNTHETIC_WORKLOADS, WorkloadConfig
+
+PROMPT_TOKEN_LOW = 0
+PROMPT_TOKEN_HIGH = 256  # exclusive: the byte range
+TEXT_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+WORD_LENGTH = 6  # a space every few letters keeps BPE tokenizers near one token per word piece
+SYNTHETIC_TRACE_SEED = 0  # the stand-in trace is a fixed data set; --seed picks rows from it
+# Independent random streams derived from --seed, by purpose.
+LENGTHS_STREAM, WARMUP_STREAM, TOKENS_STREAM, TEXT_STREAM, ARRIVALS_STREAM = range(5)
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    input_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    """The requests of one run, in sending order, plus the warm-up ones."""
+
+    name: str
+    label: str
+    shapes: list[RequestShape]
+    warmup_shapes: list[RequestShape]
+    source: str
+    synthetic_trace: bool = False
+    trace_arrivals: list[float] | None = None  # T-burst-replay: the trace's own seconds
+
+    def mean_lengths(self) -> tuple[float, float]:
+        if not self.shapes:
+            return (0.0, 0.0)
+        return (
+            float(np.mean([s.input_len for s in self.shapes])),
+            float(np.mean([s.output_len for s in self.shapes])),
+        )
+
+
+def seed_stream(seed: int, stream: int) -> np.random.Generator:
+    """The ``stream``-th independent generator derived from ``seed``."""
+    return np.random.default_rng(np.random.SeedSequence(seed).spawn(stream + 1)[stream])
+
+
+def arrival_seed(seed: int) -> int:
+    """An integer seed for the arrival process, independent of the length draws."""
+    return int(seed_stream(seed, ARRIVALS_STREAM).integers(2**63 - 1))
+
+
+def plan_workload(
+    config: WorkloadConfig,
+    num_requests: int,
+    warmup_requests: int,
+    seed: int,
+    max_model_len: int,
+) -> WorkloadPlan:
+    """Lengths for every request of a run (and its warm-up), reproducible from ``seed``."""
+    main_rng, warmup_rng = seed_stream(seed, LENGTHS_STREAM), seed_stream(seed, WARMUP_STREAM)
+    if config.is_trace:
+        return _trace_plan(
+            config, num_requests, warmup_requests, main_rng, warmup_rng, max_model_len
+        )
+    input_len, output_len = (
+        (config.input_len, config.output_len)
+        if config.name == CUSTOM_WORKLOAD
+        else SYNTHETIC_WORKLOADS[config.name]
+    )
+    assert input_len is not None and output_len is not None
+    if input_len + output_len > max_model_len:
+        raise ValueError(
+            f"{config.label}: {input_len} + {output_len} tokens exceed the server's"
+            f" context of {max_model_len}"
+        )
+    spread = config.spread
+    return WorkloadPlan(
+        name=config.name,
+        label=config.label,
+        shapes=_synthetic_shapes(main_rng, num_requests, input_len, output_len, spread),
+        warmup_shapes=_synthetic_shapes(warmup_rng, warmup_requests, input_len, output_len, spread),
+        source="synthetic",
+    )
+
+
+def _synthetic_shapes(
+    rng: np.random.Generator, count: int, input_len: int, output_len: int, spread: float
+) -> list[RequestShape]:
+    inputs = _spread_lengths(rng, count, input_len, spread)
+    outputs = _spread_lengths(rng, count, output_len, spread)
+    return [RequestShape(int(i), int(o)) for i, o in zip(inputs, outputs, strict=True)]
+
+
+def _spread_lengths(rng: np.random.Generator, count: int, length: int, spread: float) -> np.ndarray:
+    if spread == 0:
+        return np.full(count, length, dtype=np.int64)
+    low = max(1, round(length * (1 - spread)))
+    high = max(low, round(length * (1 + spread)))
+    return rng.integers(low, high + 1, size=count)
+
+
+# ---- trace workloads ---------------------------------------------------------------------
+
+
+def load_trace(config: WorkloadConfig) -> BurstGPTTrace:
+    """The filtered trace a config names: real (file, cache, download) or BurstGPT-shaped."""
+    if config.trace == "burstgpt-synthetic":
+        trace = _synthetic_trace(SYNTHETIC_TRACE_SEED, config.synthetic_trace_rows)
+    else:
+        path = resolve_trace_file(config.trace_file, config.trace_cache_dir)
+        trace = _read_trace_cached(path.resolve(), path.stat().st_mtime_ns)
+    models = tuple(config.trace_models or ())
+    log_types = tuple(config.trace_log_types or ())
+    return filter_trace(trace, list(models), list(log_types))
+
+
+@functools.lru_cache(maxsize=2)
+def _read_trace_cached(path: Path, _mtime_ns: int) -> BurstGPTTrace:
+    # A sweep reads the same 1.4 M-row file for every cell: parse it once.
+    return read_trace_csv(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _synthetic_trace(seed: int, rows: int) -> BurstGPTTrace:
+    return BurstGPTShapedGenerator(seed=seed).generate(rows)
+
+
+def _trace_plan(
+    config: WorkloadConfig,
+    num_requests: int,
+    warmup_requests: int,
+    main_rng: np.random.Generator,
+    warmup_rng: np.random.Generator,
+    max_model_len: int,
+) -> WorkloadPlan:
+    trace = load_trace(config)
+    if config.is_replay:
+        window = replay_window(trace, config.trace_start, num_requests, max_model_len)
+        shapes = _trace_shapes(window)
+        return WorkloadPlan(
+            name=config.name,
+            label=config.label,
+            shapes=shapes,
+            warmup_shapes=shapes[:warmup_requests],
+            source=trace.source,
+            synthetic_trace=trace.synthetic,
+            trace_arrivals=window.timestamps.tolist(),
+        )
+    subset = trace_subset(trace, config.name, max_model_len)
+    if not len(subset):
+        raise ValueError(f"{config.name}: no row of {trace.source} fits its rule")
+    return WorkloadPlan(
+        name=config.name,
+        label=config.label,
+        shapes=_trace_shapes(_sample_rows(subset, main_rng, num_requests)),
+        warmup_shapes=_trace_shapes(_sample_rows(subset, warmup_rng, warmup_requests)),
+        source=trace.source,
+        synthetic_trace=trace.synthetic,
+    )
+
+
+def _sample_rows(trace: BurstGPTTrace, rng: np.random.Generator, count: int) -> BurstGPTTrace:
+    rows = rng.choice(len(trace), size=count, replace=count > len(trace))
+    return trace.select(rows)
+
+
+def _trace_shapes(trace: BurstGPTTrace) -> list[RequestShape]:
+    return [
+        RequestShape(int(i), int(o))
+        for i, o in zip(trace.request_tokens, trace.response_tokens, strict=True)
+    ]
+
+
+# ---- prompts -------------------------------------------------------------------------------
+
+
+class TokenPrompts:
+    """Random token-id prompts of exact length (``/v1/completions``)."""
+
+    def __init__(self, seed: int, low: int = PROMPT_TOKEN_LOW, high: int = PROMPT_TOKEN_HIGH):
+        self._rng = seed_stream(seed, TOKENS_STREAM)
+        self._low = low
+        self._high = high
+
+    def prompt(self, length: int) -> list[int]:
+        return self._rng.integers(self._low, self._high, size=length).tolist()
+
+
+@dataclass(frozen=True)
+class TextCalibration:
+    """Server tokens for ``chars`` characters of our text: overhead + chars * per_char."""
+
+    overhead_tokens: float = 0.0
+    tokens_per_char: float = 1.0
+
+    def chars_for(self, tokens: int) -> int:
+        return max(1, round((tokens - self.overhead_tokens) / self.tokens_per_char))
+
+    @classmethod
+    def from_probes(cls, short: tuple[int, int], long: tuple[int, int]) -> TextCalibration:
+        """Two (characters, reported prompt tokens) probes define the line."""
+        (short_chars, short_tokens), (long_chars, long_tokens) = short, long
+        per_char = (long_tokens - short_tokens) / (long_chars - short_chars)
+        if per_char <= 0:
+            return cls()
+        return cls(short_tokens - short_chars * per_char, per_char)
+
+
+class TextPrompts:
+    """Random lower-case text whose token count is calibrated (``/v1/chat/completions``)."""
+
+    def __init__(self, seed: int, calibration: TextCalibration | None = None) -> None:
+        self._rng = seed_stream(seed, TEXT_STREAM)
+        self.calibration = calibration or TextCalibration()
+
+    def text(self, chars: int) -> str:
+        letters = TEXT_ALPHABET[self._rng.integers(0, len(TEXT_ALPHABET), size=chars)].copy()
+        letters[WORD_LENGTH :: WORD_LENGTH + 1] = ord(" ")
+        return letters.tobytes().decode()
+
+    def prompt(self, length: int) -> str:
+        return self.text(self.calibration.chars_for(length))
