@@ -29,7 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from deployments.launcher import REPO_ROOT, engine_pids, serve_run
+from deployments.launcher import REPO_ROOT, descendant_engine_pids, engine_pids, serve_run
 from deployments.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 
 console = Console()
@@ -117,7 +117,6 @@ def serve_ray_llm_forever() -> None:
 
 @contextlib.contextmanager
 def _background(command: list[str], name: str) -> Iterator[subprocess.Popen[bytes]]:
-    before = engine_pids()
     log = Path(tempfile.gettempdir()) / f"splitserve-bench-{name}.log"
     env = dict(os.environ, **ENGINE_ENV)
     with log.open("w") as sink:
@@ -125,15 +124,16 @@ def _background(command: list[str], name: str) -> Iterator[subprocess.Popen[byte
     try:
         yield process
     finally:
+        engines = descendant_engine_pids(process.pid)
         process.send_signal(signal.SIGINT)
         try:
             process.wait(120)
         except subprocess.TimeoutExpired:
             process.kill()
         deadline = time.monotonic() + 60
-        while engine_pids() - before and time.monotonic() < deadline:
+        while engines & engine_pids() and time.monotonic() < deadline:
             time.sleep(1)
-        for pid in engine_pids() - before:
+        for pid in engines & engine_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

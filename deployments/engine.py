@@ -1,12 +1,16 @@
 """One vLLM engine (AsyncLLM) hosted in one Ray Serve replica.
 
-It takes token ids and a SamplingParams, and streams token deltas back. Everything
+It takes token ids and a SamplingParams, and streams token deltas back: every
+request's deltas of one engine step travel together on one long-lived stream per
+router process (``deltas``), because Ray's per-item streaming cost, not vLLM,
+dominated a per-request stream on two cores. Everything
 OpenAI-shaped lives in the router; see docs/ARCHITECTURE.md for why we host
 AsyncLLM ourselves instead of through ray.serve.llm's LLMServer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +21,14 @@ from ray import serve
 
 from deployments.config import ModelConfig, PoolConfig
 from deployments.model_source import resolve_model
-from deployments.protocol import EngineRole, EngineStats, GenerateChunk, GenerateRequest
+from deployments.protocol import (
+    DeltaBatch,
+    EngineRole,
+    EngineStats,
+    GenerateChunk,
+    GenerateFailure,
+    GenerateRequest,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -112,7 +123,20 @@ def build_engine_args(spec: EngineSpec) -> Any:
     return AsyncEngineArgs(**kwargs)
 
 
-@serve.deployment(max_ongoing_requests=1024, health_check_period_s=5)
+def _chunk_of(output: Any) -> GenerateChunk:
+    completion = output.outputs[0]
+    return GenerateChunk(
+        token_ids=list(completion.token_ids),
+        text=completion.text,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        num_prompt_tokens=len(output.prompt_token_ids or ()),
+        num_cached_tokens=output.num_cached_tokens or 0,
+        kv_transfer_params=output.kv_transfer_params if output.finished else None,
+    )
+
+
+@serve.deployment(max_ongoing_requests=4096, health_check_period_s=5)
 class EngineReplica:
     """A Serve replica that owns one AsyncLLM and its engine processes."""
 
@@ -121,6 +145,8 @@ class EngineReplica:
 
         self._spec = EngineSpec.model_validate(spec)
         self._latest = _LatestSchedulerStats()
+        self._outboxes: dict[str, asyncio.Queue[tuple[str, Any]]] = {}
+        self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
         started = time.perf_counter()
         self._engine: AsyncLLM = AsyncLLM.from_engine_args(
             build_engine_args(self._spec),
@@ -133,7 +159,46 @@ class EngineReplica:
             time.perf_counter() - started,
         )
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def submit(self, request: GenerateRequest) -> None:
+        """Start a request; its deltas go out on the subscriber's ``deltas`` stream."""
+        if request.request_id in self._running:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        outbox = self._outbox(request.subscriber)
+        task = asyncio.get_running_loop().create_task(self._run(request, outbox))
+        self._running[request.request_id] = (request.subscriber, task)
+        task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (its client went away); cancelling aborts it inside vLLM."""
+        entry = self._running.get(request_id)
+        if entry is not None:
+            entry[1].cancel()
+
+    async def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        """One long-lived stream per router process, carrying every request it submitted.
+
+        Each item holds all deltas ready since the previous one, so a Ray message
+        carries one engine step of many requests instead of one token of one request.
+        """
+        outbox = self._outbox(subscriber)
+        try:
+            while True:
+                batch = [await outbox.get()]
+                while not outbox.empty():
+                    batch.append(outbox.get_nowait())
+                yield batch
+        finally:
+            # The router process is gone (or resubscribes): nobody will read these.
+            for request_id, (owner, task) in list(self._running.items()):
+                if owner == subscriber:
+                    task.cancel()
+                    logger.info("aborted %s: its router stopped listening", request_id)
+            self._outboxes.pop(subscriber, None)
+
+    def _outbox(self, subscriber: str) -> asyncio.Queue[tuple[str, Any]]:
+        return self._outboxes.setdefault(subscriber, asyncio.Queue())
+
+    async def _run(self, request: GenerateRequest, outbox: asyncio.Queue[tuple[str, Any]]) -> None:
         from vllm.inputs import TokensPrompt
 
         params = request.sampling_params
@@ -143,19 +208,15 @@ class EngineReplica:
                 "kv_transfer_params": request.kv_transfer_params,
             }
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
-        # AsyncLLM aborts the request in the engine when this generator is cancelled,
-        # which is what a client disconnect turns into.
-        async for output in self._engine.generate(prompt, params, request.request_id):
-            completion = output.outputs[0]
-            yield GenerateChunk(
-                token_ids=list(completion.token_ids),
-                text=completion.text,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-                num_prompt_tokens=len(output.prompt_token_ids or ()),
-                num_cached_tokens=output.num_cached_tokens or 0,
-                kv_transfer_params=output.kv_transfer_params if output.finished else None,
-            )
+        try:
+            async for output in self._engine.generate(prompt, params, request.request_id):
+                outbox.put_nowait((request.request_id, _chunk_of(output)))
+        except asyncio.CancelledError:
+            raise  # aborted: AsyncLLM.generate has already aborted it in the engine
+        except Exception as error:
+            logger.exception("request %s failed", request.request_id)
+            failure = GenerateFailure(f"{type(error).__name__}: {error}")
+            outbox.put_nowait((request.request_id, failure))
 
     def stats(self) -> EngineStats:
         latest = self._latest

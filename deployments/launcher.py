@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 ENGINE_PROCESS_MARKERS = ("VLLM::", "EngineCore")
+APP_NAME = "splitserve"  # the application name in every YAML under deployments/
 
 
 class LaunchError(RuntimeError):
@@ -48,17 +49,58 @@ def config_path(name_or_path: str) -> Path:
 
 def engine_pids() -> set[int]:
     """PIDs of vLLM engine-core and worker processes on this machine."""
-    pids = set()
+    return {pid for pid, cmdline in _processes().items() if _is_engine(cmdline)}
+
+
+def app_engine_pids(app_name: str = APP_NAME) -> set[int]:
+    """Engine processes started by the Serve replicas of one application."""
+    replica_prefix = f"ray::ServeReplica:{app_name}:"
+    return _engines_below(lambda pid, cmdline: cmdline.startswith(replica_prefix))
+
+
+def descendant_engine_pids(root: int) -> set[int]:
+    """Engine processes below one process (a server we started), however deep."""
+    return _engines_below(lambda pid, cmdline: pid == root)
+
+
+def _engines_below(is_owner: Callable[[int, str], bool]) -> set[int]:
+    processes = _processes()
+    parents = _parents()
+    owned = set()
+    for pid, cmdline in processes.items():
+        if not _is_engine(cmdline):
+            continue
+        ancestor = parents.get(pid, 0)
+        while ancestor > 1:
+            if is_owner(ancestor, processes.get(ancestor, "")):
+                owned.add(pid)
+                break
+            ancestor = parents.get(ancestor, 0)
+    return owned
+
+
+def _is_engine(cmdline: str) -> bool:
+    return any(marker in cmdline for marker in ENGINE_PROCESS_MARKERS)
+
+
+def _processes() -> dict[int, str]:
+    processes = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(marker in cmdline for marker in ENGINE_PROCESS_MARKERS):
-            pids.add(int(entry.name))
-    return pids
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                raw = (entry / "cmdline").read_bytes()
+                processes[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace")
+    return processes
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
 
 
 @contextlib.contextmanager
@@ -80,7 +122,6 @@ def serve_run(
     env = dict(os.environ)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
-    before = engine_pids()
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [_serve_cli(), "run", str(path)],
@@ -91,12 +132,16 @@ def serve_run(
             stdin=subprocess.DEVNULL,
         )
     base_url = f"http://127.0.0.1:{port}"
+    engines: set[int] = set()
     try:
         _wait_ready(process, base_url, log_path, ready_timeout_s)
+        engines = app_engine_pids()
         yield RunningApp(base_url=base_url, config_path=path, log_path=log_path)
     finally:
+        # Restarted replicas may have started new engines since the app came up.
+        engines |= app_engine_pids()
         _stop(process, stop_timeout_s)
-        leftovers = _wait_engines_gone(engine_pids() - before, stop_timeout_s)
+        leftovers = _wait_engines_gone(engines, stop_timeout_s)
         if leftovers:
             _kill(leftovers)
             raise LaunchError(

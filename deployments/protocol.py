@@ -15,6 +15,8 @@ EngineRole = Literal["mixed", "prefill", "decode"]
 @dataclass(slots=True)
 class GenerateRequest:
     request_id: str
+    # Which router process receives this request's deltas (see EngineReplica.deltas).
+    subscriber: str
     prompt_token_ids: list[int]
     # A vllm.SamplingParams; typed loosely so the router need not import vLLM's engine.
     sampling_params: Any
@@ -34,6 +36,17 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class GenerateFailure:
+    """The engine could not finish a request; ends that request's deltas."""
+
+    message: str
+
+
+# One item of an engine's delta stream: every (request id, delta) ready since the last.
+DeltaBatch = list[tuple[str, GenerateChunk | GenerateFailure]]
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ or when someone gives it up (``released``). The directory also aggregates the tr
 metrics (see ``kv_transfer.metrics``).
 
 Engine processes are vLLM's multiprocessing children, not Ray workers; they join the
-cluster as drivers through ``connect_ray`` (``RAY_ADDRESS``, which vLLM sets when its
-engine is started from a Ray actor).
+cluster as drivers through ``connect_ray``, at ``RAY_ADDRESS`` (vLLM sets it when its
+engine is started from a Ray actor; a driver that starts engines must set it).
 """
 
 from __future__ import annotations
@@ -57,7 +57,14 @@ def connect_ray(namespace: str = DEFAULT_NAMESPACE) -> None:
     with _connect_lock:
         if ray.is_initialized():
             return
-        address = os.environ.get("RAY_ADDRESS") or "auto"
+        address = os.environ.get("RAY_ADDRESS")
+        if not address:
+            # Never "auto": with several clusters on one machine it picks the newest,
+            # which may be someone else's, and the directory would be created there.
+            raise RuntimeError(
+                "the KV connector joins the Ray cluster named by RAY_ADDRESS, which is not "
+                "set in this engine process (vLLM sets it when the engine runs in a Ray actor)"
+            )
         in_main_thread = threading.current_thread() is threading.main_thread()
         # ray.init replaces the SIGTERM handler (and the excepthook); vLLM's engine
         # processes shut down through their own handler, so keep it.
@@ -68,8 +75,7 @@ def connect_ray(namespace: str = DEFAULT_NAMESPACE) -> None:
             _connected_here = True
         except ConnectionError as error:
             raise RuntimeError(
-                f"the KV connector found no Ray cluster at {address!r}; engine processes "
-                "join the cluster of RAY_ADDRESS (set it, or start the engine in a Ray actor)"
+                f"the KV connector found no Ray cluster at RAY_ADDRESS={address!r}"
             ) from error
         finally:
             if sigterm_handler is not None:
@@ -102,6 +108,8 @@ def get_kv_directory(namespace: str = DEFAULT_NAMESPACE) -> Any:
             get_if_exists=True,
             lifetime="detached",
             num_cpus=0,
+            # Restarted empty if it dies: transfers in flight are recomputed, not stuck.
+            max_restarts=-1,
         ).remote()
         _directories[namespace] = directory
     return directory

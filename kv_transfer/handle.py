@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -25,9 +26,10 @@ class KVLayoutMismatchError(ValueError):
     """The prefill and decode engines do not store KV the same way; loading would be wrong."""
 
 
-@dataclass(frozen=True, slots=True)
-class LayoutFingerprint:
+class LayoutFingerprint(BaseModel):
     """Everything that must be equal on both sides for KV blocks to mean the same thing."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str
     kv_dtype: str
@@ -39,7 +41,7 @@ class LayoutFingerprint:
     pp_size: int
 
     def differences(self, other: LayoutFingerprint) -> list[str]:
-        mine, theirs = asdict(self), asdict(other)
+        mine, theirs = self.model_dump(), other.model_dump()
         differing = [key for key in mine if mine[key] != theirs[key]]
         return [f"{key} {mine[key]!r} != {theirs[key]!r}" for key in differing]
 
@@ -67,9 +69,10 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class TransferHandle:
+class TransferHandle(BaseModel):
     """Names one request's KV in the object store: one part per producer worker rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     transfer_id: str
     producer: str
@@ -82,19 +85,18 @@ class TransferHandle:
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` to hand to the decode engine as they are."""
-        fields = asdict(self)
-        fields["version"] = HANDLE_VERSION
+        fields = {**self.model_dump(), "version": HANDLE_VERSION}
         return {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: fields}
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> TransferHandle:
-        fields = dict(params.get(PARAMS_KEY) or {})
-        if fields.pop("version", None) != HANDLE_VERSION:
+        """Parse our handle; ValueError (never anything else) if it is not a valid one."""
+        fields = params.get(PARAMS_KEY)
+        if not isinstance(fields, dict) or fields.get("version") != HANDLE_VERSION:
             raise ValueError(f"kv_transfer_params carry no version-{HANDLE_VERSION} handle")
         try:
-            fields["layout"] = LayoutFingerprint(**fields["layout"])
-            return cls(**fields)
-        except (KeyError, TypeError) as error:
+            return cls.model_validate({k: v for k, v in fields.items() if k != "version"})
+        except ValidationError as error:
             raise ValueError(f"malformed KV transfer handle: {error}") from error
 
 

@@ -26,6 +26,9 @@ class LoadOrder:
     transfer_id: str
     first_source_block: int
     block_ids: list[int]
+    # Set when the blocks were allocated but must not be loaded: the worker reports them
+    # as load errors, so vLLM recomputes them (every accepted async load needs an answer).
+    problem: str | None = None
 
 
 @dataclass

@@ -13,6 +13,7 @@ once: after a failed load vLLM recomputes locally and we never load again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -107,7 +108,8 @@ class TransferScheduler:
         if params and params.get("do_remote_prefill") and is_transfer_params(params):
             # Finished (aborted) before it was scheduled: nobody will load this transfer.
             params["do_remote_prefill"] = False
-            self._release(TransferHandle.from_params(params).transfer_id)
+            with contextlib.suppress(ValueError):  # malformed: nothing we could release
+                self._release(TransferHandle.from_params(params).transfer_id)
         saved = self._saved.pop(request_id, None)
         if saved is None:
             return False, None
@@ -199,11 +201,6 @@ class TransferScheduler:
             self._release(transfer_id)  # the local prefix cache had every block
             return
         first_token = match.handle.num_tokens - num_external_tokens
-        if first_token % self._block_size:
-            # vLLM offers block-aligned local hits, so this means a bug, not bad input.
-            problem = f"load would start inside block at token {first_token}"
-            self._directory.fail.remote(transfer_id, problem)
-            raise RuntimeError(f"request {request.request_id}: {problem}")
         (block_ids,) = blocks.get_block_ids()
         first_block = first_token // self._block_size
         last_block = -(-match.handle.num_tokens // self._block_size)
@@ -213,6 +210,11 @@ class TransferScheduler:
                 transfer_id=transfer_id,
                 first_source_block=first_block,
                 block_ids=list(block_ids[first_block:last_block]),
+                # vLLM offers block-aligned local hits; a load starting inside a block
+                # could overwrite a shared cached block, so it is refused.
+                problem=f"load starts inside a block, at token {first_token}"
+                if first_token % self._block_size
+                else None,
             )
         )
 

@@ -24,8 +24,10 @@ class ConnectorSettings(BaseModel):
     namespace: str = Field(default=DEFAULT_NAMESPACE, min_length=1)
     # A transfer nobody loads within this time (client gone, decode failed) is freed.
     ttl_s: float = Field(default=60.0, gt=0)
-    # How long a decode worker waits for a transfer that is not registered yet.
-    claim_wait_s: float = Field(default=5.0, ge=0)
+    # How long a decode worker waits for a part that is not registered. Parts are
+    # registered before the handle exists, so this only delays the fallback to a local
+    # prefill when a put failed.
+    claim_wait_s: float = Field(default=1.0, ge=0)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig) -> ConnectorSettings:

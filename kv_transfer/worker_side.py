@@ -34,6 +34,8 @@ logger = logging.getLogger("vllm.splitserve.kv_transfer")
 
 # Two loads in flight overlap one's directory round trip with the other's copy.
 LOADER_THREADS = 2
+# A directory that does not answer must not hang an engine step or a load forever.
+DIRECTORY_TIMEOUT_S = 10.0
 
 
 class TransferLostError(RuntimeError):
@@ -90,7 +92,8 @@ class TransferWorker:
                 self._cache.layout,
                 seconds,
                 order.ttl_s,
-            )
+            ),
+            timeout=DIRECTORY_TIMEOUT_S,
         )
 
     # ---- decode -------------------------------------------------------------------
@@ -131,6 +134,8 @@ class TransferWorker:
 
     def _load(self, order: LoadOrder) -> None:
         assert self._cache is not None
+        if order.problem is not None:
+            raise ValueError(order.problem)
         started = time.perf_counter()
         claim = ray.get(
             self._directory.claim.remote(order.transfer_id, self._rank, self._settings.claim_wait_s)

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from loadgen.burstgpt import (
+    BURSTGPT_URL,
     STUDY_MEANS,
     TraceUnavailableError,
     default_cache_dir,
@@ -152,6 +153,7 @@ def _add_workload_options(parser: argparse.ArgumentParser, single: bool = True) 
         default=None,
         help=f"where the downloaded CSV is kept (default {default_cache_dir()})",
     )
+    group.add_argument("--trace-url", default=BURSTGPT_URL, help="download source (a mirror)")
     group.add_argument(
         "--trace-model", type=_name_list, help="keep these models, e.g. ChatGPT,GPT-4"
     )
@@ -293,6 +295,9 @@ def build_demo_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--out", type=Path, default=RESULTS_ROOT / "demo")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--launch-command", help="instead of serve run: a command template with {config} {port}"
+    )
     return parser
 
 
@@ -342,6 +347,7 @@ def workload_config(args: argparse.Namespace, name: str | None) -> WorkloadConfi
         trace=args.trace or "burstgpt",
         trace_file=args.trace_file,
         trace_cache_dir=args.trace_cache_dir,
+        trace_url=args.trace_url,
         trace_models=args.trace_model,
         trace_log_types=args.trace_log_type,
         trace_start=args.trace_start,
@@ -409,6 +415,8 @@ def command_run(argv: list[str], console: Console) -> int:
     if args.run_name and len(args.qps) > 1:
         raise ValueError("--run-name names one run; give one --qps value with it")
     workload = workload_config(args, args.workload)
+    if workload.is_trace:
+        load_trace(workload)  # a missing trace is our problem: say so before contacting anyone
     configs = [run_config(args, workload, qps) for qps in args.qps]
     if workload.is_replay and len(configs) > 1:
         configs = configs[:1]  # the replay follows the trace's clock, not a QPS
@@ -474,7 +482,15 @@ def command_sweep(argv: list[str], console: Console) -> int:
 def command_demo(argv: list[str], console: Console) -> int:
     args = build_demo_parser().parse_args(argv)
     _configure_logging(False)
-    options = DemoOptions(args.config, args.num_requests, args.rate, args.port, args.out, args.seed)
+    options = DemoOptions(
+        args.config,
+        args.num_requests,
+        args.rate,
+        args.port,
+        args.out,
+        args.seed,
+        args.launch_command,
+    )
     run_demo(options, console)
     return 0
 

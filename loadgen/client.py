@@ -127,11 +127,6 @@ class StreamingClient:
             ),
         )
 
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """The underlying client, for the few plain GETs (models, metrics)."""
-        return self._http
-
     def prepare(self, payload: bytes) -> httpx.Request:
         return self._http.build_request("POST", self._url, content=payload, headers=JSON_HEADERS)
 

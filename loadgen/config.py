@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loadgen.burstgpt import TRACE_SUBSETS
+from loadgen.burstgpt import BURSTGPT_URL, TRACE_SUBSETS
 
 SYNTHETIC_WORKLOADS: dict[str, tuple[int, int]] = {
     "general": (1024, 128),
@@ -42,6 +42,7 @@ class WorkloadConfig(StrictModel):
     trace: TraceSource = "burstgpt"
     trace_file: Path | None = None
     trace_cache_dir: Path | None = None
+    trace_url: str = Field(BURSTGPT_URL, description="where a missing trace is downloaded from")
     trace_models: list[str] | None = Field(None, description="e.g. ChatGPT, GPT-4")
     trace_log_types: list[str] | None = Field(None, description="e.g. 'Conversation log'")
     trace_start: int = Field(0, ge=0, description="T-burst-replay: first row of the window")

@@ -21,6 +21,7 @@ from loadgen.eventloop import run_event_loop
 from loadgen.launcher import (
     DEFAULT_DEPLOYMENTS_DIR,
     LaunchError,
+    command_from_template,
     launched_server,
     serve_run_command,
 )
@@ -41,18 +42,23 @@ class DemoOptions:
     port: int = DEMO_PORT
     out_dir: Path = Path("results/loadgen/demo")
     seed: int = 0
+    launch_command: str | None = None  # instead of serve run: {config} {port} placeholders
 
 
 def run_demo(options: DemoOptions, console: Console) -> Path:
     """Returns the path of the run's plot."""
     config_path = DEFAULT_DEPLOYMENTS_DIR / f"{options.config}.yaml"
-    if not config_path.exists():
+    if options.launch_command:
+        command = command_from_template(
+            options.launch_command, mode=options.config, config=config_path, port=options.port
+        )
+    elif config_path.exists():
+        command = serve_run_command(config_path)
+    else:
         raise LaunchError(f"no {config_path}; pick another with --config (single, dp, tp, pp)")
     base_url = f"http://127.0.0.1:{options.port}"
-    console.print(f"starting [bold]serve run {config_path.name}[/] (about a minute on a CPU)")
-    with launched_server(
-        serve_run_command(config_path), base_url, options.out_dir / f"serve-{options.config}.log"
-    ):
+    console.print(f"starting [bold]{' '.join(command)}[/] (about a minute on a CPU)")
+    with launched_server(command, base_url, options.out_dir / f"serve-{options.config}.log"):
         console.print(f"[green]serving[/] at {base_url}; sending {options.num_requests} requests")
         config = RunConfig(
             base_url=base_url,

@@ -25,6 +25,7 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
+HEALTH_POLL_FIRST_S = 0.2  # then doubling up to HEALTH_POLL_S: quick servers start quickly
 HEALTH_POLL_S = 2.0
 HEALTH_TIMEOUT_S = 10.0
 DEFAULT_READY_TIMEOUT_S = 600.0
@@ -106,12 +107,14 @@ def _wait_healthy(
     process: subprocess.Popen[bytes], base_url: str, log_path: Path, timeout_s: float
 ) -> None:
     deadline = time.monotonic() + timeout_s
+    pause = HEALTH_POLL_FIRST_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise LaunchError(f"the server exited with {process.returncode}:\n{tail(log_path)}")
         if is_healthy(base_url):
             return
-        time.sleep(HEALTH_POLL_S)
+        time.sleep(pause)
+        pause = min(pause * 2, HEALTH_POLL_S)
     raise LaunchError(f"{base_url}/health not ready after {timeout_s:.0f}s:\n{tail(log_path)}")
 
 

@@ -46,6 +46,7 @@ from loadgen.stats import (
     summarize_run,
 )
 from loadgen.workloads import (
+    RequestShape,
     TextCalibration,
     TextPrompts,
     TokenPrompts,
@@ -88,6 +89,19 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
 
 
+PreparedItems = list[tuple[RequestRecord, httpx.Request]]
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    plan: WorkloadPlan
+    warmups: PreparedItems
+    items: PreparedItems
+    arrivals: ArrivalProcess
+    schedule: list[float]
+    calibration: TextCalibration | None
+
+
 @dataclass(frozen=True)
 class Endpoint:
     model: str
@@ -121,7 +135,8 @@ def pool_size(config: RunConfig) -> int:
 
 
 def run_identifier(config: RunConfig, mode: str) -> str:
-    name = config.run_name or f"{mode}-{config.workload.label}-qps{format_qps(config.qps)}"
+    rate = "replay" if config.workload.is_replay else f"qps{format_qps(config.qps)}"
+    name = config.run_name or f"{mode}-{config.workload.label}-{rate}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
 
@@ -209,20 +224,8 @@ class Run:
     async def execute(self) -> RunResult:
         config = self.config
         endpoint = await discover_endpoint(self.control, config)
-        plan = plan_workload(
-            config.workload,
-            config.num_requests,
-            config.warmup_requests,
-            config.seed,
-            endpoint.max_model_len,
-        )
-        calibration = await self._chat_calibration(endpoint.model)
-        prompts = self._prompt_source(calibration)
-        warmups = self._prepare(plan.warmup_shapes, endpoint.model, prompts, warmup=True)
-        items = self._prepare(plan.shapes, endpoint.model, prompts, warmup=False)
-        arrivals = arrival_process(config, plan)
-        schedule = arrivals.schedule(len(items))
-        warmup_metrics = await self._warm_up(warmups)
+        prepared = await self._prepare_run(endpoint)
+        warmup_metrics = await self._warm_up(prepared.warmups)
         recorder = ServerViewRecorder(
             self.control,
             f"{config.base_url}/metrics",
@@ -232,44 +235,74 @@ class Run:
         mode = config.mode or await self._discover_mode(recorder) or "unknown"
         run_id = run_identifier(config, mode)
         started_at = datetime.now(UTC).isoformat(timespec="seconds")
-        live = (
-            self.exposition.for_run(run_id, mode, plan.label, config.qps)
-            if self.exposition
-            else None
-        )
-        if config.server_metrics:
-            await recorder.start()
-        metrics = await self._send_all(
-            items, schedule, live, f"{mode} {plan.label} {arrivals.label}"
-        )
-        if config.server_metrics:
-            await recorder.stop()
-            server = await recorder.view()
-        else:
-            server = ServerView(notes=["server metrics were not scraped (--no-server-metrics)"])
-        service_level = ServiceLevel(
-            None if config.slo_ttft_ms is None else config.slo_ttft_ms / 1000,
-            None if config.slo_tpot_ms is None else config.slo_tpot_ms / 1000,
-        )
-        summary = summarize_run(metrics, run_duration(metrics), service_level)
+        metrics, server = await self._measure(prepared, recorder, run_id, mode)
         return RunResult(
             run_id=run_id,
             config=config,
             mode=mode,
             model=endpoint.model,
             max_model_len=endpoint.max_model_len,
-            workload=plan,
-            qps_label=arrivals.label if plan.trace_arrivals is not None else format_qps(config.qps),
-            arrivals=type(arrivals).__name__,
+            workload=prepared.plan,
+            qps_label=prepared.arrivals.label
+            if prepared.plan.trace_arrivals is not None
+            else format_qps(config.qps),
+            arrivals=type(prepared.arrivals).__name__,
             started_at=started_at,
-            summary=summary,
+            summary=summarize_run(metrics, run_duration(metrics), self._service_level()),
             server=server,
             requests=warmup_metrics + metrics,
-            chat_calibration=calibration,
+            chat_calibration=prepared.calibration,
             notes=self.notes,
         )
 
+    async def _measure(
+        self, prepared: PreparedRun, recorder: ServerViewRecorder, run_id: str, mode: str
+    ) -> tuple[list[RequestMetrics], ServerView]:
+        config = self.config
+        plan = prepared.plan
+        live = None
+        if self.exposition is not None:
+            live = self.exposition.for_run(run_id, mode, plan.label, config.qps)
+        if config.server_metrics:
+            await recorder.start()
+        title = f"{mode} {plan.label} {prepared.arrivals.label}"
+        metrics = await self._send_all(prepared.items, prepared.schedule, live, title)
+        if not config.server_metrics:
+            return metrics, ServerView(notes=["server metrics not scraped (--no-server-metrics)"])
+        await recorder.stop()
+        return metrics, await recorder.view()
+
+    def _service_level(self) -> ServiceLevel:
+        ttft_ms, tpot_ms = self.config.slo_ttft_ms, self.config.slo_tpot_ms
+        return ServiceLevel(
+            None if ttft_ms is None else ttft_ms / 1000,
+            None if tpot_ms is None else tpot_ms / 1000,
+        )
+
     # ---- preparation -----------------------------------------------------------------------
+
+    async def _prepare_run(self, endpoint: Endpoint) -> PreparedRun:
+        """Every body and httpx request, and the schedule, before the first send."""
+        config = self.config
+        plan = plan_workload(
+            config.workload,
+            config.num_requests,
+            config.warmup_requests,
+            config.seed,
+            endpoint.max_model_len,
+        )
+        calibration = await self._chat_calibration(endpoint.model)
+        prompts = self._prompt_source(calibration)
+        arrivals = arrival_process(config, plan)
+        items = self._prepare(plan.shapes, endpoint.model, prompts, warmup=False)
+        return PreparedRun(
+            plan=plan,
+            warmups=self._prepare(plan.warmup_shapes, endpoint.model, prompts, warmup=True),
+            items=items,
+            arrivals=arrivals,
+            schedule=arrivals.schedule(len(items)),
+            calibration=calibration,
+        )
 
     async def _chat_calibration(self, model: str) -> TextCalibration | None:
         """Chat prompts are text: measure how the server counts our text, template included."""
@@ -293,7 +326,11 @@ class Run:
         return TokenPrompts(self.config.seed)
 
     def _prepare(
-        self, shapes: list, model: str, prompts: TokenPrompts | TextPrompts, warmup: bool
+        self,
+        shapes: list[RequestShape],
+        model: str,
+        prompts: TokenPrompts | TextPrompts,
+        warmup: bool,
     ) -> list[tuple[RequestRecord, httpx.Request]]:
         items = []
         for index, shape in enumerate(shapes):

@@ -96,16 +96,26 @@ def _carries_token(choice: dict[str, Any]) -> bool:
 def _read_special_events(block: bytes, reading: StreamReading) -> None:
     if DONE in block:
         reading.finished = True
-    if USAGE_OBJECT.search(block) is None and ERROR_OBJECT.search(block) is None:
-        return
-    for event in _data_events(block):
-        if not isinstance(event, dict):
-            continue
+    for event in _events_matching(block, (USAGE_OBJECT, ERROR_OBJECT)):
         if isinstance(usage := event.get("usage"), dict):
             reading.prompt_tokens = usage.get("prompt_tokens", reading.prompt_tokens)
             reading.completion_tokens = usage.get("completion_tokens", reading.completion_tokens)
         if isinstance(error := event.get("error"), dict):
             reading.error = str(error.get("message") or error)
+
+
+def _events_matching(block: bytes, patterns: tuple[re.Pattern[bytes], ...]) -> list[dict[str, Any]]:
+    """Parse only the events that contain a pattern (the usage event, error events)."""
+    spans = set()
+    for pattern in patterns:
+        for match in pattern.finditer(block):
+            start = block.rfind(EVENT_END, 0, match.start())
+            end = block.find(EVENT_END, match.end())
+            spans.add((0 if start < 0 else start + 2, len(block) if end < 0 else end + 2))
+    events = []
+    for start, end in sorted(spans):
+        events.extend(e for e in _data_events(block[start:end]) if isinstance(e, dict))
+    return events
 
 
 def _data_events(block: bytes) -> list[Any]:

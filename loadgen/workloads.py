@@ -138,7 +138,7 @@ def load_trace(config: WorkloadConfig) -> BurstGPTTrace:
     if config.trace == "burstgpt-synthetic":
         trace = _synthetic_trace(SYNTHETIC_TRACE_SEED, config.synthetic_trace_rows)
     else:
-        path = resolve_trace_file(config.trace_file, config.trace_cache_dir)
+        path = resolve_trace_file(config.trace_file, config.trace_cache_dir, config.trace_url)
         trace = _read_trace_cached(path.resolve(), path.stat().st_mtime_ns)
     models = tuple(config.trace_models or ())
     log_types = tuple(config.trace_log_types or ())

@@ -11,14 +11,16 @@ import logging
 import time
 
 from deployments.protocol import EngineStats
+from router.engine_client import EngineClient
 from router.metrics import RouterMetrics
-from router.replicas import Replica
 
 logger = logging.getLogger("splitserve.router")
 
 
 class EngineStatePoller:
-    def __init__(self, replicas: list[Replica], metrics: RouterMetrics, interval_s: float) -> None:
+    def __init__(
+        self, replicas: list[EngineClient], metrics: RouterMetrics, interval_s: float
+    ) -> None:
         self._replicas = replicas
         self._metrics = metrics
         self._interval_s = interval_s
@@ -36,7 +38,7 @@ class EngineStatePoller:
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
 
-    async def _poll(self, replica: Replica) -> None:
+    async def _poll(self, replica: EngineClient) -> None:
         try:
             stats: EngineStats = await asyncio.wait_for(
                 replica.handle.stats.remote(), timeout=max(1.0, 5 * self._interval_s)

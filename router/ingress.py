@@ -27,10 +27,11 @@ from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 from deployments.config import AppConfig
 from deployments.model_source import resolve_model
 from deployments.protocol import GenerateRequest
+from router.engine_client import EngineClient
 from router.engine_state import EngineStatePoller
 from router.errors import OpenAIError, bad_request
 from router.metrics import RouterMetrics
-from router.replicas import Replica, make_replica_choice
+from router.replicas import make_replica_choice
 from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, parse_request
 from router.responses import SSE_DONE, ResponseWriter, Transcript
 
@@ -63,7 +64,9 @@ class Router:
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
         self._prompts = PromptBuilder(tokenizer, self._config.model.max_model_len, vocab_size)
-        self._replicas = [Replica(name, roles[name], handle) for name, handle in engines.items()]
+        self._replicas = [EngineClient(name, roles[name], h) for name, h in engines.items()]
+        for replica in self._replicas:
+            replica.start()
         self._choice = make_replica_choice(self._config.router.replica_choice)
         self._metrics = RouterMetrics()
         self._mode = self._config.strategy
@@ -126,6 +129,7 @@ class Router:
         engine_request = GenerateRequest(
             # vLLM needs ids unique among running requests; clients may reuse theirs.
             request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
+            subscriber="",  # set by the EngineClient that submits it
             prompt_token_ids=prepared.prompt_token_ids,
             sampling_params=prepared.sampling_params,
         )
@@ -163,7 +167,7 @@ class Router:
 
     async def _events(
         self,
-        replica: Replica,
+        replica: EngineClient,
         engine_request: GenerateRequest,
         prepared: PreparedRequest,
         writer: ResponseWriter,
@@ -171,10 +175,10 @@ class Router:
     ) -> AsyncIterator[Any]:
         """SSE strings when streaming; for non-stream requests, the final Transcript."""
         transcript = Transcript(prompt_token_ids=prepared.prompt_token_ids)
-        stream = replica.handle.options(stream=True).generate.remote(engine_request)
         self._track(replica, +1)
-        finished = False
         last_token_at: float | None = None
+        # Closing `stream` early (client gone) aborts the request in the engine.
+        stream = replica.generate(engine_request)
         try:
             if prepared.stream and (opening := writer.first_event(transcript)):
                 yield opening
@@ -187,7 +191,6 @@ class Router:
                 transcript.add(chunk)
                 if prepared.stream:
                     yield writer.delta_event(chunk, transcript, first)
-            finished = True
             self._metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
             self._metrics.tokens.labels("prompt").inc(len(transcript.prompt_token_ids))
             self._metrics.tokens.labels("generation").inc(len(transcript.token_ids))
@@ -198,7 +201,6 @@ class Router:
                 yield writer.usage_event(transcript)
             yield SSE_DONE
         except Exception as error:  # the engine failed mid-request
-            finished = True
             logger.exception("request %s failed on %s", engine_request.request_id, replica.name)
             failure = OpenAIError(
                 f"the engine replica {replica.name} failed: {type(error).__name__}",
@@ -210,9 +212,7 @@ class Router:
             yield SSE_DONE
         finally:
             self._track(replica, -1)
-            if not finished:
-                # The client went away (or the stream was closed early): stop the engine too.
-                stream.cancel()
+            await stream.aclose()
 
     def _observe_token_timing(
         self, arrival: float, last_token_at: float | None, now: float, streamed: bool
@@ -224,7 +224,7 @@ class Router:
         else:
             self._metrics.itl.labels(self._mode).observe(now - last_token_at)
 
-    def _track(self, replica: Replica, delta: int) -> None:
+    def _track(self, replica: EngineClient, delta: int) -> None:
         replica.in_flight += delta
         self._metrics.replica_in_flight.labels(replica.name, replica.role).set(replica.in_flight)
         if delta > 0:
@@ -238,7 +238,7 @@ class Router:
                 "model",
             )
 
-    async def _replica_health(self, replica: Replica) -> str:
+    async def _replica_health(self, replica: EngineClient) -> str:
         timeout = self._config.router.health_check_timeout_s
         try:
             await asyncio.wait_for(replica.handle.check_health.remote(), timeout)

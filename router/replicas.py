@@ -1,23 +1,16 @@
-"""The engine replicas the router can send to, with its own in-flight counts."""
+"""How the router picks one engine replica of a pool for a request."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-
-@dataclass(slots=True)
-class Replica:
-    name: str
-    role: str
-    handle: Any  # a Ray Serve DeploymentHandle to one EngineReplica deployment
-    in_flight: int = 0
+from router.engine_client import EngineClient
 
 
 class ReplicaChoice(Protocol):
-    def choose(self, replicas: list[Replica]) -> Replica: ...
+    def choose(self, replicas: list[EngineClient]) -> EngineClient: ...
 
 
 class RoundRobin:
@@ -26,7 +19,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._counter: Iterator[int] = itertools.count()
 
-    def choose(self, replicas: list[Replica]) -> Replica:
+    def choose(self, replicas: list[EngineClient]) -> EngineClient:
         if not replicas:
             raise LookupError("no replica to choose from")
         return replicas[next(self._counter) % len(replicas)]

@@ -13,14 +13,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from deployments.launcher import engine_pids
-
-RAY_PROCESS_MARKERS = (b"raylet", b"gcs_server", b"ray::", b"dashboard/agent", b"default_worker")
+# Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
+# this variable, so the final check finds exactly ours, orphans included.
+SESSION_MARKER = "SPLITSERVE_TEST_SESSION"
 
 
 def _free_port() -> int:
@@ -29,13 +30,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _ray_pids() -> set[int]:
+def _session_pids(token: str) -> set[int]:
+    needle = f"{SESSION_MARKER}={token}".encode()
     pids = set()
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             with contextlib.suppress(OSError):
-                cmdline = (entry / "cmdline").read_bytes()
-                if any(marker in cmdline for marker in RAY_PROCESS_MARKERS):
+                if needle in (entry / "environ").read_bytes():
                     pids.add(int(entry.name))
     return pids
 
@@ -47,7 +48,8 @@ def _ray_cli() -> str:
 @pytest.fixture(scope="session")
 def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Ray head for the whole session, small and quiet: the engines get the cores."""
-    before = _ray_pids() | engine_pids()
+    token = uuid.uuid4().hex
+    os.environ[SESSION_MARKER] = token
     port = _free_port()
     # `ray start` turns token authentication on; every client of this session
     # (`serve run` included, through os.environ) must then present the token too.
@@ -71,19 +73,35 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         yield address
     finally:
-        subprocess.run([_ray_cli(), "stop", "--force"], env=env, capture_output=True)
-        leftovers = _wait_gone((_ray_pids() | engine_pids()) - before, timeout_s=30)
-        for pid in leftovers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        assert not leftovers, f"processes outlived the test session (killed): {sorted(leftovers)}"
+        # Every serve app has been stopped by now: an engine still alive has leaked.
+        leaked_engines = {pid for pid in _session_pids(token) if _is_engine(pid)}
+        # Like `ray stop` (which would stop every Ray on the machine, not only ours):
+        # SIGTERM, then SIGKILL for daemons that ignore it (gcs_server, raylet do).
+        _signal_all(_session_pids(token), signal.SIGTERM)
+        _signal_all(_wait_gone(lambda: _session_pids(token), timeout_s=10), signal.SIGKILL)
+        leftovers = _wait_gone(lambda: _session_pids(token), timeout_s=10)
+        assert not leaked_engines, f"vLLM engines outlived their apps: {sorted(leaked_engines)}"
+        assert not leftovers, f"processes survived SIGKILL: {sorted(leftovers)}"
 
 
-def _wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+def _is_engine(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return b"VLLM::" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return False
+
+
+def _signal_all(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _wait_gone(alive: Callable[[], set[int]], timeout_s: float) -> set[int]:
     deadline = time.monotonic() + timeout_s
+    pids = alive()
     while pids and time.monotonic() < deadline:
         time.sleep(0.5)
-        pids = pids & (_ray_pids() | engine_pids())
+        pids = alive()
     return pids
 
 

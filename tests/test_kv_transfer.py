@@ -43,11 +43,14 @@ MAX_TOKENS = 12
 PROMPT_LENGTHS = (1, 15, 16, 17, 100, 127, 128, 129, 700, 1500)
 # Tiny model: 2 layers x 2 KV heads x 128 slots x (32 K + 32 V) x fp32 per page.
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 64 * 4
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # Engine processes must not be forks of this Ray driver.
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
     "VLLM_LOGGING_LEVEL": "WARNING",
+    # Our vLLM plugin ends engine processes whose parent (this test) is gone.
+    "SPLITSERVE_ORPHAN_GUARD": "1",
 }
 
 
@@ -104,16 +107,31 @@ def _stop_engine(engine: Any) -> None:
     engine.llm_engine.engine_core.shutdown()
 
 
-@pytest.fixture(scope="module")
+# Engines live per test class, so that at most two run at once on this small machine.
+@pytest.fixture(scope="class")
 def prefill(dashboard: str) -> Iterator[Any]:
     engine = _start_engine("0", "kv_producer", enable_prefix_caching=False)
     yield engine
     _stop_engine(engine)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def decode(dashboard: str, prefill: Any) -> Iterator[Any]:
     engine = _start_engine("1", "kv_consumer", enable_prefix_caching=True)
+    yield engine
+    _stop_engine(engine)
+
+
+@pytest.fixture(scope="class")
+def prefill_tp2(dashboard: str) -> Iterator[Any]:
+    engine = _start_engine("0|1", "kv_producer", enable_prefix_caching=False, **TP2)
+    yield engine
+    _stop_engine(engine)
+
+
+@pytest.fixture(scope="class")
+def decode_tp2(dashboard: str, prefill_tp2: Any) -> Iterator[Any]:
+    engine = _start_engine("0|1", "kv_consumer", enable_prefix_caching=True, **TP2)
     yield engine
     _stop_engine(engine)
 
@@ -142,11 +160,12 @@ def _generate(engine: Any, prompt: list[int], params: Any) -> Any:
     return output
 
 
-_baselines: dict[int, list[int]] = {}
+_baselines: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
 
 def _single_engine_tokens(prefill: Any, prompt: list[int]) -> list[int]:
-    key = hash(tuple(prompt))
+    # TP changes the order of floating-point sums, so each TP size has its own baseline.
+    key = (prefill.llm_engine.vllm_config.parallel_config.tensor_parallel_size, tuple(prompt))
     if key not in _baselines:
         output = _generate(prefill, prompt, _greedy(MAX_TOKENS))
         _baselines[key] = list(output.outputs[0].token_ids)
@@ -181,33 +200,7 @@ def _pd_tokens(prefill: Any, decode: Any, prompt: list[int]) -> list[int]:
     return _decode_step(decode, prompt, first_token, handle)
 
 
-def test_engine_block_size(prefill: Any, decode: Any) -> None:
-    for engine in (prefill, decode):
-        assert engine.llm_engine.vllm_config.cache_config.block_size == BLOCK_SIZE
-
-
-@pytest.mark.parametrize("length", PROMPT_LENGTHS)
-def test_pd_tokens_equal_single_engine(
-    prefill: Any, decode: Any, directory: Any, length: int
-) -> None:
-    prompt = _prompt(length)
-    expected = _single_engine_tokens(prefill, prompt)
-    before = _counters(directory)
-    assert _pd_tokens(prefill, decode, prompt) == expected
-    # Loaded (not recomputed): one transfer, every block of the prompt written once.
-    blocks = -(-length // BLOCK_SIZE)
-    assert _delta(before, _counters(directory)) == {
-        "loaded": 1,
-        "get_bytes": blocks * BYTES_PER_BLOCK,
-    }
-
-
-def test_concurrent_transfers(prefill: Any, decode: Any, directory: Any) -> None:
-    """Several prompts prefilled in one batch, then loaded and decoded in one batch."""
-    lengths = (33, 257, 511, 900, 1200)
-    prompts = [_prompt(length + 1) for length in lengths]
-    expected = [_single_engine_tokens(prefill, prompt) for prompt in prompts]
-    before = _counters(directory)
+def _pd_batch_tokens(prefill: Any, decode: Any, prompts: list[list[int]]) -> list[list[int]]:
     firsts = prefill.generate(
         [{"prompt_token_ids": prompt} for prompt in prompts],
         _greedy(1, {"do_remote_decode": True}),
@@ -221,84 +214,154 @@ def test_concurrent_transfers(prefill: Any, decode: Any, directory: Any) -> None
         [_greedy(MAX_TOKENS - 1, first.kv_transfer_params) for first in firsts],
         use_tqdm=False,
     )
-    got = [
+    return [
         [first.outputs[0].token_ids[0], *rest.outputs[0].token_ids]
         for first, rest in zip(firsts, rests, strict=True)
     ]
-    assert got == expected
-    blocks = sum(-(-len(prompt) // BLOCK_SIZE) for prompt in prompts)
-    assert _delta(before, _counters(directory)) == {
-        "loaded": len(prompts),
-        "get_bytes": blocks * BYTES_PER_BLOCK,
-    }
 
 
-@pytest.mark.parametrize(
-    ("length", "blocks_loaded"),
-    [(700, 1), (128, 0)],
-    ids=["partial-tail-block-loaded", "every-block-cached-on-decode"],
-)
-def test_repeated_prompt_loads_only_what_decode_lacks(
-    prefill: Any, decode: Any, directory: Any, length: int, blocks_loaded: int
-) -> None:
-    """The decode engine cached this prompt's full blocks from the earlier transfer."""
-    prompt = _prompt(length)
-    expected = _single_engine_tokens(prefill, prompt)
-    before = _counters(directory)
-    assert _pd_tokens(prefill, decode, prompt) == expected
-    outcome = {"loaded": 1, "get_bytes": blocks_loaded * BYTES_PER_BLOCK}
-    assert _delta(before, _counters(directory)) == (outcome if blocks_loaded else {"released": 1})
+class TestOneRankEachSide:
+    def test_engine_block_size(self, prefill: Any, decode: Any) -> None:
+        for engine in (prefill, decode):
+            assert engine.llm_engine.vllm_config.cache_config.block_size == BLOCK_SIZE
 
-
-def test_layout_mismatch_is_refused_never_loaded(prefill: Any, decode: Any, directory: Any) -> None:
-    prompt = _prompt(300)
-    expected = _single_engine_tokens(prefill, prompt)
-    mismatched = _start_engine("1", "kv_consumer", block_size=64)
-    try:
-        first_token, handle = _prefill_step(prefill, prompt)
-        # The decode host refuses it before submitting, naming what differs.
-        with pytest.raises(KVLayoutMismatchError, match=r"block_size 128 != 64"):
-            check_handle_compatible(handle, mismatched.llm_engine.vllm_config)
-        # Submitted anyway, the connector refuses to load it: recomputed, same tokens.
+    @pytest.mark.parametrize("length", PROMPT_LENGTHS)
+    def test_pd_tokens_equal_single_engine(
+        self, prefill: Any, decode: Any, directory: Any, length: int
+    ) -> None:
+        prompt = _prompt(length)
+        expected = _single_engine_tokens(prefill, prompt)
         before = _counters(directory)
-        assert _decode_step(mismatched, prompt, first_token, handle) == expected
-        assert _delta(before, _counters(directory)) == {"failed": 1}
-    finally:
-        _stop_engine(mismatched)
+        assert _pd_tokens(prefill, decode, prompt) == expected
+        # Loaded (not recomputed): one transfer, every block of the prompt written once.
+        blocks = -(-length // BLOCK_SIZE)
+        assert _delta(before, _counters(directory)) == {
+            "loaded": 1,
+            "get_bytes": blocks * BYTES_PER_BLOCK,
+        }
+
+    def test_concurrent_transfers(self, prefill: Any, decode: Any, directory: Any) -> None:
+        """Several prompts prefilled in one batch, then loaded and decoded in one batch."""
+        prompts = [_prompt(length) for length in (33, 257, 511, 900, 1200)]
+        expected = [_single_engine_tokens(prefill, prompt) for prompt in prompts]
+        before = _counters(directory)
+        assert _pd_batch_tokens(prefill, decode, prompts) == expected
+        blocks = sum(-(-len(prompt) // BLOCK_SIZE) for prompt in prompts)
+        assert _delta(before, _counters(directory)) == {
+            "loaded": len(prompts),
+            "get_bytes": blocks * BYTES_PER_BLOCK,
+        }
+
+    @pytest.mark.parametrize(
+        ("length", "blocks_loaded"),
+        [(700, 1), (128, 0)],
+        ids=["partial-tail-block-loaded", "every-block-cached-on-decode"],
+    )
+    def test_repeated_prompt_loads_only_what_decode_lacks(
+        self, prefill: Any, decode: Any, directory: Any, length: int, blocks_loaded: int
+    ) -> None:
+        """The decode engine cached this prompt's full blocks from the earlier transfer."""
+        prompt = _prompt(length)
+        expected = _single_engine_tokens(prefill, prompt)
+        before = _counters(directory)
+        assert _pd_tokens(prefill, decode, prompt) == expected
+        loaded = {"loaded": 1, "get_bytes": blocks_loaded * BYTES_PER_BLOCK}
+        assert _delta(before, _counters(directory)) == (
+            loaded if blocks_loaded else {"released": 1}
+        )
+
+    def test_layout_mismatch_is_refused_never_loaded(
+        self, prefill: Any, decode: Any, directory: Any
+    ) -> None:
+        prompt = _prompt(300)
+        expected = _single_engine_tokens(prefill, prompt)
+        mismatched = _start_engine("1", "kv_consumer", block_size=64)
+        try:
+            first_token, handle = _prefill_step(prefill, prompt)
+            # The decode host refuses it before submitting, naming what differs.
+            with pytest.raises(KVLayoutMismatchError, match=r"block_size 128 != 64"):
+                check_handle_compatible(handle, mismatched.llm_engine.vllm_config)
+            # Submitted anyway, the connector refuses to load it: recomputed, same tokens.
+            before = _counters(directory)
+            assert _decode_step(mismatched, prompt, first_token, handle) == expected
+            assert _delta(before, _counters(directory)) == {"failed": 1}
+        finally:
+            _stop_engine(mismatched)
+
+    def test_lost_transfer_is_recomputed(self, prefill: Any, decode: Any, directory: Any) -> None:
+        """A handle whose objects are gone (released here) still decodes correctly."""
+        prompt = _prompt(400)
+        expected = _single_engine_tokens(prefill, prompt)
+        first_token, handle = _prefill_step(prefill, prompt)
+        ray.get(release_handle(handle))
+        before = _counters(directory)
+        assert _decode_step(decode, prompt, first_token, handle) == expected
+        assert _delta(before, _counters(directory)) == {}  # already counted as released
+
+    def test_unused_handles_are_freed(self, dashboard: str, prefill: Any, directory: Any) -> None:
+        _, released = _prefill_step(prefill, _prompt(200))
+        _, _abandoned = _prefill_step(prefill, _prompt(250))  # never decoded or released
+        held = ray.get(directory.live_object_ids.remote())
+        assert len(held) == 2
+        assert set(held) <= {entry.object_id for entry in _objects(dashboard)}
+        before = _counters(directory)
+        ray.get(release_handle(released))
+        time.sleep(TTL_S + 3 * SWEEP_INTERVAL_S)
+        assert _delta(before, _counters(directory)) == {"released": 1, "expired": 1}
+        _assert_object_store_empty(dashboard, directory)
 
 
-def test_lost_transfer_is_recomputed(prefill: Any, decode: Any, directory: Any) -> None:
-    """A handle whose objects are gone (released here) still decodes correctly."""
-    prompt = _prompt(400)
-    expected = _single_engine_tokens(prefill, prompt)
-    first_token, handle = _prefill_step(prefill, prompt)
-    ray.get(release_handle(handle))
-    before = _counters(directory)
-    assert _decode_step(decode, prompt, first_token, handle) == expected
-    assert _delta(before, _counters(directory)) == {}  # already counted as released
+class TestTensorParallelTwo:
+    """TP=2 on both sides: each rank puts and loads its own shard (one KV head here)."""
+
+    @pytest.mark.parametrize("length", (129, 1500))
+    def test_pd_tokens_equal_single_engine(
+        self, prefill_tp2: Any, decode_tp2: Any, directory: Any, length: int
+    ) -> None:
+        prompt = _prompt(length)
+        expected = _single_engine_tokens(prefill_tp2, prompt)
+        before = _counters(directory)
+        assert _pd_tokens(prefill_tp2, decode_tp2, prompt) == expected
+        blocks = -(-length // BLOCK_SIZE)  # two shards of half a block's bytes each
+        assert _delta(before, _counters(directory)) == {
+            "loaded": 1,
+            "get_bytes": blocks * BYTES_PER_BLOCK,
+        }
+
+    def test_tp_mismatch_is_refused(self, prefill_tp2: Any) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+
+        # A TP=1 decode engine's config, without starting one.
+        tp1_config = EngineArgs(
+            model=str(embedded_model_path()),
+            dtype="float32",
+            max_model_len=4096,
+            kv_transfer_config=kv_transfer_config("kv_consumer", namespace=NAMESPACE),
+        ).create_engine_config()
+        _, handle = _prefill_step(prefill_tp2, _prompt(50))
+        try:
+            with pytest.raises(
+                KVLayoutMismatchError, match=r"kv_heads_per_rank 1 != 2.*tp_size 2 != 1"
+            ):
+                check_handle_compatible(handle, tp1_config)
+        finally:
+            ray.get(release_handle(handle))
 
 
-def test_nothing_left_in_the_object_store(
-    dashboard: str, prefill: Any, decode: Any, directory: Any
-) -> None:
-    _, released = _prefill_step(prefill, _prompt(200))
-    _, _abandoned = _prefill_step(prefill, _prompt(250))  # never decoded, never released
-    held = ray.get(directory.live_object_ids.remote())
-    assert len(held) == 2
-    assert set(held) <= {entry.object_id for entry in _objects(dashboard)}
+def test_object_store_is_empty_at_the_end(dashboard: str, directory: Any) -> None:
+    time.sleep(TTL_S + 3 * SWEEP_INTERVAL_S)  # whatever a failed test left behind expires
+    _assert_object_store_empty(dashboard, directory)
 
-    before = _counters(directory)
-    ray.get(release_handle(released))
-    time.sleep(TTL_S + 3 * SWEEP_INTERVAL_S)
-    assert _delta(before, _counters(directory)) == {"released": 1, "expired": 1}
+
+def _assert_object_store_empty(dashboard: str, directory: Any) -> None:
     assert ray.get(directory.live_object_ids.remote()) == []
     snapshot = ray.get(directory.metrics_snapshot.remote())
     assert (snapshot["live_transfers"], snapshot["live_bytes"]) == (0, 0)
-    # Every object an engine process put is gone: those are the only ones of a block's size.
+    # Engine processes put only KV parts, and nothing else here is a block's size.
     leftovers = [
         (entry.object_id, entry.object_size, entry.reference_type)
         for entry in _objects(dashboard)
-        if (entry.object_size or 0) >= BYTES_PER_BLOCK
+        if (entry.object_size or 0) >= BYTES_PER_BLOCK // 2
     ]
     assert leftovers == []
 

@@ -1,0 +1,123 @@
+"""One request across a prefill replica and a decode replica (PD disaggregation).
+
+The prefill replica computes the prompt and the first token; its KV blocks go into
+Ray's object store and the handle comes back in ``kv_transfer_params``. The first
+token is streamed to the client at once. The decode replica then gets the prompt plus
+that token, loads the transferred KV instead of recomputing it, and continues.
+If the prefill replica is missing or fails, the decode replica prefills locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from deployments.protocol import GenerateChunk, GenerateRequest
+from router.engine_client import EngineClient, EngineFailed
+
+logger = logging.getLogger("splitserve.router")
+
+DO_REMOTE_DECODE = {"do_remote_decode": True}
+DO_REMOTE_PREFILL = {"do_remote_prefill": True}
+
+
+@dataclass(slots=True)
+class PrefillOutcome:
+    """Where the prompt was computed, and why there if not as planned."""
+
+    where: str  # "remote" or "local"
+    reason: str
+
+
+class PrefillDecodeFlow:
+    def __init__(self, release_transfer: Any) -> None:
+        # release_transfer(handle) frees transferred KV nobody will load (client gone).
+        self._release_transfer = release_transfer
+
+    async def run(
+        self,
+        request: GenerateRequest,
+        decode: EngineClient,
+        prefill: EngineClient | None,
+        outcome: PrefillOutcome,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Deltas of the whole answer; ``outcome`` is filled in as the flow decides."""
+        first: GenerateChunk | None = None
+        if prefill is not None:
+            try:
+                first = await self._prefill(prefill, request)
+            except EngineFailed as error:
+                logger.warning("prefill on %s failed, prefilling locally: %s", prefill.name, error)
+                outcome.where, outcome.reason = "local", "prefill_failed"
+        if first is None:
+            if outcome.where == "remote":
+                outcome.where, outcome.reason = "local", "no_prefill_replica"
+            async for chunk in decode.generate(request):
+                yield chunk
+            return
+        handle = first.kv_transfer_params
+        if first.finish_reason == "stop" or request.sampling_params.max_tokens <= 1:
+            self._release(handle)
+            yield first
+            return
+        yield dataclasses.replace(first, finish_reason=None, stop_reason=None)
+        consumed = False
+        try:
+            async for chunk in decode.generate(_decode_request(request, first, handle)):
+                consumed = True
+                yield chunk
+        finally:
+            if not consumed:
+                self._release(handle)
+
+    async def _prefill(self, prefill: EngineClient, request: GenerateRequest) -> GenerateChunk:
+        params = request.sampling_params.clone()
+        params.max_tokens = 1
+        params.min_tokens = min(params.min_tokens, 1)
+        prefill_request = dataclasses.replace(
+            request,
+            request_id=f"{request.request_id}-prefill",
+            sampling_params=params,
+            kv_transfer_params=dict(DO_REMOTE_DECODE),
+        )
+        first: GenerateChunk | None = None
+        async for chunk in prefill.generate(prefill_request):
+            first = chunk if first is None else _merge(first, chunk)
+        if first is None or not first.token_ids:
+            raise EngineFailed(f"{prefill.name} returned no first token")
+        return first
+
+    def _release(self, handle: dict[str, Any] | None) -> None:
+        if handle:
+            try:
+                self._release_transfer(handle)
+            except Exception as error:  # the TTL frees it anyway
+                logger.warning("could not release KV transfer %s: %s", handle, error)
+
+
+def _decode_request(
+    request: GenerateRequest, first: GenerateChunk, handle: dict[str, Any] | None
+) -> GenerateRequest:
+    params = request.sampling_params.clone()
+    params.max_tokens = request.sampling_params.max_tokens - len(first.token_ids)
+    params.min_tokens = max(0, params.min_tokens - len(first.token_ids))
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}-decode",
+        prompt_token_ids=[*request.prompt_token_ids, *first.token_ids],
+        sampling_params=params,
+        kv_transfer_params={**DO_REMOTE_PREFILL, **(handle or {})},
+    )
+
+
+def _merge(first: GenerateChunk, later: GenerateChunk) -> GenerateChunk:
+    return dataclasses.replace(
+        later,
+        token_ids=[*first.token_ids, *later.token_ids],
+        text=first.text + later.text,
+        num_cached_tokens=max(first.num_cached_tokens, later.num_cached_tokens),
+        kv_transfer_params=later.kv_transfer_params or first.kv_transfer_params,
+    )

@@ -1,0 +1,97 @@
+"""Workloads: the study's exact lengths, spread, trace subsets, prompts, reproducibility."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from loadgen.burstgpt import BurstGPTShapedGenerator, write_trace_csv
+from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.workloads import (
+    TextCalibration,
+    TextPrompts,
+    TokenPrompts,
+    plan_workload,
+)
+
+CONTEXT = 4096
+
+
+@pytest.mark.parametrize(
+    ("name", "lengths"),
+    [("general", (1024, 128)), ("prefill-heavy", (2048, 32)), ("decode-heavy", (128, 512))],
+)
+def test_study_workloads_have_exact_lengths(name: str, lengths: tuple[int, int]) -> None:
+    plan = plan_workload(WorkloadConfig(name=name), 200, 2, seed=0, max_model_len=CONTEXT)
+    assert len(plan.shapes) == 200 and len(plan.warmup_shapes) == 2
+    assert {(s.input_len, s.output_len) for s in plan.shapes} == {lengths}
+
+
+def test_custom_spread_stays_in_range_and_is_reproducible() -> None:
+    config = WorkloadConfig(name="custom", input_len=500, output_len=100, spread=0.2)
+    plan = plan_workload(config, 500, 0, seed=5, max_model_len=CONTEXT)
+    inputs = [s.input_len for s in plan.shapes]
+    outputs = [s.output_len for s in plan.shapes]
+    assert min(inputs) >= 400 and max(inputs) <= 600 and len(set(inputs)) > 50
+    assert min(outputs) >= 80 and max(outputs) <= 120
+    assert plan.shapes == plan_workload(config, 500, 0, seed=5, max_model_len=CONTEXT).shapes
+    assert plan.shapes != plan_workload(config, 500, 0, seed=6, max_model_len=CONTEXT).shapes
+    # More warm-ups do not change the measured requests.
+    assert plan.shapes == plan_workload(config, 500, 7, seed=5, max_model_len=CONTEXT).shapes
+
+
+def test_workload_validation_names_the_problem() -> None:
+    with pytest.raises(ValidationError, match="unknown workload"):
+        WorkloadConfig(name="medium")
+    with pytest.raises(ValidationError, match="input_len and output_len"):
+        WorkloadConfig(name="custom", input_len=10)
+    with pytest.raises(ValueError, match="exceed the server's context"):
+        plan_workload(WorkloadConfig(name="prefill-heavy"), 1, 0, 0, max_model_len=2048)
+    with pytest.raises(ValidationError, match="base_url"):
+        RunConfig(base_url="localhost:8000")
+
+
+def test_trace_subsets_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    write_trace_csv(BurstGPTShapedGenerator(seed=2).generate(20_000), path)
+    config = WorkloadConfig(name="T-prefill-heavy", trace_file=path)
+    plan = plan_workload(config, 200, 2, seed=0, max_model_len=CONTEXT)
+    assert all(s.input_len >= 1400 and s.output_len <= 384 for s in plan.shapes)
+    assert not plan.synthetic_trace and plan.source == str(path)
+    assert plan.trace_arrivals is None
+
+
+def test_replay_plan_carries_the_trace_arrivals(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    write_trace_csv(BurstGPTShapedGenerator(seed=2).generate(1000), path)
+    config = WorkloadConfig(name="T-burst-replay", trace_file=path, trace_start=10)
+    plan = plan_workload(config, 50, 2, seed=0, max_model_len=CONTEXT)
+    assert plan.trace_arrivals is not None and len(plan.trace_arrivals) == 50
+    assert plan.trace_arrivals == sorted(plan.trace_arrivals)
+    assert all(s.input_len + s.output_len <= CONTEXT for s in plan.shapes)
+
+
+def test_synthetic_trace_is_labelled() -> None:
+    config = WorkloadConfig(name="T-general", trace="burstgpt-synthetic")
+    plan = plan_workload(config, 20, 0, seed=0, max_model_len=CONTEXT)
+    assert plan.synthetic_trace and "synthetic" in plan.label and "synthetic" in plan.source
+
+
+def test_token_prompts_are_exact_and_seeded() -> None:
+    prompt = TokenPrompts(seed=1).prompt(1024)
+    assert len(prompt) == 1024 and all(0 <= t < 256 for t in prompt)
+    assert prompt == TokenPrompts(seed=1).prompt(1024)
+    assert prompt != TokenPrompts(seed=2).prompt(1024)
+
+
+def test_text_prompts_follow_the_calibration() -> None:
+    # A server that adds 9 template tokens and counts one token per two characters.
+    calibration = TextCalibration.from_probes((64, 9 + 32), (512, 9 + 256))
+    assert calibration.overhead_tokens == pytest.approx(9)
+    assert calibration.tokens_per_char == pytest.approx(0.5)
+    text = TextPrompts(seed=0, calibration=calibration).prompt(109)
+    assert len(text) == 200
+    assert TextPrompts(seed=0).prompt(50) == TextPrompts(seed=0).prompt(50)
+    assert len(TextPrompts(seed=0).prompt(50)) == 50  # uncalibrated: one token per character
