@@ -27,19 +27,23 @@ from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 from deployments.config import AppConfig
 from deployments.model_source import resolve_model
 from deployments.protocol import GenerateRequest
+from router.dispatch import Dispatch, Dispatcher
 from router.engine_client import EngineClient
 from router.engine_state import EngineStatePoller
 from router.errors import OpenAIError, bad_request
 from router.metrics import RouterMetrics
-from router.replicas import make_replica_choice
+from router.pd import PrefillOutcome
 from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, parse_request
 from router.responses import SSE_DONE, ResponseWriter, Transcript
 
 logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
-REPLICA_HEADER = "x-splitserve-replica"
 
 app = FastAPI(title="splitserve router")
+
+
+def _release_transfer(handle: dict[str, Any]) -> None:
+    """Free transferred KV that no decode will load (wired to kv_transfer with PD)."""
 
 
 async def _json_body(raw: Request) -> Any:
@@ -67,7 +71,7 @@ class Router:
         self._replicas = [EngineClient(name, roles[name], h) for name, h in engines.items()]
         for replica in self._replicas:
             replica.start()
-        self._choice = make_replica_choice(self._config.router.replica_choice)
+        self._dispatcher = Dispatcher(self._config, self._replicas, _release_transfer)
         self._metrics = RouterMetrics()
         self._mode = self._config.strategy
         self._engine_state = EngineStatePoller(
@@ -124,8 +128,6 @@ class Router:
         except OpenAIError as error:
             self._metrics.requests.labels(route, str(int(error.status))).inc()
             return error.response(headers)
-        replica = self._choice.choose(self._replicas)
-        headers[REPLICA_HEADER] = replica.name
         engine_request = GenerateRequest(
             # vLLM needs ids unique among running requests; clients may reuse theirs.
             request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
@@ -140,7 +142,9 @@ class Router:
             response_id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             return_token_ids=prepared.return_token_ids,
         )
-        events = self._events(replica, engine_request, prepared, writer, arrival)
+        dispatch = self._dispatcher.dispatch(engine_request)
+        headers.update(dispatch.headers)
+        events = self._events(dispatch, prepared, writer, arrival)
         if prepared.stream:
             self._metrics.requests.labels(route, "200").inc()
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -167,25 +171,24 @@ class Router:
 
     async def _events(
         self,
-        replica: EngineClient,
-        engine_request: GenerateRequest,
+        dispatch: Dispatch,
         prepared: PreparedRequest,
         writer: ResponseWriter,
         arrival: float,
     ) -> AsyncIterator[Any]:
         """SSE strings when streaming; for non-stream requests, the final Transcript."""
         transcript = Transcript(prompt_token_ids=prepared.prompt_token_ids)
-        self._track(replica, +1)
+        self._track(dispatch.replicas, +1)
         last_token_at: float | None = None
         # Closing `stream` early (client gone) aborts the request in the engine.
-        stream = replica.generate(engine_request)
+        stream = dispatch.stream
         try:
             if prepared.stream and (opening := writer.first_event(transcript)):
                 yield opening
             async for chunk in stream:
                 now = time.perf_counter()
-                if chunk.token_ids:
-                    self._observe_token_timing(arrival, last_token_at, now, prepared.stream)
+                if chunk.token_ids and prepared.stream:
+                    self._observe_token_timing(arrival, last_token_at, now, dispatch.outcome)
                     last_token_at = now
                 first = not transcript.token_ids
                 transcript.add(chunk)
@@ -201,9 +204,10 @@ class Router:
                 yield writer.usage_event(transcript)
             yield SSE_DONE
         except Exception as error:  # the engine failed mid-request
-            logger.exception("request %s failed on %s", engine_request.request_id, replica.name)
+            names = "+".join(replica.name for replica in dispatch.replicas)
+            logger.exception("a request failed on %s", names)
             failure = OpenAIError(
-                f"the engine replica {replica.name} failed: {type(error).__name__}",
+                f"the engine replica failed ({names}): {error}",
                 HTTPStatus.INTERNAL_SERVER_ERROR,
             )
             if not prepared.stream:
@@ -211,24 +215,24 @@ class Router:
             yield writer.error_event(failure)
             yield SSE_DONE
         finally:
-            self._track(replica, -1)
+            self._track(dispatch.replicas, -1)
             await stream.aclose()
 
     def _observe_token_timing(
-        self, arrival: float, last_token_at: float | None, now: float, streamed: bool
+        self, arrival: float, last_token_at: float | None, now: float, outcome: PrefillOutcome
     ) -> None:
-        if not streamed:
-            return
         if last_token_at is None:
-            self._metrics.ttft.labels(self._mode, "local").observe(now - arrival)
+            self._metrics.ttft.labels(self._mode, outcome.where).observe(now - arrival)
         else:
             self._metrics.itl.labels(self._mode).observe(now - last_token_at)
 
-    def _track(self, replica: EngineClient, delta: int) -> None:
-        replica.in_flight += delta
-        self._metrics.replica_in_flight.labels(replica.name, replica.role).set(replica.in_flight)
-        if delta > 0:
-            self._metrics.replica_requests.labels(replica.name, replica.role).inc()
+    def _track(self, replicas: list[EngineClient], delta: int) -> None:
+        for replica in replicas:
+            replica.in_flight += delta
+            labels = (replica.name, replica.role)
+            self._metrics.replica_in_flight.labels(*labels).set(replica.in_flight)
+            if delta > 0:
+                self._metrics.replica_requests.labels(*labels).inc()
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._served_name:
