@@ -47,7 +47,7 @@ LAG_REQUESTS = 2000
 SHAPES = {"general": (1024, 128), "short": (128, 16)}
 TARGET_RATIO = 2.0
 TARGET_LAG_P99_MS = 5.0
-console = Console()
+console = Console(width=120)
 
 
 # ---- workers: one client run per process ---------------------------------------------------

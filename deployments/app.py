@@ -14,6 +14,7 @@ from ray.serve import Application
 from deployments.config import AppConfig, PoolConfig, parse_app_config
 from deployments.engine import EngineReplica, EngineSpec
 from deployments.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
+from kv_transfer.settings import kv_transfer_config
 from router.ingress import Router
 
 
@@ -38,7 +39,12 @@ def engine_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[
 
 def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
     spec = EngineSpec(
-        name=name, role=pool.role, model=config.model, pool=pool, accelerator=config.accelerator
+        name=name,
+        role=pool.role,
+        model=config.model,
+        pool=pool,
+        accelerator=config.accelerator,
+        kv_transfer=_kv_transfer_config(config, pool),
     )
     actor_options: dict[str, Any] = {
         "num_cpus": config.resources.engine_num_cpus,
@@ -49,6 +55,13 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
     return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
         spec.model_dump()
     )
+
+
+def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] | None:
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer"}
+    if config.strategy != "pd" or pool.role not in roles:
+        return None
+    return kv_transfer_config(roles[pool.role], **config.kv_transfer.model_dump())
 
 
 def build_app_from_config(config: AppConfig) -> Application:

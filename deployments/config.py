@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from deployments.protocol import EngineRole
+from kv_transfer.settings import ConnectorSettings
 
 Strategy = Literal["single", "dp", "tp", "pp", "pd"]
 Accelerator = Literal["cpu", "gpu"]
@@ -94,6 +95,12 @@ class RouterConfig(StrictModel):
     replica_choice: ReplicaChoice = "round_robin"
     request_timeout_s: float = Field(600.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
+    unhealthy_after_failed_polls: int = Field(
+        3, ge=1, description="Consecutive failed stats polls before a replica is skipped."
+    )
+    submit_timeout_s: float = Field(
+        5.0, gt=0, description="An engine replica that takes longer to accept is unhealthy."
+    )
     stats_interval_s: float = Field(
         0.2, gt=0, description="How often the router polls every engine for its load."
     )
@@ -108,6 +115,10 @@ class AppConfig(StrictModel):
     pools: list[PoolConfig] = Field(min_length=1)
     router: RouterConfig = RouterConfig()
     resources: ResourcesConfig = ResourcesConfig()
+    kv_transfer: ConnectorSettings = Field(
+        default_factory=ConnectorSettings,
+        description="PD only: the object-store KV connector (namespace, ttl_s, claim_wait_s).",
+    )
 
     @model_validator(mode="after")
     def _pools_fit_strategy(self) -> AppConfig:
@@ -117,6 +128,7 @@ class AppConfig(StrictModel):
                 raise ValueError(
                     f"strategy 'pd' needs exactly one 'prefill' and one 'decode' pool, got {roles}"
                 )
+            _check_kv_layouts_match(self.pool("prefill"), self.pool("decode"))
             return self
         if roles != ["mixed"]:
             raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
@@ -138,6 +150,29 @@ class AppConfig(StrictModel):
 
     def pool(self, role: EngineRole) -> PoolConfig:
         return next(pool for pool in self.pools if pool.role == role)
+
+
+# Engine settings that shape the KV cache: prefill and decode must agree on all of them,
+# or the transferred blocks would be read with the wrong layout.
+KV_LAYOUT_ENGINE_KWARGS = ("block_size", "dtype", "kv_cache_dtype")
+
+
+def _check_kv_layouts_match(prefill: PoolConfig, decode: PoolConfig) -> None:
+    differences = []
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(prefill, name) != getattr(decode, name):
+            differences.append(f"{name} {getattr(prefill, name)} != {getattr(decode, name)}")
+    for name in KV_LAYOUT_ENGINE_KWARGS:
+        ours, theirs = prefill.engine_kwargs.get(name), decode.engine_kwargs.get(name)
+        if ours != theirs:
+            differences.append(f"engine_kwargs.{name} {ours!r} != {theirs!r}")
+    if differences:
+        raise ValueError(
+            "prefill and decode pools must share one KV layout, but (prefill != decode): "
+            + "; ".join(differences)
+        )
+    if prefill.pipeline_parallel_size > 1:
+        raise ValueError("the object-store KV connector does not support pipeline parallelism")
 
 
 class ConfigError(ValueError):

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import ray
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
@@ -29,6 +31,7 @@ from deployments.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
+from kv_transfer.handle import check_handle_compatible, is_transfer_params
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -46,6 +49,8 @@ class EngineSpec(BaseModel):
     model: ModelConfig
     pool: PoolConfig
     accelerator: str
+    # vLLM's kv_transfer_config for PD roles (our object-store connector), else None.
+    kv_transfer: dict[str, Any] | None = None
 
 
 class _LatestSchedulerStats:
@@ -119,6 +124,8 @@ def build_engine_args(spec: EngineSpec) -> Any:
         kwargs["block_size"] = spec.model.block_size
     if spec.accelerator == "gpu":
         kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
+    if spec.kv_transfer is not None:
+        kwargs["kv_transfer_config"] = spec.kv_transfer
     kwargs.update(pool.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
 
@@ -144,6 +151,9 @@ class EngineReplica:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._spec = EngineSpec.model_validate(spec)
+        # vLLM's engine processes are not Ray workers; the KV connector inside them
+        # joins this cluster itself, by the address it inherits from here.
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         self._latest = _LatestSchedulerStats()
         self._outboxes: dict[str, asyncio.Queue[tuple[str, Any]]] = {}
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
@@ -163,6 +173,10 @@ class EngineReplica:
         """Start a request; its deltas go out on the subscriber's ``deltas`` stream."""
         if request.request_id in self._running:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if is_transfer_params(request.kv_transfer_params):
+            # Refuse KV from an engine with another layout now, with the fields that
+            # differ, instead of letting the connector fall back silently.
+            check_handle_compatible(request.kv_transfer_params, self._engine.vllm_config)
         outbox = self._outbox(request.subscriber)
         task = asyncio.get_running_loop().create_task(self._run(request, outbox))
         self._running[request.request_id] = (request.subscriber, task)

@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,9 @@ def serve_run(
     path = config_path(name_or_path)
     if not path.exists():
         raise LaunchError(f"no such config: {path}")
+    if _port_in_use(port):
+        # Serve binds with SO_REUSEPORT: a second app would silently share the traffic.
+        raise LaunchError(f"port {port} is already serving; stop that server first")
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="splitserve-"))
     log_path = log_dir / f"serve-{path.stem}.log"
     env = dict(os.environ)
@@ -147,6 +151,12 @@ def serve_run(
             raise LaunchError(
                 f"engine processes {sorted(leftovers)} outlived {path.name}; killed them"
             )
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _serve_cli() -> str:

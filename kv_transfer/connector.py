@@ -15,8 +15,10 @@ Hence one object per request per rank, packed as views of the cache pages so tha
 ``ray.put`` makes the only copy on the prefill side and the write into the pages the
 only one on the decode side. Per-layer objects would pay off only with layer-wise
 pipelining of the load, which the CPU backend cannot overlap with compute anyway.
-With Ray's default object store (30% of RAM) puts land on never-touched pages until
-the store has been cycled once: median put 85 ms, minimum 12 ms in the same run.
+The first puts into a fresh object store land on never-touched pages: in one run with
+Ray's default store (30% of RAM) the median put was 85 ms (minimum 12 ms); later runs
+of the same bench on a busier machine gave 15-27 ms. A fresh 64 MiB buffer costs
+40-90 ms of page faults here, which is also why the staging buffer loses.
 """
 
 from __future__ import annotations

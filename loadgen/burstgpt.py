@@ -22,9 +22,10 @@ T-burst-replay     consecutive rows from ``--trace-start``,     672 / 215
 
 The thresholds were chosen so that, on a trace with BurstGPT's shape (see
 ``BurstGPTShapedGenerator``) and a 4096-token context, the subsets' means land near the
-study's Table 2: there T-general is 636/224, T-prefill-heavy 2122/134, T-decode-heavy
-601/1132 (the generator draws request and response lengths independently, so it cannot
-reproduce the longer prompts of the study's decode-heavy rows) and the replay 682/222.
+study's Table 2: there T-general is about 635/224, T-prefill-heavy 2120/134,
+T-decode-heavy 600/1130 (the generator draws request and response lengths
+independently, so it cannot reproduce the longer prompts of the study's decode-heavy
+rows) and the replay 680/222.
 The real trace could not be read where this was written (no network):
 ``python -m loadgen trace-stats --trace-file BurstGPT_1.csv`` prints the subsets'
 means on it, to confirm or retune ``SUBSET_RULES``.

@@ -61,7 +61,7 @@ RESULTS_ROOT = Path("results/loadgen")
 RUN_EXAMPLES = """examples:
   # the study's general workload at QPS 1,2,4,8,inf, 200 requests each, against serve run
   python -m loadgen --workload general --qps 1,2,4,8,inf
-  # custom lengths with a +-20%% spread, Poisson 4 req/s, goodput under SLOs
+  # custom lengths with a +-20% spread, Poisson 4 req/s, goodput under SLOs
   python -m loadgen --input-len 512 --output-len 64 --spread 0.2 --qps 4 \\
       --slo-ttft-ms 200 --slo-tpot-ms 20
   # BurstGPT: the long-prompt subset at QPS 8; the trace's own arrivals, 10x faster

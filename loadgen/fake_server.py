@@ -31,6 +31,10 @@ MAX_HEADER_BYTES = 64 * 1024
 TOKEN_ID_MODULUS = 256
 FIRST_PRINTABLE = 32
 RENDERED_CACHE_SIZE = 4096
+# The emulated gauges: each in-flight stream keeps a "GPU" this busy, and the KV cache
+# holds this many full contexts.
+BUSY_PERCENT_PER_STREAM = 25.0
+KV_CAPACITY_CONTEXTS = 8
 
 
 class FakeServerConfig(BaseModel):
@@ -100,10 +104,11 @@ class _Metrics:
 
     def update_gauges(self, kv_tokens: int) -> None:
         # A made-up but load-dependent picture: GPU 0 busier than the others.
-        busy = min(100.0, 25.0 * self.in_flight)
+        busy = min(100.0, BUSY_PERCENT_PER_STREAM * self.in_flight)
         for gpu in range(self.gpus):
             self.gpu.labels(str(gpu)).set(busy / (gpu + 1))
-        self.kv_usage.labels("fake-0", "mixed").set(min(1.0, kv_tokens / (8 * self.max_model_len)))
+        capacity = KV_CAPACITY_CONTEXTS * self.max_model_len
+        self.kv_usage.labels("fake-0", "mixed").set(min(1.0, kv_tokens / capacity))
 
 
 @dataclass

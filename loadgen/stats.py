@@ -9,7 +9,8 @@ Definitions (times relative to the moment the request was handed to the connecti
   minus first) exact. Extra tokens in the first chunk contribute gaps of 0.
 - TPOT: (last token - first token) / (tokens - 1); undefined for one token.
 - E2E: end of the response stream.
-- Send lag: actual send time minus scheduled send time.
+- Send lag: actual send time minus scheduled send time (at QPS inf with
+  ``--max-concurrency``, the wait for a free slot).
 
 Percentiles are numpy's linear interpolation over all samples of the run: every
 request's TTFT, every gap of every request for ITL. Never averages of averages.

@@ -42,16 +42,19 @@ class Dispatcher:
 
     def dispatch(self, request: GenerateRequest) -> Dispatch:
         if not self._disaggregated:
-            replica = self._choose("mixed")
+            replica = self._choose("mixed") or self._pools["mixed"][0]
             return Dispatch(
                 stream=replica.generate(request),
                 replicas=[replica],
                 outcome=PrefillOutcome("local", "colocated"),
                 headers={REPLICA_HEADER: replica.name},
             )
-        decode = self._choose("decode")
-        prefill = self._choose("prefill") if self._pools.get("prefill") else None
+        # An unhealthy decode replica is skipped while another is healthy.
+        decode = self._choose("decode") or self._pools["decode"][0]
+        prefill = self._choose("prefill")
         outcome = PrefillOutcome("remote", "always")
+        if prefill is None:
+            outcome = PrefillOutcome("local", "prefill_unavailable")
         headers = {REPLICA_HEADER: decode.name}
         if prefill is not None:
             headers[PREFILL_REPLICA_HEADER] = prefill.name
@@ -62,5 +65,7 @@ class Dispatcher:
             headers=headers,
         )
 
-    def _choose(self, role: str) -> EngineClient:
-        return self._choices[role].choose(self._pools[role])
+    def _choose(self, role: str) -> EngineClient | None:
+        """A healthy replica of the pool; None if none is (the caller decides what then)."""
+        healthy = [replica for replica in self._pools.get(role, []) if replica.healthy]
+        return self._choices[role].choose(healthy) if healthy else None

@@ -25,10 +25,14 @@ class EngineFailed(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, name: str, role: str, handle: Any) -> None:
+    def __init__(self, name: str, role: str, handle: Any, submit_timeout_s: float) -> None:
         self.name = name
         self.role = role
         self.in_flight = 0
+        # False from a broken delta stream or failed stats poll until a poll succeeds again;
+        # the dispatcher routes around unhealthy replicas where it has a choice.
+        self.healthy = True
+        self._submit_timeout_s = submit_timeout_s
         self._handle = handle
         self._subscriber = f"router-{uuid.uuid4().hex[:12]}"
         self._pending: dict[str, asyncio.Queue[GenerateChunk | GenerateFailure]] = {}
@@ -50,7 +54,11 @@ class EngineClient:
         self._pending[request.request_id] = queue
         finished = False
         try:
-            await self._handle.submit.remote(request)
+            try:
+                await asyncio.wait_for(self._handle.submit.remote(request), self._submit_timeout_s)
+            except TimeoutError:
+                self.healthy = False
+                raise EngineFailed(f"{self.name} did not accept the request in time") from None
             while True:
                 item = await queue.get()
                 if isinstance(item, GenerateFailure):
@@ -83,6 +91,7 @@ class EngineClient:
                 raise
             except Exception as error:
                 logger.warning("delta stream from %s broke: %s", self.name, error)
+            self.healthy = False
             # Whatever was in flight on that stream is lost with it.
             lost = GenerateFailure(f"engine replica {self.name} went away")
             for queue in self._pending.values():

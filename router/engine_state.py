@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from deployments.protocol import EngineStats
+from kv_transfer.directory import get_kv_directory
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics
 
@@ -19,12 +21,22 @@ logger = logging.getLogger("splitserve.router")
 
 class EngineStatePoller:
     def __init__(
-        self, replicas: list[EngineClient], metrics: RouterMetrics, interval_s: float
+        self,
+        replicas: list[EngineClient],
+        metrics: RouterMetrics,
+        interval_s: float,
+        unhealthy_after_failed_polls: int,
+        kv_namespace: str | None = None,
     ) -> None:
         self._replicas = replicas
         self._metrics = metrics
         self._interval_s = interval_s
+        self._kv_namespace = kv_namespace
+        self._unhealthy_after = unhealthy_after_failed_polls
+        self._failed_polls: dict[str, int] = {}
         self.latest: dict[str, EngineStats] = {}
+        # The KV directory's last metrics snapshot (PD only), rendered at scrape time.
+        self.kv_transfer_snapshot: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -34,9 +46,21 @@ class EngineStatePoller:
     async def _run(self) -> None:
         while True:
             started = time.perf_counter()
-            await asyncio.gather(*(self._poll(replica) for replica in self._replicas))
+            polls = [self._poll(replica) for replica in self._replicas]
+            if self._kv_namespace is not None:
+                polls.append(self._poll_kv_directory(self._kv_namespace))
+            await asyncio.gather(*polls)
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
+
+    async def _poll_kv_directory(self, namespace: str) -> None:
+        try:
+            directory = get_kv_directory(namespace)
+            self.kv_transfer_snapshot = await asyncio.wait_for(
+                directory.metrics_snapshot.remote(), timeout=max(1.0, 5 * self._interval_s)
+            )
+        except Exception as error:
+            logger.debug("no KV transfer metrics: %s", error)
 
     async def _poll(self, replica: EngineClient) -> None:
         try:
@@ -45,7 +69,13 @@ class EngineStatePoller:
             )
         except Exception as error:  # a replica that is starting or gone: keep the last view
             logger.debug("no stats from %s: %s", replica.name, error)
+            failures = self._failed_polls.get(replica.name, 0) + 1
+            self._failed_polls[replica.name] = failures
+            if failures >= self._unhealthy_after:
+                replica.healthy = False
             return
+        self._failed_polls[replica.name] = 0
+        replica.healthy = True
         self.latest[replica.name] = stats
         labels = (replica.name, replica.role)
         gauges = self._metrics

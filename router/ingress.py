@@ -8,6 +8,7 @@ goes away cancels the engine stream, which aborts the request inside vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 from deployments.config import AppConfig
 from deployments.model_source import resolve_model
 from deployments.protocol import GenerateRequest
+from kv_transfer import KVTransferCollector, release_handle, shutdown_kv_directory
 from router.dispatch import Dispatch, Dispatcher
 from router.engine_client import EngineClient
 from router.engine_state import EngineStatePoller
@@ -40,10 +42,6 @@ logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
 
 app = FastAPI(title="splitserve router")
-
-
-def _release_transfer(handle: dict[str, Any]) -> None:
-    """Free transferred KV that no decode will load (wired to kv_transfer with PD)."""
 
 
 async def _json_body(raw: Request) -> Any:
@@ -68,14 +66,26 @@ class Router:
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
         self._prompts = PromptBuilder(tokenizer, self._config.model.max_model_len, vocab_size)
-        self._replicas = [EngineClient(name, roles[name], h) for name, h in engines.items()]
+        submit_timeout_s = self._config.router.submit_timeout_s
+        self._replicas = [
+            EngineClient(name, roles[name], handle, submit_timeout_s)
+            for name, handle in engines.items()
+        ]
         for replica in self._replicas:
             replica.start()
-        self._dispatcher = Dispatcher(self._config, self._replicas, _release_transfer)
+        self._dispatcher = Dispatcher(self._config, self._replicas, release_handle)
         self._metrics = RouterMetrics()
         self._mode = self._config.strategy
+        self._kv_namespace = self._config.kv_transfer.namespace if self._mode == "pd" else None
         self._engine_state = EngineStatePoller(
-            self._replicas, self._metrics, self._config.router.stats_interval_s
+            self._replicas,
+            self._metrics,
+            self._config.router.stats_interval_s,
+            self._config.router.unhealthy_after_failed_polls,
+            kv_namespace=self._kv_namespace,
+        )
+        self._metrics.registry.register(
+            KVTransferCollector(lambda: self._engine_state.kv_transfer_snapshot)
         )
         self._engine_state.start()
 
@@ -217,6 +227,8 @@ class Router:
         finally:
             self._track(dispatch.replicas, -1)
             await stream.aclose()
+            outcome = dispatch.outcome
+            self._metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
 
     def _observe_token_timing(
         self, arrival: float, last_token_at: float | None, now: float, outcome: PrefillOutcome
@@ -241,6 +253,12 @@ class Router:
                 HTTPStatus.NOT_FOUND,
                 "model",
             )
+
+    def __del__(self) -> None:
+        # The KV directory is a detached actor: it goes with the application.
+        if getattr(self, "_kv_namespace", None) is not None:
+            with contextlib.suppress(Exception):
+                shutdown_kv_directory(self._kv_namespace)
 
     async def _replica_health(self, replica: EngineClient) -> str:
         timeout = self._config.router.health_check_timeout_s

@@ -68,6 +68,12 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.prefill_decisions = Counter(
+            "splitserve_prefill_decisions",
+            "Where each request's prompt was computed (local or remote) and why.",
+            ["where", "reason"],
+            registry=r,
+        )
         self.engine_requests = Gauge(
             "splitserve_engine_requests",
             "Requests in each engine replica by state, as the engine last reported.",

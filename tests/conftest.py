@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -62,7 +63,9 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "--head",
             f"--port={port}",
             "--num-cpus=4",
-            "--include-dashboard=false",
+            # The dashboard serves Ray's state API, which the PD tests ask for objects.
+            "--include-dashboard=true",
+            f"--dashboard-port={_free_port()}",
             "--disable-usage-stats",
         ],
         check=True,
@@ -80,8 +83,18 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _signal_all(_session_pids(token), signal.SIGTERM)
         _signal_all(_wait_gone(lambda: _session_pids(token), timeout_s=10), signal.SIGKILL)
         leftovers = _wait_gone(lambda: _session_pids(token), timeout_s=10)
+        _forget_cluster(port)
         assert not leaked_engines, f"vLLM engines outlived their apps: {sorted(leaked_engines)}"
         assert not leftovers, f"processes survived SIGKILL: {sorted(leftovers)}"
+
+
+def _forget_cluster(port: int) -> None:
+    # `ray start` records its address for later clients; `serve run` would otherwise try
+    # to join this stopped cluster and hang. `ray stop` deletes the file; we do too.
+    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    with contextlib.suppress(OSError):
+        if current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
 
 
 def _is_engine(pid: int) -> bool:

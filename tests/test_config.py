@@ -12,7 +12,7 @@ from deployments.config import ConfigError, load_app_config, parse_app_config
 DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp"])
+@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp", "pd"])
 def test_shipped_configs_are_valid(name: str) -> None:
     config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
     assert config.strategy == name
@@ -43,6 +43,31 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
             "names 1 rank(s)",
         ),
         ({"strategy": "single", "pools": [{"replica": 1}]}, "pools.0.replica: Extra inputs"),
+        (
+            {
+                "strategy": "pd",
+                "pools": [
+                    {"role": "prefill", "engine_kwargs": {"block_size": 64}},
+                    {"role": "decode"},
+                ],
+            },
+            "must share one KV layout, but (prefill != decode): engine_kwargs.block_size 64",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill", "tensor_parallel_size": 2}, {"role": "decode"}],
+            },
+            "tensor_parallel_size 2 != 1",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "kv_transfer": {"ttl_s": 0},
+            },
+            "kv_transfer.ttl_s",
+        ),
         ({"strategy": "single", "pools": [{}], "model": {"max_model_len": 0}}, "max_model_len"),
     ],
 )
