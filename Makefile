@@ -7,7 +7,7 @@ EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint clean-cache
+.PHONY: setup demo test lint
 
 setup: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/python -m deployments.demo
+	$(VENV)/bin/python -m loadgen demo
 
 test: setup
 	$(VENV)/bin/ruff check .
