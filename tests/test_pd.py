@@ -37,23 +37,19 @@ KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # block x K,V x layers x kv heads x he
 
 
 def _complete(base_url: str, prompt: list[int], stream: bool = False) -> tuple[list[int], dict]:
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": stream,
-        "stream_options": {"include_usage": True} if stream else None,
-    }
-    return _post(base_url, "/v1/completions", body, stream)
+    return _post(base_url, "/v1/completions", {"prompt": prompt}, stream)
 
 
 def _chat(base_url: str, content: str, stream: bool = False) -> tuple[list[int], dict]:
+    messages = [{"role": "user", "content": content}]
+    return _post(base_url, "/v1/chat/completions", {"messages": messages}, stream)
+
+
+def _post(base_url: str, route: str, prompt: dict, stream: bool) -> tuple[list[int], dict]:
+    """Greedy token ids and usage of one request, streamed or not."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
+        **prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
@@ -61,10 +57,6 @@ def _chat(base_url: str, content: str, stream: bool = False) -> tuple[list[int],
         "stream": stream,
         "stream_options": {"include_usage": True} if stream else None,
     }
-    return _post(base_url, "/v1/chat/completions", body, stream)
-
-
-def _post(base_url: str, route: str, body: dict, stream: bool) -> tuple[list[int], dict]:
     with httpx.Client(base_url=base_url, timeout=120) as http:
         if not stream:
             response = http.post(route, json=body)
