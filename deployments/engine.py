@@ -246,9 +246,6 @@ class EngineReplica:
             reported_at=latest.reported_at,
         )
 
-    def block_size(self) -> int:
-        return self._engine.vllm_config.cache_config.block_size
-
     async def check_health(self) -> None:
         # Serve calls this periodically; raising marks the replica unhealthy and restarts it.
         await self._engine.check_health()

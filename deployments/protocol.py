@@ -6,7 +6,7 @@ surface; an engine replica only runs vLLM on token ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 EngineRole = Literal["mixed", "prefill", "decode"]
@@ -22,7 +22,6 @@ class GenerateRequest:
     sampling_params: Any
     # Opaque to the router: produced by one engine's KV connector, consumed by another's.
     kv_transfer_params: dict[str, Any] | None = None
-    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -63,4 +62,3 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     reported_at: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
