@@ -226,7 +226,10 @@ class EngineReplica:
             async for output in self._engine.generate(prompt, params, request.request_id):
                 outbox.put_nowait((request.request_id, _chunk_of(output)))
         except asyncio.CancelledError:
-            raise  # aborted: AsyncLLM.generate has already aborted it in the engine
+            # AsyncLLM.generate aborts what it has registered, but a cancel that lands
+            # while the request is being added leaves it running with nobody reading.
+            await self._engine.abort(request.request_id)
+            raise
         except Exception as error:
             logger.exception("request %s failed", request.request_id)
             failure = GenerateFailure(f"{type(error).__name__}: {error}")

@@ -13,12 +13,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -36,7 +36,7 @@ from router.errors import OpenAIError, bad_request
 from router.metrics import RouterMetrics
 from router.pd import PrefillOutcome
 from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, parse_request
-from router.responses import SSE_DONE, ResponseWriter, Transcript
+from router.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
 
 logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
@@ -157,7 +157,7 @@ class Router:
         events = self._events(dispatch, prepared, writer, arrival)
         if prepared.stream:
             self._metrics.requests.labels(route, "200").inc()
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return EventStreamResponse(events, headers)
         return await self._collect(events, writer, route, headers)
 
     async def _collect(
@@ -185,7 +185,7 @@ class Router:
         prepared: PreparedRequest,
         writer: ResponseWriter,
         arrival: float,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """SSE strings when streaming; for non-stream requests, the final Transcript."""
         transcript = Transcript(prompt_token_ids=prepared.prompt_token_ids)
         self._track(dispatch.replicas, +1)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponse,
@@ -26,6 +29,25 @@ from deployments.protocol import GenerateChunk
 from router.errors import OpenAIError
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE that always closes its event generator, however the response ends.
+
+    Starlette cancels a stream whose client went away wherever it is waiting; when
+    that is a ``send`` rather than the generator, the generator stays suspended at its
+    ``yield`` until garbage collection, and so would the request inside the engine.
+    """
+
+    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
 
 
 @dataclass(slots=True)
