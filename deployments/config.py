@@ -14,10 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from deployments.protocol import EngineRole
 from kv_transfer.settings import ConnectorSettings
+from router.settings import (
+    PrefixAffinityConfig,
+    QoSConfig,
+    ReplicaChoiceName,
+    SplitPolicyConfig,
+)
 
 Strategy = Literal["single", "dp", "tp", "pp", "pd"]
 Accelerator = Literal["cpu", "gpu"]
-ReplicaChoice = Literal["round_robin"]
 
 
 class StrictModel(BaseModel):
@@ -92,7 +97,12 @@ class ResourcesConfig(StrictModel):
 
 
 class RouterConfig(StrictModel):
-    replica_choice: ReplicaChoice = "round_robin"
+    replica_choice: ReplicaChoiceName | dict[EngineRole, ReplicaChoiceName] = Field(
+        "round_robin",
+        description="One policy for every pool, or one per role, e.g. {prefill: least_loaded,"
+        " decode: prefix_affinity}.",
+    )
+    prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
     request_timeout_s: float = Field(600.0, gt=0)
     health_check_timeout_s: float = Field(5.0, gt=0)
     unhealthy_after_failed_polls: int = Field(
@@ -119,6 +129,11 @@ class AppConfig(StrictModel):
         default_factory=ConnectorSettings,
         description="PD only: the object-store KV connector (namespace, ttl_s, claim_wait_s).",
     )
+    split_policy: SplitPolicyConfig = Field(
+        default_factory=SplitPolicyConfig,
+        description="PD only: where each prompt is prefilled (always, never, conditional).",
+    )
+    qos: QoSConfig = QoSConfig()
 
     @model_validator(mode="after")
     def _pools_fit_strategy(self) -> AppConfig:
@@ -129,9 +144,12 @@ class AppConfig(StrictModel):
                     f"strategy 'pd' needs exactly one 'prefill' and one 'decode' pool, got {roles}"
                 )
             _check_kv_layouts_match(self.pool("prefill"), self.pool("decode"))
-            return self
+            return self._check_replica_choice_roles()
         if roles != ["mixed"]:
             raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
+        if "split_policy" in self.model_fields_set:
+            raise ValueError(f"split_policy is for strategy 'pd', not {self.strategy!r}")
+        self._check_replica_choice_roles()
         pool = self.pools[0]
         expected = {
             "single": (1, 1, 1),
@@ -148,8 +166,24 @@ class AppConfig(StrictModel):
                 raise ValueError(f"strategy {self.strategy!r} needs {name} = {want}, got {got}")
         return self
 
+    def _check_replica_choice_roles(self) -> AppConfig:
+        choice = self.router.replica_choice
+        if isinstance(choice, dict):
+            roles = {pool.role for pool in self.pools}
+            unknown = sorted(set(choice) - roles)
+            if unknown:
+                raise ValueError(
+                    f"router.replica_choice names roles {unknown} this strategy has no pool for;"
+                    f" its pools are {sorted(roles)}"
+                )
+        return self
+
     def pool(self, role: EngineRole) -> PoolConfig:
         return next(pool for pool in self.pools if pool.role == role)
+
+    def replica_choice(self, role: EngineRole) -> ReplicaChoiceName:
+        choice = self.router.replica_choice
+        return choice if isinstance(choice, str) else choice.get(role, "round_robin")
 
 
 # Engine settings that shape the KV cache: prefill and decode must agree on all of them,

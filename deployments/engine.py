@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger("splitserve.engine")
+# vLLM's names for where a prompt token's KV came from (PromptTokenStats.ALL_SOURCES).
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 class EngineSpec(BaseModel):
@@ -63,6 +65,12 @@ class _LatestSchedulerStats:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.reported_at = 0.0
+        self.prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+
+    def add_iteration(self, iteration_stats: Any) -> None:
+        sources = iteration_stats.prompt_token_stats
+        for source in PROMPT_TOKEN_SOURCES:
+            self.prompt_tokens[source] += sources.get_by_source(source)
 
     def update(self, scheduler_stats: Any) -> None:
         self.num_running = scheduler_stats.num_running_reqs
@@ -90,6 +98,8 @@ def _stat_logger_factory(latest: _LatestSchedulerStats) -> Any:
         ) -> None:
             if scheduler_stats is not None:
                 latest.update(scheduler_stats)
+            if iteration_stats is not None:
+                latest.add_iteration(iteration_stats)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -162,6 +172,8 @@ class EngineReplica:
             build_engine_args(self._spec),
             stat_loggers=[_stat_logger_factory(self._latest)],
         )
+        # vLLM refuses a priority other than 0 unless it schedules by priority.
+        self._schedules_by_priority = self._engine.vllm_config.scheduler_config.policy == "priority"
         logger.info(
             "engine %s (%s) ready in %.1fs",
             self._spec.name,
@@ -222,8 +234,11 @@ class EngineReplica:
                 "kv_transfer_params": request.kv_transfer_params,
             }
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        priority = request.priority if self._schedules_by_priority else 0
         try:
-            async for output in self._engine.generate(prompt, params, request.request_id):
+            async for output in self._engine.generate(
+                prompt, params, request.request_id, priority=priority
+            ):
                 outbox.put_nowait((request.request_id, _chunk_of(output)))
         except asyncio.CancelledError:
             # AsyncLLM.generate aborts what it has registered, but a cancel that lands
@@ -237,6 +252,7 @@ class EngineReplica:
 
     def stats(self) -> EngineStats:
         latest = self._latest
+        cache = self._engine.vllm_config.cache_config
         return EngineStats(
             replica=self._spec.name,
             role=self._spec.role,
@@ -247,6 +263,9 @@ class EngineReplica:
             prefix_cache_queries=latest.prefix_cache_queries,
             prefix_cache_hits=latest.prefix_cache_hits,
             reported_at=latest.reported_at,
+            block_size=cache.block_size or 0,
+            kv_capacity_blocks=cache.num_gpu_blocks or 0,
+            prompt_tokens=dict(latest.prompt_tokens),
         )
 
     async def check_health(self) -> None:

@@ -6,7 +6,7 @@ surface; an engine replica only runs vLLM on token ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 EngineRole = Literal["mixed", "prefill", "decode"]
@@ -22,6 +22,9 @@ class GenerateRequest:
     sampling_params: Any
     # Opaque to the router: produced by one engine's KV connector, consumed by another's.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's scheduling priority (lower runs first); used where the engine schedules by
+    # priority, ignored by first-come-first-served engines.
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -62,3 +65,9 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     reported_at: float = 0.0
+    # The KV cache's shape, for the router's prefix-cache mirror.
+    block_size: int = 0
+    kv_capacity_blocks: int = 0
+    # Prompt tokens since the engine started, by where they came from as vLLM counts them:
+    # local_compute, local_cache_hit, external_kv_transfer.
+    prompt_tokens: dict[str, int] = field(default_factory=dict)

@@ -78,7 +78,7 @@ Run `python -m loadgen COMMAND --help` for each."""
 
 SWEEP_EXAMPLES = """examples:
   # the study's whole matrix: starts and stops serve run deployments/<mode>.yaml per mode
-  python -m loadgen sweep --modes tp,pp,dp,pd --qps 1,2,4,8,inf --trace-file BurstGPT_1.csv
+  python -m loadgen sweep --modes tp,pp,dp,pd_always --qps 1,2,4,8,inf --trace-file BurstGPT_1.csv
   # a few minutes on a laptop: 10 requests a cell, QPS 4 and inf, synthetic trace
   python -m loadgen sweep --smoke --modes dp,tp
   # servers that are already up

@@ -49,7 +49,7 @@ from loadgen.report import (
 from loadgen.runner import RunError, RunResult, execute_run
 from loadgen.workloads import load_trace
 
-STUDY_MODES = ("tp", "pp", "dp", "pd")
+STUDY_MODES = ("tp", "pp", "dp", "pd_always")
 STUDY_WORKLOADS = (
     "general",
     "prefill-heavy",

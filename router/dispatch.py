@@ -1,4 +1,8 @@
-"""Where one request runs: which replica of which pool, and for PD where it prefills."""
+"""Where one request runs: which replica of which pool, and for PD where it prefills.
+
+``plan`` decides without side effects, so admission control can refuse a planned request
+for free; ``start`` commits the plan: prefix-cache mirrors, choice counts, the stream.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,34 @@ from deployments.config import AppConfig
 from deployments.protocol import GenerateChunk, GenerateRequest
 from router.engine_client import EngineClient
 from router.pd import PrefillDecodeFlow, PrefillOutcome
-from router.replicas import ReplicaChoice, make_replica_choice
+from router.policy import OffloadDecision, should_offload_prefill
+from router.prefix_index import PromptBlocks
+from router.replicas import Choice, ReplicaChoice, make_replica_choice
+from router.settings import Priority
 
 REPLICA_HEADER = "x-splitserve-replica"
 PREFILL_REPLICA_HEADER = "x-splitserve-prefill-replica"
+PREFILL_HEADER = "x-splitserve-prefill"
+
+
+@dataclass(slots=True)
+class Plan:
+    request: GenerateRequest
+    prompt: PromptBlocks
+    priority: Priority
+    main: Choice  # the replica that generates the answer (mixed or decode)
+    prefill: Choice | None  # PD remote prefill only
+    decision: OffloadDecision
+    # Of the replica that computes the prompt: expected prefix-cache hit, tokens left.
+    expected_cached_tokens: int
+    prefill_tokens: int
+
+    @property
+    def prefill_replica(self) -> EngineClient:
+        return self.prefill.replica if self.prefill else self.main.replica
+
+    def ttft_estimate_s(self) -> float | None:
+        return self.prefill_replica.state.estimate_ttft_s(self.prefill_tokens)
 
 
 @dataclass(slots=True)
@@ -21,6 +49,8 @@ class Dispatch:
     stream: AsyncIterator[GenerateChunk]
     replicas: list[EngineClient]  # whose in-flight counts this request adds to
     outcome: PrefillOutcome
+    prefill_replica: EngineClient
+    expected_cached_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -31,41 +61,86 @@ class Dispatcher:
         clients: list[EngineClient],
         release_transfer: Callable[[dict[str, Any]], None],
     ) -> None:
+        self._config = config
         self._disaggregated = config.strategy == "pd"
         self._pools: dict[str, list[EngineClient]] = {}
         for client in clients:
             self._pools.setdefault(client.role, []).append(client)
         self._choices: dict[str, ReplicaChoice] = {
-            role: make_replica_choice(config.router.replica_choice) for role in self._pools
+            role: make_replica_choice(config.replica_choice(role), config.router.prefix_affinity)
+            for role in self._pools
         }
         self._pd = PrefillDecodeFlow(release_transfer)
 
-    def dispatch(self, request: GenerateRequest) -> Dispatch:
-        if not self._disaggregated:
-            replica = self._choose("mixed") or self._pools["mixed"][0]
-            return Dispatch(
-                stream=replica.generate(request),
-                replicas=[replica],
-                outcome=PrefillOutcome("local", "colocated"),
-                headers={REPLICA_HEADER: replica.name},
-            )
-        # An unhealthy decode replica is skipped while another is healthy.
-        decode = self._choose("decode") or self._pools["decode"][0]
-        prefill = self._choose("prefill")
-        outcome = PrefillOutcome("remote", "always")
-        if prefill is None:
-            outcome = PrefillOutcome("local", "prefill_unavailable")
-        headers = {REPLICA_HEADER: decode.name}
-        if prefill is not None:
-            headers[PREFILL_REPLICA_HEADER] = prefill.name
-        return Dispatch(
-            stream=self._pd.run(request, decode, prefill, outcome),
-            replicas=[decode] if prefill is None else [prefill, decode],
-            outcome=outcome,
-            headers=headers,
+    def policy_of(self, role: str) -> str:
+        return self._choices[role].name
+
+    def queued_requests(self) -> int:
+        """Requests router-wide still waiting for their first token."""
+        return sum(c.state.queued_prefills for pool in self._pools.values() for c in pool)
+
+    def plan(self, request: GenerateRequest, priority: Priority) -> Plan:
+        prompt = PromptBlocks(request.prompt_token_ids)
+        main_role = "decode" if self._disaggregated else "mixed"
+        # An unhealthy replica is skipped while another is healthy.
+        main = self._choose(main_role, prompt) or Choice(self._pools[main_role][0], "unhealthy")
+        local_cached = main.replica.state.cached_tokens(prompt)
+        decision = OffloadDecision("local", "colocated")
+        prefill = None
+        if self._disaggregated:
+            prefill = self._choose("prefill", prompt)
+            if prefill is None:
+                decision = OffloadDecision("local", "prefill_unavailable")
+            else:
+                decision = should_offload_prefill(
+                    prompt_len=len(prompt),
+                    prefix_cached_len=local_cached,
+                    prefill_queue=prefill.replica.state.prefill_queue,
+                    decode_active=main.replica.state.active,
+                    priority=priority,
+                    policy=self._config.split_policy,
+                    qos=self._config.qos,
+                )
+                prefill = prefill if decision.remote else None
+        cached = prefill.replica.state.cached_tokens(prompt) if prefill else local_cached
+        return Plan(
+            request=request,
+            prompt=prompt,
+            priority=priority,
+            main=main,
+            prefill=prefill,
+            decision=decision,
+            expected_cached_tokens=cached,
+            prefill_tokens=max(1, len(prompt) - cached),
         )
 
-    def _choose(self, role: str) -> EngineClient | None:
+    def start(self, plan: Plan, on_accepted: Callable[[], None] | None = None) -> Dispatch:
+        main = plan.main.replica
+        headers = {REPLICA_HEADER: main.name}
+        main.state.record_prompt(plan.prompt)
+        outcome = PrefillOutcome(plan.decision.where, plan.decision.reason)
+        if plan.prefill is None:
+            if self._disaggregated:
+                headers[PREFILL_HEADER] = f"{outcome.where}:{outcome.reason}"
+                stream = self._pd.run(
+                    plan.request, main, None, outcome, plan.prefill_tokens, on_accepted
+                )
+            else:
+                stream = main.generate(plan.request, plan.prefill_tokens, on_accepted)
+            return Dispatch(stream, [main], outcome, main, plan.expected_cached_tokens, headers)
+        prefill = plan.prefill.replica
+        # The decode replica caches the blocks it loads, as if it had computed them.
+        prefill.state.record_prompt(plan.prompt)
+        headers[PREFILL_REPLICA_HEADER] = prefill.name
+        headers[PREFILL_HEADER] = f"{outcome.where}:{outcome.reason}"
+        stream = self._pd.run(
+            plan.request, main, prefill, outcome, plan.prefill_tokens, on_accepted
+        )
+        return Dispatch(
+            stream, [prefill, main], outcome, prefill, plan.expected_cached_tokens, headers
+        )
+
+    def _choose(self, role: str, prompt: PromptBlocks) -> Choice | None:
         """A healthy replica of the pool; None if none is (the caller decides what then)."""
         healthy = [replica for replica in self._pools.get(role, []) if replica.healthy]
-        return self._choices[role].choose(healthy) if healthy else None
+        return self._choices[role].choose(healthy, prompt) if healthy else None

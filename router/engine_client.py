@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deployments.protocol import GenerateChunk, GenerateFailure, GenerateRequest
+from router.replica_state import PrefillTicket, ReplicaState
 
 logger = logging.getLogger("splitserve.router")
 RESUBSCRIBE_DELAY_S = 0.5
@@ -25,10 +27,17 @@ class EngineFailed(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, name: str, role: str, handle: Any, submit_timeout_s: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        handle: Any,
+        submit_timeout_s: float,
+        state: ReplicaState | None = None,
+    ) -> None:
         self.name = name
         self.role = role
-        self.in_flight = 0
+        self.state = state or ReplicaState()
         # False from a broken delta stream or failed stats poll until a poll succeeds again;
         # the dispatcher routes around unhealthy replicas where it has a choice.
         self.healthy = True
@@ -42,16 +51,38 @@ class EngineClient:
     def handle(self) -> Any:
         return self._handle
 
+    @property
+    def in_flight(self) -> int:
+        return self.state.in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self.state.in_flight = value
+
     def start(self) -> None:
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen())
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Deltas of one request; closing the iterator early aborts it in the engine."""
+    async def generate(
+        self,
+        request: GenerateRequest,
+        prefill_tokens: int | None = None,
+        on_accepted: Callable[[], None] | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Deltas of one request; closing the iterator early aborts it in the engine.
+
+        ``prefill_tokens``: prompt tokens this replica must compute before the first token
+        (the prompt less the expected prefix-cache hit; 0 when the KV comes from a prefill
+        replica), queued in the replica's state until that token arrives. ``on_accepted``
+        is called once the engine replica has taken the request.
+        """
         self.start()
         request.subscriber = self._subscriber
         queue: asyncio.Queue[GenerateChunk | GenerateFailure] = asyncio.Queue()
         self._pending[request.request_id] = queue
+        if prefill_tokens is None:
+            prefill_tokens = len(request.prompt_token_ids)
+        ticket = self.state.enqueue_prefill(prefill_tokens, time.perf_counter())
         finished = False
         try:
             try:
@@ -59,19 +90,43 @@ class EngineClient:
             except TimeoutError:
                 self.healthy = False
                 raise EngineFailed(f"{self.name} did not accept the request in time") from None
-            while True:
-                item = await queue.get()
-                if isinstance(item, GenerateFailure):
-                    finished = True
-                    raise EngineFailed(item.message)
+            if on_accepted is not None:
+                on_accepted()
+            async for item in self._deltas(queue, ticket):
                 finished = item.finish_reason is not None
                 yield item
                 if finished:
                     return
+        except EngineFailed:
+            finished = True  # nothing left to abort
+            raise
         finally:
             self._pending.pop(request.request_id, None)
+            self.state.finish_prefill(ticket, time.perf_counter(), first_token=False)
             if not finished:
                 self._abort_soon(request.request_id)
+
+    async def _deltas(
+        self,
+        queue: asyncio.Queue[GenerateChunk | GenerateFailure],
+        ticket: PrefillTicket,
+    ) -> AsyncIterator[GenerateChunk]:
+        """The queue's chunks, timing the first token and the steps after it."""
+        last_token_at: float | None = None
+        while True:
+            item = await queue.get()
+            if isinstance(item, GenerateFailure):
+                raise EngineFailed(item.message)
+            if item.token_ids:
+                now = time.perf_counter()
+                if last_token_at is None:
+                    # A non-streamed answer arrives whole at the end: not a first-token time.
+                    timed = len(item.token_ids) == 1 or item.finish_reason is None
+                    self.state.finish_prefill(ticket, now, first_token=timed)
+                else:
+                    self.state.step_s.add((now - last_token_at) / len(item.token_ids))
+                last_token_at = now
+            yield item
 
     def _abort_soon(self, request_id: str) -> None:
         # Fire and forget: the caller is being torn down and must not wait on Ray.

@@ -34,7 +34,6 @@ class EngineStatePoller:
         self._kv_namespace = kv_namespace
         self._unhealthy_after = unhealthy_after_failed_polls
         self._failed_polls: dict[str, int] = {}
-        self.latest: dict[str, EngineStats] = {}
         # The KV directory's last metrics snapshot (PD only), rendered at scrape time.
         self.kv_transfer_snapshot: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -76,7 +75,7 @@ class EngineStatePoller:
             return
         self._failed_polls[replica.name] = 0
         replica.healthy = True
-        self.latest[replica.name] = stats
+        replica.state.update_engine(stats)
         labels = (replica.name, replica.role)
         gauges = self._metrics
         gauges.engine_requests.labels(*labels, "running").set(stats.num_running)

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -27,16 +27,19 @@ from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
 from deployments.config import AppConfig
 from deployments.model_source import resolve_model
-from deployments.protocol import GenerateRequest
+from deployments.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVTransferCollector, release_handle, shutdown_kv_directory
-from router.dispatch import Dispatch, Dispatcher
+from router.dispatch import Dispatch, Dispatcher, Plan
 from router.engine_client import EngineClient
 from router.engine_state import EngineStatePoller
 from router.errors import OpenAIError, bad_request
 from router.metrics import RouterMetrics
-from router.pd import PrefillOutcome
+from router.pd import PREFILL_FALLBACK_REASONS, PrefillOutcome
+from router.qos import ENGINE_PRIORITY, AdmissionControl, Rejection, take_priority
+from router.replica_state import ReplicaState
 from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, parse_request
 from router.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
+from router.settings import Priority
 
 logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
@@ -67,13 +70,21 @@ class Router:
         vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
         self._prompts = PromptBuilder(tokenizer, self._config.model.max_model_len, vocab_size)
         submit_timeout_s = self._config.router.submit_timeout_s
+        qos = self._config.qos
         self._replicas = [
-            EngineClient(name, roles[name], handle, submit_timeout_s)
+            EngineClient(
+                name,
+                roles[name],
+                handle,
+                submit_timeout_s,
+                ReplicaState(qos.ema_weight, qos.min_prefill_tokens_per_sample),
+            )
             for name, handle in engines.items()
         ]
         for replica in self._replicas:
             replica.start()
         self._dispatcher = Dispatcher(self._config, self._replicas, release_handle)
+        self._admission = AdmissionControl(self._config.qos)
         self._metrics = RouterMetrics()
         self._mode = self._config.strategy
         self._kv_namespace = self._config.kv_transfer.namespace if self._mode == "pd" else None
@@ -106,7 +117,7 @@ class Router:
             owned_by="splitserve",
             max_model_len=self._config.model.max_model_len,
         )
-        self._metrics.requests.labels("/v1/models", "200").inc()
+        self._metrics.requests.labels("/v1/models", "200", "none").inc()
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
@@ -131,20 +142,26 @@ class Router:
         request_id = raw.headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
         # Serve's proxy echoes x-request-id (or creates one) on every response itself.
         headers: dict[str, str] = {}
+        priority = self._config.qos.default_priority
         try:
-            request = parse_request(model_cls, await _json_body(raw))
+            body = await _json_body(raw)
+            priority = take_priority(body, raw.headers, priority)
+            request = parse_request(model_cls, body)
             self._check_model(request.model)
             prepared = self._prompts.prepare(request)
+            engine_request = GenerateRequest(
+                # vLLM needs ids unique among running requests; clients may reuse theirs.
+                request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
+                subscriber="",  # set by the EngineClient that submits it
+                prompt_token_ids=prepared.prompt_token_ids,
+                sampling_params=prepared.sampling_params,
+                priority=ENGINE_PRIORITY[priority],
+            )
+            plan = self._dispatcher.plan(engine_request, priority)
+            self._admit(plan)
         except OpenAIError as error:
-            self._metrics.requests.labels(route, str(int(error.status))).inc()
+            self._metrics.requests.labels(route, str(int(error.status)), priority).inc()
             return error.response(headers)
-        engine_request = GenerateRequest(
-            # vLLM needs ids unique among running requests; clients may reuse theirs.
-            request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
-            subscriber="",  # set by the EngineClient that submits it
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling_params=prepared.sampling_params,
-        )
         chat = model_cls is ChatCompletionRequest
         writer = ResponseWriter(
             chat=chat,
@@ -152,13 +169,39 @@ class Router:
             response_id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             return_token_ids=prepared.return_token_ids,
         )
-        dispatch = self._dispatcher.dispatch(engine_request)
+        dispatch = self._dispatcher.start(plan, on_accepted=self._queue_timer(arrival))
+        self._count_choices(plan)
         headers.update(dispatch.headers)
         events = self._events(dispatch, prepared, writer, arrival)
         if prepared.stream:
-            self._metrics.requests.labels(route, "200").inc()
+            self._metrics.requests.labels(route, "200", priority).inc()
             return EventStreamResponse(events, headers)
-        return await self._collect(events, writer, route, headers)
+        return await self._collect(events, writer, route, headers, priority)
+
+    def _admit(self, plan: Plan) -> None:
+        estimate = plan.ttft_estimate_s()
+        if estimate is not None:
+            self._metrics.ttft_estimate.labels(plan.prefill_replica.name).set(estimate)
+        try:
+            self._admission.check(plan.priority, self._dispatcher.queued_requests(), estimate)
+        except Rejection as rejection:
+            self._metrics.rejections.labels(rejection.reason, plan.priority).inc()
+            raise
+
+    def _queue_timer(self, arrival: float) -> Callable[[], None]:
+        def accepted() -> None:
+            self._metrics.queue.labels(self._mode).observe(time.perf_counter() - arrival)
+
+        return accepted
+
+    def _count_choices(self, plan: Plan) -> None:
+        for choice in (plan.main, plan.prefill):
+            if choice is not None:
+                replica = choice.replica
+                policy = self._dispatcher.policy_of(replica.role)
+                self._metrics.replica_choices.labels(
+                    replica.role, policy, replica.name, choice.reason
+                ).inc()
 
     async def _collect(
         self,
@@ -166,6 +209,7 @@ class Router:
         writer: ResponseWriter,
         route: str,
         headers: dict[str, str],
+        priority: Priority,
     ) -> Response:
         transcript: Transcript | None = None
         try:
@@ -173,10 +217,10 @@ class Router:
                 if isinstance(item, Transcript):
                     transcript = item
         except OpenAIError as error:
-            self._metrics.requests.labels(route, str(int(error.status))).inc()
+            self._metrics.requests.labels(route, str(int(error.status)), priority).inc()
             return error.response(headers)
         assert transcript is not None
-        self._metrics.requests.labels(route, "200").inc()
+        self._metrics.requests.labels(route, "200", priority).inc()
         return JSONResponse(writer.final_response(transcript), headers=headers)
 
     async def _events(
@@ -201,6 +245,8 @@ class Router:
                     self._observe_token_timing(arrival, last_token_at, now, dispatch.outcome)
                     last_token_at = now
                 first = not transcript.token_ids
+                if first:
+                    self._observe_prefix_estimate(dispatch, chunk)
                 transcript.add(chunk)
                 if prepared.stream:
                     yield writer.delta_event(chunk, transcript, first)
@@ -229,6 +275,15 @@ class Router:
             await stream.aclose()
             outcome = dispatch.outcome
             self._metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
+
+    def _observe_prefix_estimate(self, dispatch: Dispatch, chunk: GenerateChunk) -> None:
+        """Set the router's prefix-cache estimate beside what vLLM found, per replica."""
+        if dispatch.outcome.reason in PREFILL_FALLBACK_REASONS:
+            return  # another replica computed the prompt than the one estimated for
+        name = dispatch.prefill_replica.name
+        tokens = self._metrics.prefix_cache_tokens
+        tokens.labels(name, "estimated").inc(dispatch.expected_cached_tokens)
+        tokens.labels(name, "reported").inc(chunk.num_cached_tokens)
 
     def _observe_token_timing(
         self, arrival: float, last_token_at: float | None, now: float, outcome: PrefillOutcome

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from router.settings import PRIORITIES
+
+REJECTION_REASONS = ("queue_full", "ttft_slo")
+
 # From 1 ms (the tiny model on a CPU) to a minute (long prompts on a loaded GPU).
 LATENCY_BUCKETS_S = (
     0.001,
@@ -31,8 +35,44 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "splitserve_requests",
-            "HTTP requests answered by the router, by route and status code.",
-            ["route", "status"],
+            "HTTP requests answered by the router, by route, status code and priority.",
+            ["route", "status", "priority"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "splitserve_rejections",
+            "Requests refused by admission control, by reason and priority.",
+            ["reason", "priority"],
+            registry=r,
+        )
+        for reason in REJECTION_REASONS:
+            for priority in PRIORITIES:
+                self.rejections.labels(reason, priority)  # present at 0 from the start
+        self.queue = Histogram(
+            "splitserve_queue_seconds",
+            "Router-side time from request arrival until an engine accepted it.",
+            ["mode"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.replica_choices = Counter(
+            "splitserve_replica_choices",
+            "Replica choices per pool, by policy, chosen replica and why.",
+            ["pool", "policy", "replica", "reason"],
+            registry=r,
+        )
+        self.ttft_estimate = Gauge(
+            "splitserve_ttft_estimate_seconds",
+            "The latest time-to-first-token estimate admission control made, per replica"
+            " that would compute the prompt.",
+            ["replica"],
+            registry=r,
+        )
+        self.prefix_cache_tokens = Counter(
+            "splitserve_prefix_cache_tokens",
+            "Prompt tokens found in a replica's prefix cache: as the router estimated before"
+            " routing, and as vLLM reported for the same requests.",
+            ["replica", "source"],
             registry=r,
         )
         self.replica_requests = Counter(

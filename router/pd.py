@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,8 @@ logger = logging.getLogger("splitserve.router")
 
 DO_REMOTE_DECODE = {"do_remote_decode": True}
 DO_REMOTE_PREFILL = {"do_remote_prefill": True}
+# Outcomes where the decode replica prefilled although the plan was remote.
+PREFILL_FALLBACK_REASONS = ("prefill_failed", "no_prefill_replica")
 
 
 @dataclass(slots=True)
@@ -43,19 +45,26 @@ class PrefillDecodeFlow:
         decode: EngineClient,
         prefill: EngineClient | None,
         outcome: PrefillOutcome,
+        prefill_tokens: int | None = None,
+        on_accepted: Callable[[], None] | None = None,
     ) -> AsyncIterator[GenerateChunk]:
-        """Deltas of the whole answer; ``outcome`` is filled in as the flow decides."""
+        """Deltas of the whole answer; ``outcome`` is filled in as the flow decides.
+
+        ``prefill_tokens``: prompt tokens left to compute after the expected prefix-cache
+        hit, on whichever replica prefills (see EngineClient.generate).
+        """
         first: GenerateChunk | None = None
         if prefill is not None:
             try:
-                first = await self._prefill(prefill, request)
+                first = await self._prefill(prefill, request, prefill_tokens, on_accepted)
             except EngineFailed as error:
                 logger.warning("prefill on %s failed, prefilling locally: %s", prefill.name, error)
                 outcome.where, outcome.reason = "local", "prefill_failed"
+                prefill_tokens = None  # the decode replica's cache was not what was planned
         if first is None:
             if outcome.where == "remote":
                 outcome.where, outcome.reason = "local", "no_prefill_replica"
-            async for chunk in decode.generate(request):
+            async for chunk in decode.generate(request, prefill_tokens, on_accepted):
                 yield chunk
             return
         handle = first.kv_transfer_params
@@ -66,14 +75,21 @@ class PrefillDecodeFlow:
         yield dataclasses.replace(first, finish_reason=None, stop_reason=None)
         consumed = False
         try:
-            async for chunk in decode.generate(_decode_request(request, first, handle)):
+            decode_request = _decode_request(request, first, handle)
+            async for chunk in decode.generate(decode_request, prefill_tokens=0):
                 consumed = True
                 yield chunk
         finally:
             if not consumed:
                 self._release(handle)
 
-    async def _prefill(self, prefill: EngineClient, request: GenerateRequest) -> GenerateChunk:
+    async def _prefill(
+        self,
+        prefill: EngineClient,
+        request: GenerateRequest,
+        prefill_tokens: int | None,
+        on_accepted: Callable[[], None] | None,
+    ) -> GenerateChunk:
         params = request.sampling_params.clone()
         params.max_tokens = 1
         params.min_tokens = min(params.min_tokens, 1)
@@ -84,7 +100,7 @@ class PrefillDecodeFlow:
             kv_transfer_params=dict(DO_REMOTE_DECODE),
         )
         first: GenerateChunk | None = None
-        async for chunk in prefill.generate(prefill_request):
+        async for chunk in prefill.generate(prefill_request, prefill_tokens, on_accepted):
             first = chunk if first is None else _merge(first, chunk)
         if first is None or not first.token_ids:
             raise EngineFailed(f"{prefill.name} returned no first token")

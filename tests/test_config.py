@@ -12,10 +12,10 @@ from deployments.config import ConfigError, load_app_config, parse_app_config
 DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp", "pd"])
+@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp", "pd", "pd_always"])
 def test_shipped_configs_are_valid(name: str) -> None:
     config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
-    assert config.strategy == name
+    assert config.strategy == name.split("_")[0]
 
 
 def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
@@ -69,9 +69,63 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
             "kv_transfer.ttl_s",
         ),
         ({"strategy": "single", "pools": [{}], "model": {"max_model_len": 0}}, "max_model_len"),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "split_policy": {"mode": "never"}},
+            "split_policy is for strategy 'pd', not 'dp'",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "split_policy": {"mode": "sometimes"},
+            },
+            "split_policy.mode: Input should be 'always', 'never' or 'conditional'",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "split_policy": {"prompt_length_threshold": 0},
+            },
+            "split_policy.prompt_length_threshold: Input should be greater than or equal to 1",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2}],
+                "router": {"replica_choice": {"decode": "least_loaded"}},
+            },
+            "names roles ['decode'] this strategy has no pool for",
+        ),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
+            "router.replica_choice",
+        ),
+        (
+            {"strategy": "single", "pools": [{}], "qos": {"queue_caps": {"high": 5}}},
+            "queue_caps needs a cap for every priority; missing ['normal', 'low']",
+        ),
+        (
+            {"strategy": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
+            "qos.ttft_slo_s: Input should be greater than 0",
+        ),
     ],
 )
 def test_bad_config_names_the_field(args: dict, message: str) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_app_config(args)
     assert message in str(raised.value)
+
+
+def test_pd_always_is_pd_without_the_policies() -> None:
+    conditional = load_app_config(DEPLOYMENTS / "pd.yaml")
+    always = load_app_config(DEPLOYMENTS / "pd_always.yaml")
+    assert (always.split_policy.mode, always.qos.enabled) == ("always", False)
+    assert conditional.split_policy.mode == "conditional" and conditional.qos.enabled
+    policies = {"router", "split_policy", "qos", "pools"}
+    assert always.model_dump(exclude=policies) == conditional.model_dump(exclude=policies)
+    for ours, theirs in zip(always.pools, conditional.pools, strict=True):
+        # Priority scheduling only orders requests; the engines are otherwise the same.
+        assert ours.model_dump(exclude={"engine_kwargs"}) == theirs.model_dump(
+            exclude={"engine_kwargs"}
+        )

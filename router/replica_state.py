@@ -1,0 +1,129 @@
+"""What the router knows about one engine replica when it routes.
+
+Two sources, combined: the router's own counts (exact and instant, but blind to other
+router processes) and the engine's last report (every ``stats_interval_s``, covering all
+routers, but stale by up to that interval plus a Ray round trip). Load figures take
+the larger of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deployments.protocol import EngineStats
+from router.prefix_index import PrefixIndex, PromptBlocks
+
+
+class MovingAverage:
+    """Exponentially weighted; None until the first sample."""
+
+    def __init__(self, weight: float) -> None:
+        self._weight = weight
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += self._weight * (sample - self.value)
+
+
+@dataclass(slots=True)
+class PrefillTicket:
+    """One prefill the router has queued on a replica, until its first token."""
+
+    tokens: int
+    tokens_ahead: int
+    submitted_at: float
+    closed: bool = False
+
+
+@dataclass
+class ReplicaState:
+    ema_weight: float = 0.2
+    min_prefill_tokens_per_sample: int = 64
+    in_flight: int = 0
+    queued_prefills: int = 0
+    queued_prefill_tokens: int = 0
+    engine: EngineStats | None = None
+    prefix: PrefixIndex | None = None
+    # Seconds of time-to-first-token per prefill token queued ahead or in the prompt.
+    prefill_s_per_token: MovingAverage = field(init=False)
+    # Seconds between tokens: the decode step a new prompt is batched into.
+    step_s: MovingAverage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefill_s_per_token = MovingAverage(self.ema_weight)
+        self.step_s = MovingAverage(self.ema_weight)
+
+    # ---- load -----------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests on the replica: the router's own, or the engine's count if larger."""
+        engine = self.engine
+        reported = engine.num_running + engine.num_waiting if engine else 0
+        return max(self.in_flight, reported)
+
+    @property
+    def prefill_queue(self) -> int:
+        """Prefills queued or running on the replica."""
+        engine = self.engine
+        reported = engine.num_waiting if engine else 0
+        if engine is not None and engine.role == "prefill":
+            reported += engine.num_running  # a prefill replica runs nothing but prefills
+        return max(self.queued_prefills, reported)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.engine.kv_cache_usage if self.engine else 0.0
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.engine = stats
+        if stats.block_size and stats.kv_capacity_blocks:
+            prefix = self.prefix
+            if prefix is None or (prefix.block_size, prefix.capacity_blocks) != (
+                stats.block_size,
+                stats.kv_capacity_blocks,
+            ):
+                self.prefix = PrefixIndex(stats.block_size, stats.kv_capacity_blocks)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def cached_tokens(self, prompt: PromptBlocks) -> int:
+        return self.prefix.cached_tokens(prompt) if self.prefix else 0
+
+    def record_prompt(self, prompt: PromptBlocks) -> None:
+        if self.prefix is not None:
+            self.prefix.record(prompt)
+
+    # ---- time to first token --------------------------------------------------------------
+
+    def estimate_ttft_s(self, prefill_tokens: int) -> float | None:
+        """Queued prefill work plus this prompt's, at the measured per-token time, plus one
+        decode step; None until the replica has been measured."""
+        per_token = self.prefill_s_per_token.value
+        if per_token is None:
+            return None
+        step = self.step_s.value or 0.0
+        return (self.queued_prefill_tokens + prefill_tokens) * per_token + step
+
+    def enqueue_prefill(self, tokens: int, now: float) -> PrefillTicket:
+        """A request that must compute ``tokens`` prompt tokens here before its first token;
+        one whose KV was transferred computes none and does not queue."""
+        ticket = PrefillTicket(tokens, self.queued_prefill_tokens, now, closed=tokens == 0)
+        if tokens:
+            self.queued_prefills += 1
+            self.queued_prefill_tokens += tokens
+        return ticket
+
+    def finish_prefill(self, ticket: PrefillTicket, now: float, first_token: bool) -> None:
+        """The first token arrived (a time sample) or the request ended without one."""
+        if ticket.closed:
+            return
+        ticket.closed = True
+        self.queued_prefills -= 1
+        self.queued_prefill_tokens -= ticket.tokens
+        work = ticket.tokens_ahead + ticket.tokens
+        if first_token and work >= self.min_prefill_tokens_per_sample:
+            self.prefill_s_per_token.add((now - ticket.submitted_at) / work)

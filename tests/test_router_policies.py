@@ -1,0 +1,214 @@
+"""The router's decisions as pure functions: PD offload, replica choice, prefix mirror, QoS."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import pytest
+
+from deployments.protocol import EngineStats
+from router.engine_client import EngineClient
+from router.policy import should_offload_prefill
+from router.prefix_index import PrefixIndex, PromptBlocks
+from router.qos import AdmissionControl, Rejection, take_priority
+from router.replica_state import ReplicaState
+from router.replicas import LeastLoaded, PrefixAffinity, RoundRobin
+from router.settings import PrefixAffinityConfig, QoSConfig, SplitPolicyConfig
+
+# The chapter's tunables: 256-token threshold, queue of 10, 8 active decodes, 64 tokens.
+CHAPTER = SplitPolicyConfig(
+    prompt_length_threshold=256,
+    prefill_queue_max=10,
+    decode_load_threshold=8,
+    decode_busy_min_length=64,
+)
+QOS = QoSConfig(low_priority_remote_max_queue=2)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "queue", "decode", "priority", "expected"),
+    [
+        # The chapter's cases.
+        (1000, 0, 0, 0, "normal", ("remote", "long_prompt")),
+        (5, 0, 0, 0, "normal", ("local", "short_prompt")),
+        (1000, 900, 0, 0, "normal", ("local", "prefix_cached")),
+        (1000, 0, 10, 0, "normal", ("local", "prefill_queue_full")),
+        (100, 0, 0, 8, "normal", ("remote", "decode_busy")),
+        (63, 0, 0, 8, "normal", ("local", "short_prompt")),
+        # Thresholds are inclusive where the chapter's code is (>=).
+        (256, 0, 9, 0, "normal", ("remote", "long_prompt")),
+        (255, 0, 9, 7, "normal", ("local", "short_prompt")),
+        (300, 44, 0, 0, "normal", ("remote", "long_prompt")),
+        (300, 45, 0, 0, "normal", ("local", "prefix_cached")),
+        # A busy decode replica does not push work into a full prefill pool.
+        (100, 0, 10, 8, "normal", ("local", "short_prompt")),
+        # Priorities.
+        (1000, 0, 10, 0, "high", ("remote", "high_priority")),
+        (1000, 0, 1, 0, "low", ("remote", "long_prompt")),
+        (1000, 0, 2, 0, "low", ("local", "low_priority")),
+        (100, 0, 2, 8, "low", ("local", "low_priority")),
+    ],
+)
+def test_conditional_offload(
+    prompt: int, cached: int, queue: int, decode: int, priority: str, expected: tuple[str, str]
+) -> None:
+    decision = should_offload_prefill(prompt, cached, queue, decode, priority, CHAPTER, QOS)  # type: ignore[arg-type]
+    assert tuple(decision) == expected
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("always", "remote"), ("never", "local")])
+def test_fixed_modes_ignore_everything_else(mode: str, expected: str) -> None:
+    policy = CHAPTER.model_copy(update={"mode": mode})
+    for prompt, queue, priority in [(5, 0, "normal"), (4000, 50, "low"), (4000, 50, "high")]:
+        decision = should_offload_prefill(prompt, 0, queue, 20, priority, policy, QOS)  # type: ignore[arg-type]
+        assert decision == (expected, mode)
+
+
+# ---- prefix mirror ---------------------------------------------------------------------
+
+
+def test_prefix_index_counts_leading_full_blocks() -> None:
+    index = PrefixIndex(block_size=4, capacity_blocks=100)
+    index.record(PromptBlocks(list(range(10))))  # blocks [0..3], [4..7]; 8, 9 not full
+    assert index.cached_tokens(PromptBlocks(list(range(12)))) == 8
+    assert index.cached_tokens(PromptBlocks([*range(6), 99, 99, 99])) == 4
+    assert index.cached_tokens(PromptBlocks([99, *range(1, 12)])) == 0
+    # The same tokens at another position hash differently: blocks chain on their parent.
+    assert index.cached_tokens(PromptBlocks([*range(4, 8), *range(4, 8), 0])) == 0
+
+
+def test_prefix_index_leaves_the_last_token_to_compute() -> None:
+    index = PrefixIndex(block_size=4, capacity_blocks=100)
+    index.record(PromptBlocks(list(range(8))))
+    # vLLM recomputes the last token of a fully cached prompt to get its logits.
+    assert index.cached_tokens(PromptBlocks(list(range(8)))) == 4
+    assert index.cached_tokens(PromptBlocks(list(range(9)))) == 8
+
+
+def test_prefix_index_forgets_least_recently_used_beyond_capacity() -> None:
+    index = PrefixIndex(block_size=2, capacity_blocks=4)
+    first, second = PromptBlocks([1, 2, 3, 4, 0]), PromptBlocks([5, 6, 7, 8, 0])
+    index.record(first)
+    index.record(second)
+    index.record(first)  # first is now the most recent
+    index.record(PromptBlocks([9, 10, 11, 12, 0]))
+    assert len(index) == 4
+    assert index.cached_tokens(first) == 4
+    assert index.cached_tokens(second) == 0
+
+
+# ---- replica choice --------------------------------------------------------------------
+
+
+def _replica(name: str, active: int = 0, kv: float = 0.0) -> EngineClient:
+    state = ReplicaState()
+    state.update_engine(
+        EngineStats(
+            replica=name,
+            role="mixed",
+            num_running=active,
+            kv_cache_usage=kv,
+            block_size=4,
+            kv_capacity_blocks=1000,
+        )
+    )
+    return EngineClient(name, "mixed", handle=None, submit_timeout_s=1.0, state=state)
+
+
+PROMPT = PromptBlocks(list(range(40)))
+
+
+def test_round_robin_takes_turns_whatever_the_load() -> None:
+    replicas = [_replica("a", active=9), _replica("b")]
+    choice = RoundRobin()
+    chosen = [choice.choose(replicas, PROMPT).replica.name for _ in range(4)]
+    assert chosen == ["a", "b", "a", "b"]
+
+
+def test_least_loaded_prefers_fewer_requests_then_emptier_cache() -> None:
+    busy, idle_full, idle_empty = _replica("busy", 3), _replica("f", 0, 0.9), _replica("e", 0, 0.1)
+    assert LeastLoaded().choose([busy, idle_full, idle_empty], PROMPT).replica is idle_empty
+    busy.state.in_flight = 0
+    busy.state.update_engine(EngineStats(replica="busy", role="mixed", num_waiting=0))
+    # The router's own in-flight count counts even before the engine reports it.
+    idle_empty.state.in_flight = 5
+    assert LeastLoaded().choose([idle_full, idle_empty], PROMPT).replica is idle_full
+
+
+def test_prefix_affinity_follows_the_hit_until_the_load_guard() -> None:
+    config = PrefixAffinityConfig(max_load_imbalance=2)
+    cold, warm = _replica("cold"), _replica("warm")
+    warm.state.record_prompt(PROMPT)
+    policy = PrefixAffinity(config)
+    assert policy.choose([cold, warm], PROMPT) == (warm, "prefix_hit")
+    warm.state.in_flight = 2
+    assert policy.choose([cold, warm], PROMPT) == (warm, "prefix_hit")
+    warm.state.in_flight = 3  # three beyond the least loaded: one hot prefix must not pin it
+    assert policy.choose([cold, warm], PROMPT) == (cold, "load_guard")
+    assert policy.choose([cold, warm], PromptBlocks([7] * 40)).reason == "no_prefix_hit"
+
+
+# ---- TTFT estimate ---------------------------------------------------------------------
+
+
+def test_ttft_estimate_learns_per_token_time_from_first_tokens() -> None:
+    state = ReplicaState(ema_weight=0.5, min_prefill_tokens_per_sample=64)
+    assert state.estimate_ttft_s(100) is None  # not measured yet: admit
+    first = state.enqueue_prefill(100, now=0.0)
+    second = state.enqueue_prefill(300, now=0.0)
+    assert (state.queued_prefills, state.queued_prefill_tokens) == (2, 400)
+    state.finish_prefill(first, now=0.1, first_token=True)  # 100 tokens in 0.1 s
+    assert state.prefill_s_per_token.value == pytest.approx(0.001)
+    state.finish_prefill(second, now=0.8, first_token=True)  # 400 tokens of work in 0.8 s
+    assert state.prefill_s_per_token.value == pytest.approx(0.0015)
+    state.finish_prefill(second, now=9.0, first_token=False)  # closed tickets stay closed
+    assert state.queued_prefills == 0
+    state.enqueue_prefill(1000, now=1.0)
+    assert state.estimate_ttft_s(200) == pytest.approx(1200 * 0.0015)
+
+
+def test_short_and_aborted_prefills_do_not_teach_the_estimate() -> None:
+    state = ReplicaState(min_prefill_tokens_per_sample=64)
+    state.finish_prefill(state.enqueue_prefill(10, now=0.0), now=1.0, first_token=True)
+    state.finish_prefill(state.enqueue_prefill(500, now=0.0), now=1.0, first_token=False)
+    assert state.prefill_s_per_token.value is None
+    assert state.enqueue_prefill(0, now=0.0).closed  # transferred KV: nothing to queue
+    assert state.queued_prefills == 0
+
+
+# ---- QoS -------------------------------------------------------------------------------
+
+
+def test_priority_from_body_or_header_and_clear_errors() -> None:
+    body = {"priority": "HIGH", "prompt": "x"}
+    assert take_priority(body, {}, "normal") == "high"
+    assert "priority" not in body  # vLLM's own `priority` is an integer
+    assert take_priority({}, {"x-priority": "low"}, "normal") == "low"
+    assert take_priority({}, {}, "normal") == "normal"
+    with pytest.raises(Exception) as raised:
+        take_priority({"priority": "urgent"}, {}, "normal")
+    assert raised.value.status == HTTPStatus.BAD_REQUEST  # type: ignore[attr-defined]
+    assert raised.value.param == "priority"  # type: ignore[attr-defined]
+
+
+def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> None:
+    config = QoSConfig(enabled=True, ttft_slo_s=1.0, queue_caps={"high": 10, "normal": 6, "low": 3})
+    admission = AdmissionControl(config)
+    admission.check("low", queued=0, ttft_estimate_s=0.9)
+    admission.check("high", queued=0, ttft_estimate_s=5.0)
+    admission.check("normal", queued=0, ttft_estimate_s=5.0)
+    admission.check("low", queued=0, ttft_estimate_s=None)  # not measured yet
+    with pytest.raises(Rejection) as slo:
+        admission.check("low", queued=0, ttft_estimate_s=1.5)
+    assert (slo.value.status, slo.value.reason) == (HTTPStatus.SERVICE_UNAVAILABLE, "ttft_slo")
+    assert slo.value.response().headers["retry-after"] == "1"
+    with pytest.raises(Rejection) as cap:
+        admission.check("normal", queued=6, ttft_estimate_s=None)
+    assert (cap.value.status, cap.value.reason) == (HTTPStatus.TOO_MANY_REQUESTS, "queue_full")
+    admission.check("high", queued=9, ttft_estimate_s=None)
+    with pytest.raises(Rejection):
+        admission.check("high", queued=10, ttft_estimate_s=None)
+
+
+def test_admission_off_admits_everything() -> None:
+    AdmissionControl(QoSConfig(enabled=False)).check("low", queued=10**6, ttft_estimate_s=1e6)
