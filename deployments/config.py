@@ -147,7 +147,8 @@ class AppConfig(StrictModel):
             return self._check_replica_choice_roles()
         if roles != ["mixed"]:
             raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
-        if "split_policy" in self.model_fields_set:
+        # Compared with the default, not by presence: the router re-validates a full dump.
+        if self.split_policy != SplitPolicyConfig():
             raise ValueError(f"split_policy is for strategy 'pd', not {self.strategy!r}")
         self._check_replica_choice_roles()
         pool = self.pools[0]

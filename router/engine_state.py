@@ -82,4 +82,6 @@ class EngineStatePoller:
         gauges.engine_requests.labels(*labels, "waiting").set(stats.num_waiting)
         gauges.engine_requests.labels(*labels, "unfinished").set(stats.num_unfinished)
         gauges.engine_kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
+        for source, tokens in stats.prompt_tokens.items():
+            gauges.engine_prompt_tokens.labels(*labels, source).set(tokens)
         gauges.engine_stats_age.labels(*labels).set(max(0.0, time.time() - stats.reported_at))

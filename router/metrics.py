@@ -126,6 +126,14 @@ class RouterMetrics:
             ["replica", "role"],
             registry=r,
         )
+        self.engine_prompt_tokens = Gauge(
+            "splitserve_engine_prompt_tokens",
+            "Prompt tokens each engine replica has processed since it started, by where their"
+            " KV came from (vLLM's sources: local_compute, local_cache_hit,"
+            " external_kv_transfer), as the engine last reported; a counter inside the engine.",
+            ["replica", "role", "source"],
+            registry=r,
+        )
         self.engine_stats_age = Gauge(
             "splitserve_engine_stats_age_seconds",
             "Age of the last scheduler report of each engine replica when polled.",

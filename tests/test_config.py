@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from deployments.app import engine_env, engine_names
-from deployments.config import ConfigError, load_app_config, parse_app_config
+from deployments.config import AppConfig, ConfigError, load_app_config, parse_app_config
 
 DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 
@@ -16,6 +16,8 @@ DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 def test_shipped_configs_are_valid(name: str) -> None:
     config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
     assert config.strategy == name.split("_")[0]
+    # The router re-validates the app's full dump of it (deployments/app.py).
+    assert AppConfig.model_validate(config.model_dump()) == config
 
 
 def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:

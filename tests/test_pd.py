@@ -1,4 +1,5 @@
-"""PD through ``serve run deployments/pd.yaml``: same tokens as one engine, nothing leaked.
+"""PD through ``serve run deployments/pd_always.yaml`` (every prompt prefilled remotely,
+the study's PD): same tokens as one engine, nothing leaked.
 
 The reference tokens come from ``single.yaml`` on the same prompts; the KV really moved
 (the transfer counters say so), and after clients leave mid-stream neither the object
@@ -98,7 +99,7 @@ def reference(ray_address: str, serve_logs: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pd_app(reference: dict, ray_address: str, serve_logs: Path) -> Iterator[RunningApp]:
-    with serve_run("pd", ray_address=ray_address, log_dir=serve_logs) as app:
+    with serve_run("pd_always", ray_address=ray_address, log_dir=serve_logs) as app:
         yield app
 
 
