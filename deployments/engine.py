@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from deployments.config import ModelConfig, PoolConfig
+from deployments.engine_metrics import replica_stat_logger
 from deployments.model_source import resolve_model
 from deployments.protocol import (
     DeltaBatch,
@@ -31,6 +32,7 @@ from deployments.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
+from deployments.sampler import start_replica_sampler
 from kv_transfer.handle import check_handle_compatible, is_transfer_params
 
 if TYPE_CHECKING:
@@ -170,8 +172,13 @@ class EngineReplica:
         started = time.perf_counter()
         self._engine: AsyncLLM = AsyncLLM.from_engine_args(
             build_engine_args(self._spec),
-            stat_loggers=[_stat_logger_factory(self._latest)],
+            stat_loggers=[
+                _stat_logger_factory(self._latest),
+                replica_stat_logger(self._spec.name, self._spec.role),
+            ],
         )
+        # After the engine: its processes exist now, and a failed start samples nothing.
+        self._sampler = start_replica_sampler(self._spec.name, self._spec.role)
         # vLLM refuses a priority other than 0 unless it schedules by priority.
         self._schedules_by_priority = self._engine.vllm_config.scheduler_config.policy == "priority"
         logger.info(
@@ -273,6 +280,9 @@ class EngineReplica:
         await self._engine.check_health()
 
     def __del__(self) -> None:
+        sampler = getattr(self, "_sampler", None)
+        if sampler is not None:
+            sampler.stop()
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
