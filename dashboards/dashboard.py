@@ -1,0 +1,610 @@
+"""The Grafana dashboard, written as code: ``python -m dashboards.dashboard`` regenerates
+``dashboards/splitserve.json`` (the tests check the committed file matches).
+
+Rows: the client's view (load generator), the router, the engines (vLLM's own metrics,
+per replica and role), KV transfer (PD), QoS, and utilization with the per-GPU
+imbalance. Every panel reads the Prometheus datasource chosen in ``$datasource``.
+Names come from router/metrics.py, kv_transfer/metrics.py, loadgen/exposition.py,
+deployments/sampler.py and vLLM; dashboards/prometheus.yml maps Ray's exported names
+(``ray_vllm_x``, ``ray_splitserve_x``) back to ``vllm:x`` and ``splitserve_x``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DASHBOARD_PATH = Path(__file__).with_name("splitserve.json")
+DASHBOARD_UID = "splitserve"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+PANEL_WIDTH, PANEL_HEIGHT, GRID_WIDTH = 8, 8, 24
+
+# Template variables: which run of the load generator, which router mode, which replicas.
+RUN = 'run=~"$run"'
+MODE = 'mode=~"$mode"'
+REPLICA = 'replica=~"$replica"'
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    targets: tuple[Target, ...]
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+
+def quantile(q: float, bucket: str, selector: str, by: str) -> str:
+    """A quantile from a histogram's buckets over the panel's rate window."""
+    return f"histogram_quantile({q}, sum by (le, {by}) (rate({bucket}{{{selector}}}[{RATE}])))"
+
+
+def latency(title: str, description: str, bucket: str, selector: str, by: str) -> Panel:
+    return Panel(
+        title,
+        description,
+        "s",
+        (
+            Target(quantile(0.5, bucket, selector, by), f"p50 {{{{{by}}}}}"),
+            Target(quantile(0.95, bucket, selector, by), f"p95 {{{{{by}}}}}"),
+        ),
+    )
+
+
+def rate_by(metric: str, selector: str, by: str) -> str:
+    return f"sum by ({by}) (rate({metric}{{{selector}}}[{RATE}]))"
+
+
+def legend(labels: str) -> str:
+    return " ".join(f"{{{{{label.strip()}}}}}" for label in labels.split(","))
+
+
+CLIENT = Row(
+    "Client view (load generator)",
+    (
+        latency(
+            "Client TTFT",
+            "Time to first token as the client saw it.",
+            "loadgen_time_to_first_token_seconds_bucket",
+            RUN,
+            "mode",
+        ),
+        latency(
+            "Client ITL",
+            "Gaps between consecutive tokens as the client saw them.",
+            "loadgen_inter_token_latency_seconds_bucket",
+            RUN,
+            "mode",
+        ),
+        latency(
+            "Client TPOT",
+            "Per request (last - first token) / (n - 1).",
+            "loadgen_time_per_output_token_seconds_bucket",
+            RUN,
+            "mode",
+        ),
+        Panel(
+            "Client requests by outcome",
+            "Finished requests per second: ok, rejected (503/429), error.",
+            "reqps",
+            (
+                Target(
+                    rate_by("loadgen_requests_total", RUN, "mode, outcome"), legend("mode, outcome")
+                ),
+            ),
+        ),
+        Panel(
+            "Client tokens per second",
+            "Input and output tokens of completed requests.",
+            "short",
+            (Target(rate_by("loadgen_tokens_total", RUN, "mode, kind"), legend("mode, kind")),),
+        ),
+        Panel(
+            "Client in flight and target QPS",
+            "Requests sent and not done; the run's target rate (inf shows as +Inf).",
+            "short",
+            (
+                Target(
+                    f"sum by (mode) (loadgen_in_flight_requests{{{RUN}}})", "in flight {{mode}}"
+                ),
+                Target(f"max by (mode) (loadgen_target_qps{{{RUN}}})", "target QPS {{mode}}"),
+            ),
+        ),
+        latency(
+            "Client send lag",
+            "Actual minus scheduled send time: a large lag means the client, not the"
+            " server, is the bottleneck.",
+            "loadgen_send_lag_seconds_bucket",
+            RUN,
+            "mode",
+        ),
+    ),
+)
+
+ROUTER = Row(
+    "Router",
+    (
+        Panel(
+            "Requests by route and status",
+            "HTTP requests the router answered per second.",
+            "reqps",
+            (
+                Target(
+                    rate_by("splitserve_requests_total", "", "route, status"),
+                    legend("route, status"),
+                ),
+            ),
+        ),
+        latency(
+            "Server TTFT by prefill place",
+            "Router arrival to first token; prefill=remote is PD's prefill replica.",
+            "splitserve_time_to_first_token_seconds_bucket",
+            MODE,
+            "mode, prefill",
+        ),
+        latency(
+            "Server ITL",
+            "Router-side gap between streamed tokens.",
+            "splitserve_inter_token_latency_seconds_bucket",
+            MODE,
+            "mode",
+        ),
+        latency(
+            "Server end-to-end",
+            "Router arrival to last token.",
+            "splitserve_e2e_request_latency_seconds_bucket",
+            MODE,
+            "mode",
+        ),
+        latency(
+            "Queue time",
+            "Router arrival until an engine accepted the request.",
+            "splitserve_queue_seconds_bucket",
+            MODE,
+            "mode",
+        ),
+        Panel(
+            "Replica choices",
+            "Which replica the policy chose, per pool, per second.",
+            "reqps",
+            (
+                Target(
+                    rate_by("splitserve_replica_choices_total", "", "pool, policy, replica"),
+                    legend("pool, policy, replica"),
+                ),
+            ),
+        ),
+        Panel(
+            "In flight per replica",
+            "Requests the router has in flight on each engine replica.",
+            "short",
+            (
+                Target(
+                    f"sum by (replica, role) (splitserve_replica_in_flight_requests{{{REPLICA}}})",
+                    legend("replica, role"),
+                ),
+            ),
+        ),
+        Panel(
+            "Engine queues as the router polls them",
+            "Every 200 ms the router reads each engine's scheduler: running and waiting.",
+            "short",
+            (
+                Target(
+                    f"sum by (replica, state) (splitserve_engine_requests{{{REPLICA}}})",
+                    legend("replica, state"),
+                ),
+            ),
+        ),
+        Panel(
+            "Tokens per second (router)",
+            "Prompt and generated tokens the router counted.",
+            "short",
+            (Target(rate_by("splitserve_tokens_total", "", "kind"), legend("kind")),),
+        ),
+    ),
+)
+
+ENGINES = Row(
+    "Engines (vLLM, per replica and role)",
+    (
+        Panel(
+            "Running and waiting requests",
+            "vLLM's scheduler, per replica.",
+            "short",
+            (
+                Target(
+                    f"sum by (replica, role) (vllm:num_requests_running{{{REPLICA}}})",
+                    "running {{replica}} ({{role}})",
+                ),
+                Target(
+                    f"sum by (replica, role) (vllm:num_requests_waiting{{{REPLICA}}})",
+                    "waiting {{replica}} ({{role}})",
+                ),
+            ),
+        ),
+        Panel(
+            "KV cache usage",
+            "Share of each replica's KV cache in use.",
+            "percentunit",
+            (
+                Target(
+                    f"max by (replica, role) (vllm:kv_cache_usage_perc{{{REPLICA}}})",
+                    legend("replica, role"),
+                ),
+            ),
+        ),
+        Panel(
+            "Prefix cache hit rate",
+            "Prompt tokens found in the prefix cache over tokens looked up.",
+            "percentunit",
+            (
+                Target(
+                    f"{rate_by('vllm:prefix_cache_hits_total', REPLICA, 'replica, role')}"
+                    f" / {rate_by('vllm:prefix_cache_queries_total', REPLICA, 'replica, role')}",
+                    legend("replica, role"),
+                ),
+            ),
+        ),
+        latency(
+            "Engine TTFT",
+            "vLLM's own time to first token (engine arrival to first token).",
+            "vllm:time_to_first_token_seconds_bucket",
+            REPLICA,
+            "replica",
+        ),
+        latency(
+            "Engine TPOT",
+            "vLLM's per-request time per output token (decode replicas).",
+            "vllm:request_time_per_output_token_seconds_bucket",
+            REPLICA,
+            "replica",
+        ),
+        Panel(
+            "Engine tokens per second",
+            "Prompt and generated tokens, per replica.",
+            "short",
+            (
+                Target(
+                    rate_by("vllm:prompt_tokens_total", REPLICA, "replica"), "prompt {{replica}}"
+                ),
+                Target(
+                    rate_by("vllm:generation_tokens_total", REPLICA, "replica"),
+                    "generation {{replica}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Prompt tokens by source",
+            "Computed locally, found in the local prefix cache, or loaded from a KV"
+            " transfer (PD's decode replicas).",
+            "short",
+            (
+                Target(
+                    rate_by("vllm:prompt_tokens_by_source_total", REPLICA, "replica, source"),
+                    legend("replica, source"),
+                ),
+            ),
+        ),
+    ),
+)
+
+KV_TRANSFER = Row(
+    "KV transfer (PD)",
+    (
+        Panel(
+            "Prefill place",
+            "Where each request's prompt was computed (local or remote), and why.",
+            "reqps",
+            (
+                Target(
+                    rate_by("splitserve_prefill_decisions_total", "", "where, reason"),
+                    legend("where, reason"),
+                ),
+            ),
+        ),
+        Panel(
+            "KV bytes per second",
+            "Bytes put by prefill replicas and read by decode replicas.",
+            "Bps",
+            (Target(rate_by("splitserve_kv_transfer_bytes_total", "", "op"), legend("op")),),
+        ),
+        latency(
+            "KV put and get time",
+            "One put (prefill) or get and write (decode).",
+            "splitserve_kv_transfer_seconds_bucket",
+            "",
+            "op",
+        ),
+        Panel(
+            "Transfers by outcome",
+            "loaded, released, expired (TTL) or failed (recomputed), per second.",
+            "short",
+            (Target(rate_by("splitserve_kv_transfers_total", "", "outcome"), legend("outcome")),),
+        ),
+        Panel(
+            "KV held in the object store",
+            "Bytes of transferred KV not yet freed (TTL or release pending).",
+            "bytes",
+            (Target("sum(splitserve_kv_transfer_live_bytes)", "bytes"),),
+        ),
+    ),
+)
+
+QOS = Row(
+    "QoS",
+    (
+        Panel(
+            "Rejections by reason and priority",
+            "Requests refused by admission control per second (503/429).",
+            "reqps",
+            (
+                Target(
+                    rate_by("splitserve_rejections_total", "", "reason, priority"),
+                    legend("reason, priority"),
+                ),
+            ),
+        ),
+        Panel(
+            "Requests by priority",
+            "Answered requests per second by priority and status.",
+            "reqps",
+            (
+                Target(
+                    rate_by("splitserve_requests_total", "", "priority, status"),
+                    legend("priority, status"),
+                ),
+            ),
+        ),
+        Panel(
+            "Estimated TTFT per replica",
+            "Admission control's latest time-to-first-token estimate.",
+            "s",
+            (
+                Target(
+                    f"max by (replica) (splitserve_ttft_estimate_seconds{{{REPLICA}}})",
+                    legend("replica"),
+                ),
+            ),
+        ),
+    ),
+)
+
+# GPUs where NVML answers; otherwise the engine processes' CPU (the metric names say which).
+GPU_BUSY = f"rate(splitserve_gpu_busy_seconds_total{{{REPLICA}}}[{RATE}])"
+CPU_BUSY = f"rate(splitserve_cpu_busy_seconds_total{{{REPLICA}}}[{RATE}])"
+UTILIZATION = Row(
+    "Utilization (200 ms sampler)",
+    (
+        Panel(
+            "Utilization per GPU (CPU: per engine process)",
+            "Mean of every 200 ms sample in the window (from the busy-seconds counters):"
+            " per GPU where NVML answers, else per engine process (100% = one core).",
+            "percent",
+            (
+                Target(
+                    f"100 * sum by (replica, gpu) ({GPU_BUSY})"
+                    f" or 100 * sum by (replica, process) ({CPU_BUSY})",
+                    "{{replica}} {{gpu}}{{process}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Utilization imbalance (max - min)",
+            "Between GPUs, as the study reports; on CPU between replicas (all processes"
+            " of a replica summed).",
+            "percent",
+            (
+                Target(
+                    f"(max(100 * sum by (replica, gpu) ({GPU_BUSY}))"
+                    f" - min(100 * sum by (replica, gpu) ({GPU_BUSY})))"
+                    f" or (max(100 * sum by (replica) ({CPU_BUSY}))"
+                    f" - min(100 * sum by (replica) ({CPU_BUSY})))",
+                    "max - min",
+                ),
+            ),
+        ),
+        Panel(
+            "Latest sample",
+            "The sampler's gauges: the latest 200 ms sample each time Ray exports.",
+            "percent",
+            (
+                Target(
+                    f"max by (replica, gpu) (splitserve_gpu_utilization_percent{{{REPLICA}}})"
+                    f" or max by (replica, process)"
+                    f" (splitserve_cpu_utilization_percent{{{REPLICA}}})",
+                    "{{replica}} {{gpu}}{{process}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Memory used",
+            "GPU memory in use per GPU; on CPU the resident memory of each engine process.",
+            "bytes",
+            (
+                Target(
+                    f"max by (replica, gpu) (splitserve_gpu_memory_used_bytes{{{REPLICA}}})"
+                    f" or max by (replica, process)"
+                    f" (splitserve_cpu_memory_used_bytes{{{REPLICA}}})",
+                    "{{replica}} {{gpu}}{{process}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Sampler ticks per second",
+            "Should stay at 5 (one sample per 200 ms); source says nvml or cpu.",
+            "short",
+            (
+                Target(
+                    rate_by("splitserve_utilization_samples_total", REPLICA, "replica, source"),
+                    legend("replica, source"),
+                ),
+            ),
+        ),
+    ),
+)
+
+ROWS = (CLIENT, ROUTER, ENGINES, KV_TRANSFER, QOS, UTILIZATION)
+TEMPLATE_VARIABLES = ("run", "mode", "replica")
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": query, "refId": f"{name}-values"},
+        "definition": query,
+        "refresh": 2,  # on time range change: new runs and replicas appear
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
+def templating() -> dict[str, Any]:
+    return {
+        "list": [
+            {
+                "name": "datasource",
+                "label": "Prometheus",
+                "type": "datasource",
+                "query": "prometheus",
+                "current": {},
+                "refresh": 1,
+            },
+            _variable("run", "load generator run", "label_values(loadgen_requests_total, run)"),
+            _variable(
+                "mode", "router mode", "label_values(splitserve_e2e_request_latency_seconds, mode)"
+            ),
+            _variable(
+                "replica", "engine replica", "label_values(vllm:num_requests_running, replica)"
+            ),
+        ]
+    }
+
+
+def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    return {
+        "id": panel_id,
+        "type": "timeseries",
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": {"x": x, "y": y, "w": PANEL_WIDTH, "h": PANEL_HEIGHT},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {
+                "refId": chr(ord("A") + index),
+                "datasource": DATASOURCE,
+                "expr": target.expr,
+                "legendFormat": target.legend,
+            }
+            for index, target in enumerate(panel.targets)
+        ],
+    }
+
+
+def build_dashboard() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    next_id, y = 1, 0
+    for row in ROWS:
+        panels.append(
+            {
+                "id": next_id,
+                "type": "row",
+                "title": row.title,
+                "collapsed": False,
+                "gridPos": {"x": 0, "y": y, "w": GRID_WIDTH, "h": 1},
+                "panels": [],
+            }
+        )
+        next_id, y = next_id + 1, y + 1
+        for index, panel in enumerate(row.panels):
+            x = (index * PANEL_WIDTH) % GRID_WIDTH
+            if index and x == 0:
+                y += PANEL_HEIGHT
+            panels.append(_panel_json(panel, next_id, x, y))
+            next_id += 1
+        y += PANEL_HEIGHT
+    return {
+        "uid": DASHBOARD_UID,
+        "title": "splitserve",
+        "description": "Client, router, engines, KV transfer, QoS and utilization of a"
+        " splitserve deployment (see dashboards/prometheus.yml for what is scraped).",
+        "tags": ["splitserve", "vllm", "ray-serve"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "5s",
+        "time": {"from": "now-15m", "to": "now"},
+        "templating": templating(),
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+# PromQL words that look like metric names to a tokenizer.
+PROMQL_WORDS = frozenset(
+    {"sum", "max", "min", "avg", "rate", "increase", "histogram_quantile", "or", "and"}
+)
+_NOT_NAMES = re.compile(r'\{[^}]*\}|\[[^\]]*\]|"[^"]*"|\b(?:by|without|on|ignoring)\s*\([^)]*\)')
+_IDENTIFIER = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names one PromQL expression reads (labels, windows, functions removed)."""
+    return {name for name in _IDENTIFIER.findall(_NOT_NAMES.sub(" ", expr))} - PROMQL_WORDS
+
+
+def expand(expr: str, rate_window: str, values: dict[str, str] | None = None) -> str:
+    """An expression as Grafana would send it: variables substituted (default: All)."""
+    values = values or {}
+    expr = expr.replace("$__rate_interval", rate_window)
+    for variable in TEMPLATE_VARIABLES:
+        expr = expr.replace(f"${variable}", values.get(variable, ".*"))
+    return expr
+
+
+def expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expr) of every query target in the dashboard."""
+    return [
+        (panel["title"], target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
+
+
+def render() -> str:
+    return json.dumps(build_dashboard(), indent=2) + "\n"
+
+
+def main() -> int:
+    DASHBOARD_PATH.write_text(render())
+    print(f"wrote {DASHBOARD_PATH}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
