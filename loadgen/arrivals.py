@@ -114,15 +114,18 @@ class TraceReplayArrivals:
         return "replay"
 
 
-def make_arrivals(qps: float, process: str, seed: int) -> ArrivalProcess:
-    """The study's rates: a finite QPS is a Poisson (or constant) process, inf unlimited."""
+def make_arrivals(qps: float, process: str, seed: int, burstiness: float = 1.0) -> ArrivalProcess:
+    """The study's rates: a finite QPS is a Poisson (or constant, or gamma with shape
+    ``burstiness``) process, inf unlimited."""
     if math.isinf(qps):
         return UnlimitedArrivals()
     if process == "constant":
         return ConstantArrivals(qps)
     if process == "poisson":
         return PoissonArrivals(qps, seed)
-    raise ValueError(f"unknown arrival process {process!r}; use 'poisson' or 'constant'")
+    if process == "gamma":
+        return GammaArrivals(qps, burstiness, seed)
+    raise ValueError(f"unknown arrival process {process!r}; use 'poisson', 'constant' or 'gamma'")
 
 
 def format_qps(qps: float) -> str:

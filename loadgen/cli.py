@@ -179,9 +179,15 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     )
     group.add_argument(
         "--arrivals",
-        choices=("poisson", "constant"),
+        choices=("poisson", "constant", "gamma"),
         default="poisson",
         help="process of a finite QPS",
+    )
+    group.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma arrivals: shape of the gaps; 1 is Poisson, below 1 burstier",
     )
     group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     group.add_argument(
@@ -364,6 +370,7 @@ def run_config(args: argparse.Namespace, workload: WorkloadConfig, qps: float) -
         workload=workload,
         qps=qps,
         arrival_process=args.arrivals,
+        burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         num_requests=args.num_requests,
         warmup_requests=args.warmup_requests,

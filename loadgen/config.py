@@ -19,7 +19,11 @@ SYNTHETIC_WORKLOADS: dict[str, tuple[int, int]] = {
     "decode-heavy": (128, 512),
 }
 CUSTOM_WORKLOAD = "custom"
-WORKLOAD_NAMES = (*SYNTHETIC_WORKLOADS, CUSTOM_WORKLOAD, *TRACE_SUBSETS)
+# Short chat turns among long documents: the mix where prefilling every prompt remotely
+# (or none) is wrong for part of the traffic. (input, output, share of requests).
+MIXED_WORKLOAD = "mixed"
+MIXED_CLASSES: tuple[tuple[int, int, float], ...] = ((128, 128, 0.7), (2048, 32, 0.3))
+WORKLOAD_NAMES = (*SYNTHETIC_WORKLOADS, MIXED_WORKLOAD, CUSTOM_WORKLOAD, *TRACE_SUBSETS)
 TraceSource = Literal["burstgpt", "burstgpt-synthetic"]
 STUDY_REQUESTS_PER_CELL = 200
 DEFAULT_WARMUP_REQUESTS = 2
@@ -88,7 +92,10 @@ class RunConfig(StrictModel):
     max_model_len: int | None = Field(None, gt=0, description="default: from GET /v1/models")
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
     qps: float = Field(math.inf, gt=0, description="requests/s; inf sends as fast as allowed")
-    arrival_process: Literal["poisson", "constant"] = "poisson"
+    arrival_process: Literal["poisson", "constant", "gamma"] = "poisson"
+    burstiness: float = Field(
+        1.0, gt=0, description="gamma arrivals: the gaps' shape; 1 is Poisson, below 1 burstier"
+    )
     max_concurrency: int | None = Field(None, gt=0)
     num_requests: int = Field(STUDY_REQUESTS_PER_CELL, gt=0)
     warmup_requests: int = Field(DEFAULT_WARMUP_REQUESTS, ge=0)

@@ -143,7 +143,9 @@ def run_identifier(config: RunConfig, mode: str) -> str:
 def arrival_process(config: RunConfig, plan: WorkloadPlan) -> ArrivalProcess:
     if plan.trace_arrivals is not None:
         return TraceReplayArrivals(plan.trace_arrivals, config.workload.time_scale)
-    return make_arrivals(config.qps, config.arrival_process, arrival_seed(config.seed))
+    return make_arrivals(
+        config.qps, config.arrival_process, arrival_seed(config.seed), config.burstiness
+    )
 
 
 class Dispatcher:

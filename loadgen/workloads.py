@@ -32,7 +32,13 @@ from loadgen.burstgpt import (
     resolve_trace_file,
     trace_subset,
 )
-from loadgen.config import CUSTOM_WORKLOAD, SYNTHETIC_WORKLOADS, WorkloadConfig
+from loadgen.config import (
+    CUSTOM_WORKLOAD,
+    MIXED_CLASSES,
+    MIXED_WORKLOAD,
+    SYNTHETIC_WORKLOADS,
+    WorkloadConfig,
+)
 
 PROMPT_TOKEN_LOW = 0
 PROMPT_TOKEN_HIGH = 256  # exclusive: the byte range
@@ -93,6 +99,14 @@ def plan_workload(
         return _trace_plan(
             config, num_requests, warmup_requests, main_rng, warmup_rng, max_model_len
         )
+    if config.name == MIXED_WORKLOAD:
+        return WorkloadPlan(
+            name=config.name,
+            label=config.label,
+            shapes=_mixed_shapes(main_rng, num_requests, max_model_len),
+            warmup_shapes=_mixed_shapes(warmup_rng, warmup_requests, max_model_len),
+            source="synthetic",
+        )
     input_len, output_len = (
         (config.input_len, config.output_len)
         if config.name == CUSTOM_WORKLOAD
@@ -112,6 +126,19 @@ def plan_workload(
         warmup_shapes=_synthetic_shapes(warmup_rng, warmup_requests, input_len, output_len, spread),
         source="synthetic",
     )
+
+
+def _mixed_shapes(rng: np.random.Generator, count: int, max_model_len: int) -> list[RequestShape]:
+    shares = np.array([share for _, _, share in MIXED_CLASSES])
+    picks = rng.choice(len(MIXED_CLASSES), size=count, p=shares / shares.sum())
+    shapes = [RequestShape(*MIXED_CLASSES[i][:2]) for i in picks]
+    too_long = [s for s in shapes if s.input_len + s.output_len > max_model_len]
+    if too_long:
+        raise ValueError(
+            f"mixed: {too_long[0].input_len} + {too_long[0].output_len} tokens exceed the"
+            f" server's context of {max_model_len}"
+        )
+    return shapes
 
 
 def _synthetic_shapes(

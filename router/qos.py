@@ -48,7 +48,7 @@ class Rejection(OpenAIError):
 
 class AdmissionControl:
     """Refuses what the cluster should not take: beyond a priority's queue cap (429), or
-    low priority whose estimated TTFT already breaks the SLO (503)."""
+    a priority whose estimated TTFT exceeds its early-rejection limit (503)."""
 
     def __init__(self, config: QoSConfig) -> None:
         self._config = config
@@ -68,12 +68,12 @@ class AdmissionControl:
                 "queue_full",
                 config.retry_after_s,
             )
-        over_slo = ttft_estimate_s is not None and ttft_estimate_s > config.ttft_slo_s
-        if over_slo and priority in config.reject_over_slo:
+        limit = config.early_rejection_s.get(priority)
+        if limit is not None and ttft_estimate_s is not None and ttft_estimate_s > limit:
             raise Rejection(
                 f"the server is overloaded: estimated time to first token"
-                f" {ttft_estimate_s:.2f} s exceeds the {config.ttft_slo_s:g} s objective for"
-                f" {priority} priority; retry after {config.retry_after_s} s",
+                f" {ttft_estimate_s:.2f} s exceeds the {limit:g} s allowed for {priority}"
+                f" priority; retry after {config.retry_after_s} s",
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 "ttft_slo",
                 config.retry_after_s,

@@ -49,10 +49,14 @@ class QoSConfig(StrictSettings):
 
     enabled: bool = False
     default_priority: Priority = "normal"
-    ttft_slo_s: float = Field(2.0, gt=0, description="Time to first token the router defends.")
-    reject_over_slo: list[Priority] = Field(
-        default_factory=lambda: ["low"],
-        description="Priorities refused (503) when the TTFT estimate exceeds the SLO.",
+    ttft_slo_s: float = Field(
+        2.0, gt=0, description="Time to first token promised to admitted requests."
+    )
+    early_rejection_s: dict[Priority, float] = Field(
+        default_factory=lambda: {"low": 1.0},
+        description="Per priority, the estimated TTFT above which it is refused (503); at most"
+        " ttft_slo_s. Below the SLO it leaves headroom for the priorities never refused (the"
+        " chapter's low_priority_threshold_ms).",
     )
     queue_caps: dict[Priority, int] = Field(
         default_factory=lambda: {"high": 256, "normal": 128, "low": 64},
@@ -81,6 +85,12 @@ class QoSConfig(StrictSettings):
         missing = [p for p in PRIORITIES if p not in self.queue_caps]
         if missing:
             raise ValueError(f"queue_caps needs a cap for every priority; missing {missing}")
+        loose = {p: s for p, s in self.early_rejection_s.items() if not 0 < s <= self.ttft_slo_s}
+        if loose:
+            raise ValueError(
+                f"early_rejection_s must be above 0 and at most ttft_slo_s"
+                f" ({self.ttft_slo_s:g} s); got {loose}"
+            )
         return self
 
 

@@ -108,6 +108,10 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
             "queue_caps needs a cap for every priority; missing ['normal', 'low']",
         ),
         (
+            {"strategy": "single", "pools": [{}], "qos": {"early_rejection_s": {"low": 3.0}}},
+            "early_rejection_s must be above 0 and at most ttft_slo_s (2 s); got {'low': 3.0}",
+        ),
+        (
             {"strategy": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
             "qos.ttft_slo_s: Input should be greater than 0",
         ),

@@ -38,6 +38,12 @@ def test_same_seed_same_schedule_other_seed_other_schedule() -> None:
     assert make_arrivals(4.0, "poisson", 3).schedule(200) == first
 
 
+def test_gamma_is_reachable_by_name_with_its_burstiness() -> None:
+    assert make_arrivals(2.0, "gamma", 1, burstiness=0.25) == GammaArrivals(2.0, 0.25, 1)
+    with pytest.raises(ValueError, match="'poisson', 'constant' or 'gamma'"):
+        make_arrivals(2.0, "weibull", 1)
+
+
 def test_gamma_burstier_than_poisson() -> None:
     gaps = np.diff(GammaArrivals(2.0, shape=0.25, seed=1).schedule(SAMPLES))
     assert 1 / gaps.mean() == pytest.approx(2.0, rel=0.05)

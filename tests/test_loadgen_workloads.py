@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from loadgen.burstgpt import BurstGPTShapedGenerator, write_trace_csv
-from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.config import MIXED_CLASSES, RunConfig, WorkloadConfig
 from loadgen.workloads import (
     TextCalibration,
     TextPrompts,
@@ -27,6 +27,18 @@ def test_study_workloads_have_exact_lengths(name: str, lengths: tuple[int, int])
     plan = plan_workload(WorkloadConfig(name=name), 200, 2, seed=0, max_model_len=CONTEXT)
     assert len(plan.shapes) == 200 and len(plan.warmup_shapes) == 2
     assert {(s.input_len, s.output_len) for s in plan.shapes} == {lengths}
+
+
+def test_mixed_workload_draws_its_classes_in_their_shares() -> None:
+    plan = plan_workload(WorkloadConfig(name="mixed"), 2000, 2, seed=3, max_model_len=CONTEXT)
+    shapes = [(s.input_len, s.output_len) for s in plan.shapes]
+    assert set(shapes) == {(i, o) for i, o, _ in MIXED_CLASSES}
+    for input_len, output_len, share in MIXED_CLASSES:
+        assert shapes.count((input_len, output_len)) / 2000 == pytest.approx(share, abs=0.03)
+    again = plan_workload(WorkloadConfig(name="mixed"), 2000, 2, seed=3, max_model_len=CONTEXT)
+    assert again.shapes == plan.shapes
+    with pytest.raises(ValueError, match="exceed the server's context of 1024"):
+        plan_workload(WorkloadConfig(name="mixed"), 50, 0, seed=3, max_model_len=1024)
 
 
 def test_custom_spread_stays_in_range_and_is_reproducible() -> None:

@@ -192,7 +192,12 @@ def test_priority_from_body_or_header_and_clear_errors() -> None:
 
 
 def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> None:
-    config = QoSConfig(enabled=True, ttft_slo_s=1.0, queue_caps={"high": 10, "normal": 6, "low": 3})
+    config = QoSConfig(
+        enabled=True,
+        ttft_slo_s=1.0,
+        early_rejection_s={"low": 1.0},
+        queue_caps={"high": 10, "normal": 6, "low": 3},
+    )
     admission = AdmissionControl(config)
     admission.check("low", queued=0, ttft_estimate_s=0.9)
     admission.check("high", queued=0, ttft_estimate_s=5.0)
