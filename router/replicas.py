@@ -40,8 +40,9 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """Fewest active requests (the router's or the engine's count, whichever is larger),
-    then the emptier KV cache; equal replicas take turns."""
+    """Fewest active requests (the router's or the engine's count, whichever is larger;
+    for a prefill replica, queued prefills), then the emptier KV cache; equal replicas
+    take turns."""
 
     name: ReplicaChoiceName = "least_loaded"
 
@@ -72,17 +73,24 @@ class PrefixAffinity:
     def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
         _require(replicas)
         hits = {r.name: r.state.cached_tokens(prompt) for r in replicas}
-        best = max(replicas, key=lambda r: (hits[r.name], -r.state.active))
+        best = max(replicas, key=lambda r: (hits[r.name], -_requests(r)))
         if hits[best.name] < self._config.min_hit_tokens:
             return Choice(self._fallback.pick(replicas), "no_prefix_hit")
-        least = min(r.state.active for r in replicas)
-        if best.state.active - least > self._config.max_load_imbalance:
+        least = min(_requests(r) for r in replicas)
+        if _requests(best) - least > self._config.max_load_imbalance:
             return Choice(self._fallback.pick(replicas), "load_guard")
         return Choice(best, "prefix_hit")
 
 
+def _requests(replica: EngineClient) -> int:
+    # A prefill replica is busy with prefills only; the decodes its requests go on to
+    # elsewhere would make it look loaded for their whole length.
+    state = replica.state
+    return state.prefill_queue if replica.role == "prefill" else state.active
+
+
 def _load(replica: EngineClient) -> tuple[int, float]:
-    return replica.state.active, replica.state.kv_cache_usage
+    return _requests(replica), replica.state.kv_cache_usage
 
 
 def _require(replicas: list[EngineClient]) -> None:

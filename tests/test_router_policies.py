@@ -135,6 +135,15 @@ def test_least_loaded_prefers_fewer_requests_then_emptier_cache() -> None:
     assert LeastLoaded().choose([idle_full, idle_empty], PROMPT).replica is idle_full
 
 
+def test_a_prefill_replica_is_as_loaded_as_its_prefill_queue() -> None:
+    decoding, queued = _replica("decoding"), _replica("queued")
+    for replica in (decoding, queued):
+        replica.role = "prefill"
+    decoding.state.in_flight = 6  # requests whose decode runs elsewhere by now
+    queued.state.enqueue_prefill(500, now=0.0)
+    assert LeastLoaded().choose([queued, decoding], PROMPT).replica is decoding
+
+
 def test_prefix_affinity_follows_the_hit_until_the_load_guard() -> None:
     config = PrefixAffinityConfig(max_load_imbalance=2)
     cold, warm = _replica("cold"), _replica("warm")
