@@ -1,4 +1,4 @@
-"""``python -m loadgen``: run, sweep, demo, fake-server, trace-stats."""
+"""``python -m loadgen``: run, sweep, demo, fake-server, trace-stats, report."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from loadgen.eventloop import run_event_loop
 from loadgen.exposition import Exposition
 from loadgen.fake_server import FakeServerConfig, run_fake_server
 from loadgen.launcher import LaunchError
+from loadgen.panels import render_report  # its ReportError is a ValueError
 from loadgen.report import (
     plot_run,
     print_run_table,
@@ -55,7 +56,7 @@ from loadgen.sweep import (
 )
 from loadgen.workloads import load_trace
 
-SUBCOMMANDS = ("run", "sweep", "demo", "fake-server", "trace-stats")
+SUBCOMMANDS = ("run", "sweep", "demo", "fake-server", "trace-stats", "report")
 RESULTS_ROOT = Path("results/loadgen")
 
 RUN_EXAMPLES = """examples:
@@ -336,6 +337,17 @@ def build_trace_stats_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_report_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen report",
+        description="Render the dashboard's key panels as PNG from a run's JSON, a folder of"
+        " runs, or a sweep's output folder (its figures from sweep.csv, plus every run).",
+    )
+    parser.add_argument("path", type=Path, help="RUN.json, or a run/sweep output folder")
+    parser.add_argument("--out", type=Path, default=None, help="default: beside the input")
+    return parser
+
+
 # ---- building configs ---------------------------------------------------------------------
 
 
@@ -531,12 +543,21 @@ def command_trace_stats(argv: list[str], console: Console) -> int:
     return 0
 
 
+def command_report(argv: list[str], console: Console) -> int:
+    args = build_report_parser().parse_args(argv)
+    _configure_logging(False)
+    for path in render_report(args.path, args.out):
+        console.print(f"plot: {path}")
+    return 0
+
+
 COMMANDS = {
     "run": command_run,
     "sweep": command_sweep,
     "demo": command_demo,
     "fake-server": command_fake_server,
     "trace-stats": command_trace_stats,
+    "report": command_report,
 }
 
 
