@@ -75,6 +75,8 @@ def legend(labels: str) -> str:
     return " ".join(f"{{{{{label.strip()}}}}}" for label in labels.split(","))
 
 
+PREFIX_QUERIES = rate_by("vllm:prefix_cache_queries_total", REPLICA, "replica, role")
+
 CLIENT = Row(
     "Client view (load generator)",
     (
@@ -255,9 +257,11 @@ ENGINES = Row(
             "Prompt tokens found in the prefix cache over tokens looked up.",
             "percentunit",
             (
+                # vLLM's Ray counters skip inc(0): no hits yet means no hits series, so
+                # count those replicas as 0 hits instead of showing no data.
                 Target(
-                    f"{rate_by('vllm:prefix_cache_hits_total', REPLICA, 'replica, role')}"
-                    f" / {rate_by('vllm:prefix_cache_queries_total', REPLICA, 'replica, role')}",
+                    f"({rate_by('vllm:prefix_cache_hits_total', REPLICA, 'replica, role')}"
+                    f" or 0 * {PREFIX_QUERIES}) / {PREFIX_QUERIES}",
                     legend("replica, role"),
                 ),
             ),
