@@ -25,6 +25,8 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	# The dashboard tests run a real Prometheus: Debian's package, installed if missing.
+	$(VENV)/bin/python -m dashboards.prometheus --install-only
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: setup

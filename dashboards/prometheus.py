@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scrape-interval", default=None, help="override, e.g. 1s")
     parser.add_argument("--work-dir", type=Path, default=None, help="config and data folder")
     parser.add_argument("--no-install", action="store_true", help="fail instead of apt-get")
+    parser.add_argument(
+        "--install-only", action="store_true", help="install Prometheus if missing, then exit"
+    )
     return parser
 
 
@@ -254,6 +257,9 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
+    if args.install_only:
+        print(" ".join(ensure_prometheus(install=True)))
+        return 0
     discovery = None
     if args.ray_address and args.ray_address != "auto":
         discovery = ray_discovery_file(args.ray_address, args.ray_temp_dir)
