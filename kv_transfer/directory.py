@@ -36,7 +36,7 @@ from typing import Any
 import ray
 
 from kv_transfer.handle import PARAMS_KEY
-from kv_transfer.metrics import Outcome, TransferStats
+from kv_transfer.metrics import Operation, Outcome, TransferStats
 from kv_transfer.settings import DEFAULT_NAMESPACE
 
 logger = logging.getLogger("splitserve.kv_transfer")
@@ -238,6 +238,10 @@ class KVObjectDirectory:
 
     async def release(self, transfer_id: str) -> None:
         self._close(transfer_id, "released")
+
+    async def observe(self, op: Operation, seconds: float, nbytes: int) -> None:
+        """Time a transfer the directory does not hold (example_disk), in the same metrics."""
+        self._stats.observe(op, seconds, nbytes)
 
     async def metrics_snapshot(self) -> dict[str, Any]:
         live_bytes = sum(transfer.live_bytes() for transfer in self._transfers.values())

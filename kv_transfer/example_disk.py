@@ -1,0 +1,97 @@
+"""vLLM's ExampleConnector (KV through files), timed into our transfer metrics.
+
+The baseline that bench/kv_transfer.py compares ObjectStoreConnector with; select it
+with ``kv_transfer: {connector: example_disk, storage_path: ...}``. vLLM's connector
+runs unchanged: the prefill engine writes one safetensors file per layer during its
+forward pass, the decode engine finds the folder by the prompt's hash and reads the
+files into its pages before its own forward pass. This subclass only times the two and
+reports them to the KV directory as ``put`` and ``get``, so that
+``splitserve_kv_transfer_seconds`` measures both connectors the same way.
+
+One observation per engine step and operation (every request saved or loaded in that
+step together): exact per request for a sequential workload, which is how the bench
+runs it. Not for serving: nothing deletes the files, the load blocks the engine step,
+and no handle is returned (the decode engine trusts whatever the folder holds).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    ExampleConnector,
+    ExampleConnectorMetadata,
+)
+
+from kv_transfer.directory import disconnect_ray, get_kv_directory
+from kv_transfer.metrics import Operation
+from kv_transfer.settings import DEFAULT_NAMESPACE
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class TimedExampleConnector(ExampleConnector):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._directory: Any = None
+        if role == KVConnectorRole.WORKER:
+            # Join Ray at engine start-up rather than inside the first request.
+            self._directory = get_kv_directory(extra.get("namespace", DEFAULT_NAMESPACE))
+        self._bytes_per_token = _bytes_per_token(kv_cache_config)
+        self._save_seconds = 0.0  # this step's save_kv_layer calls, every layer
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        started = time.perf_counter()
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self._save_seconds += time.perf_counter() - started
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        self._report("put", self._save_seconds, self._step_tokens(is_store=True))
+        self._save_seconds = 0.0
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        super().start_load_kv(forward_context, **kwargs)
+        seconds = time.perf_counter() - started
+        self._report("get", seconds, self._step_tokens(is_store=False))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        disconnect_ray()
+
+    def _step_tokens(self, is_store: bool) -> int:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, ExampleConnectorMetadata)
+        return sum(len(r.slot_mapping) for r in metadata.requests if r.is_store == is_store)
+
+    def _report(self, op: Operation, seconds: float, num_tokens: int) -> None:
+        if num_tokens and self._directory is not None:
+            nbytes = num_tokens * self._bytes_per_token
+            self._directory.observe.remote(op, seconds, nbytes)  # never waits on Ray
+
+
+def _bytes_per_token(kv_cache_config: KVCacheConfig) -> int:
+    """KV bytes of one token in this worker, every layer (K and V)."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    return spec.page_size_bytes // spec.block_size * len(group.layer_names)
