@@ -11,27 +11,68 @@ It also compares object granularities: one object per request per rank holding e
 layer (what the connector does), the same through a staging buffer, and one object
 per layer.
 
-    python bench/kv_transfer.py [--tokens 2048] [--repeats 10] [--out results/kv_transfer.json]
+Part (b), end to end on the embedded model through the router (``serve run``): TTFT
+and ITL of deployments/single.yaml and of PD with every prompt prefilled remotely
+(deployments/pd_always.yaml; pd.yaml's conditional policy would also offload these
+prompts, but "always" is the study's PD by construction), for 1,500-token prompts and
+64 output tokens, sent one at a time (a sequential workload: no queueing, so TTFT is
+the service time). The transfer's share of PD's TTFT comes from the connector's own
+histogram ``splitserve_kv_transfer_seconds{op}`` scraped from the router's /metrics
+before and after the measured requests: (mean put + mean get) / mean TTFT. The put
+(prefill side, before t1 exists) is on the TTFT path; the get (decode side) runs after
+t1 is streamed, so it lands in the first inter-token gap, reported beside it.
+
+Part (c): the same PD flow with vLLM's ExampleConnector (KV through safetensors files,
+bench/pd_example_connector.yaml), timed into the same histogram by
+kv_transfer.example_disk, against ours.
+
+    python bench/kv_transfer.py [--part a|b|c|all] [--out results/kv_transfer.json]
+        a: [--tokens 2048] [--repeats 10]    b, c: [--requests 30] [--prompt-tokens 1500]
+Parts b and c start Ray Serve apps on port 8000: run them under
+``flock /tmp/splitserve-serving.lock``. Each run updates its parts in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
+import shutil
+import signal
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import ray
+import yaml
 from rich.console import Console
 from rich.table import Table
+
+# Run as a script, this file's folder leads sys.path, and this file, named like the
+# package it measures, would shadow that package (and `deployments`' import of it).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
+
+from deployments.config import load_app_config  # noqa: E402
+from deployments.launcher import serve_run  # noqa: E402
+from kv_transfer.metrics import BYTES_TOTAL as TRANSFER_BYTES  # noqa: E402
+from kv_transfer.metrics import SECONDS as TRANSFER_SECONDS  # noqa: E402
+from kv_transfer.metrics import TRANSFERS_TOTAL  # noqa: E402
+from loadgen.config import RunConfig, WorkloadConfig  # noqa: E402
+from loadgen.runner import execute_run  # noqa: E402
+from loadgen.server_view import parse_metrics  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 console = Console()
 GRANULARITIES = ("request", "request-staged", "layer")
+PARTS = ("a", "b", "c", "all")
 TARGET_RATIO = 0.5
 
 
@@ -168,24 +209,339 @@ def _cells(row: dict[str, float], copy_gb_per_s: float) -> tuple[str, ...]:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+# ---- parts (b) and (c): end to end through the router ------------------------------
+
+PROMPT_TOKENS = 1500
+# Enough inter-token gaps per request for a stable ITL; the decode stays small beside
+# the 1,500-token prefill.
+OUTPUT_TOKENS = 64
+E2E_REQUESTS = 30
+# The first requests of a fresh app pay one-off costs (allocations, first Ray calls).
+E2E_WARMUPS = 3
+WARMUP_SEED, MEASURED_SEED = 1, 0  # different seeds: warm-up prompts never prefix-hit
+TARGET_SHARE = 0.10
+# The router refreshes its copy of the transfer metrics every stats_interval_s (0.2 s).
+METRICS_SETTLE_S = 1.0
+# Logical CPUs of the bench's own Ray head: every deployment asks for a fraction of one.
+HEAD_NUM_CPUS = 4
+PD_ALWAYS = REPO_ROOT / "deployments" / "pd_always.yaml"
+EXAMPLE_CONFIG = REPO_ROOT / "bench" / "pd_example_connector.yaml"
+E2E_CASES = {
+    "single": ("single (1 engine)", REPO_ROOT / "deployments" / "single.yaml"),
+    "pd": ("PD, ours", PD_ALWAYS),
+    "pd-example": ("PD, ExampleConnector", EXAMPLE_CONFIG),
+}
+# Wide enough for the end-to-end table in a log file, where rich assumes 80 columns.
+E2E_TABLE_WIDTH = 130
+CASES_OF_PART = {
+    "b": ("single", "pd"),
+    "c": ("pd", "pd-example"),
+    "all": ("single", "pd", "pd-example"),
+}
+
+
+def add_e2e_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=E2E_REQUESTS)
+    parser.add_argument("--e2e-warmups", type=int, default=E2E_WARMUPS)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
+
+
+def run_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
+    """Parts (b) and/or (c); ``pd`` is measured once when both need it."""
+    check_example_config()
+    # Started in the background by a shell without job control (`cmd &`), this process
+    # ignores SIGINT, `serve run` inherits that, and the launcher's SIGINT could not
+    # stop the app. A handler of our own is reset to the default in children.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    measured: dict[str, dict[str, Any]] = {}
+    with own_ray_head() as address:
+        for key in CASES_OF_PART[args.part]:
+            console.print(f"[bold]{E2E_CASES[key][0]}[/]: starting")
+            measured[key] = measure_case(key, address, args)
+            console.print(f"{key}: {_brief(measured[key])}")
+    print_e2e_table(measured, args)
+    workload = {
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "requests": args.requests,
+        "warmups": args.e2e_warmups,
+        "arrivals": "sequential (one request at a time, the next sent when one ends)",
+        "transfer_seconds_from": "splitserve_kv_transfer_seconds{op} on the router's /metrics",
+    }
+    parts: dict[str, Any] = {}
+    if "single" in measured:
+        parts["b"] = {"workload": workload, **part_b_verdict(measured)}
+    if "pd-example" in measured:
+        parts["c"] = {"workload": workload, **part_c_verdict(measured)}
+    print_verdicts(parts)
+    return parts
+
+
+def check_example_config() -> None:
+    """The ExampleConnector YAML must be pd_always.yaml but for its kv_transfer block."""
+
+    def args_of(path: Path) -> dict[str, Any]:
+        args = dict(yaml.safe_load(path.read_text())["applications"][0]["args"])
+        args.pop("kv_transfer", None)
+        return args
+
+    if args_of(PD_ALWAYS) != args_of(EXAMPLE_CONFIG):
+        raise SystemExit(f"{EXAMPLE_CONFIG} drifted from {PD_ALWAYS} beyond kv_transfer")
+
+
+@contextlib.contextmanager
+def own_ray_head() -> Iterator[str]:
+    """A Ray head in this process for the apps to join; it ends, with them, at exit."""
+    # Never RAY_ADDRESS or a cluster another process started on this machine.
+    os.environ.pop("RAY_ADDRESS", None)
+    ray.init(address="local", num_cpus=HEAD_NUM_CPUS, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def measure_case(key: str, address: str, args: argparse.Namespace) -> dict[str, Any]:
+    config = E2E_CASES[key][1]
+    storage = load_app_config(config).kv_transfer.storage_path if key == "pd-example" else None
+    with _empty_folder(storage), serve_run(str(config), ray_address=address) as app:
+        sequential_run(app.base_url, args.e2e_warmups, WARMUP_SEED, args)
+        before = scrape(app.base_url)
+        run = sequential_run(app.base_url, args.requests, MEASURED_SEED, args)
+        time.sleep(METRICS_SETTLE_S)
+        after = scrape(app.base_url)
+    return case_figures(run, before, after)
+
+
+@contextlib.contextmanager
+def _empty_folder(path: str | None) -> Iterator[None]:
+    """ExampleConnector's files: a stale one would be loaded as a hit; none may stay."""
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        yield
+    finally:
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def sequential_run(base_url: str, requests: int, seed: int, args: argparse.Namespace) -> Any:
+    """The project's load generator, one request at a time: TTFT is service time."""
+    config = RunConfig(
+        base_url=base_url,
+        workload=WorkloadConfig(
+            name="custom", input_len=args.prompt_tokens, output_len=args.output_tokens
+        ),
+        max_concurrency=1,
+        num_requests=requests,
+        warmup_requests=0,
+        seed=seed,
+        server_metrics=False,  # no /metrics polling beside the requests
+        show_progress=False,
     )
-    for key, default in LLAMA_3_2_1B.items():
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--granularity", choices=GRANULARITIES, nargs="*", default=GRANULARITIES)
-    parser.add_argument("--object-store-mib", type=int, default=None)
-    parser.add_argument(
-        "--preallocate-plasma",
-        action="store_true",
-        help="fault the object store's memory in at start (Ray's preallocate_plasma_memory)",
+    return asyncio.run(execute_run(config, Console(quiet=True)))
+
+
+def scrape(base_url: str) -> dict[str, Any]:
+    return parse_metrics(httpx.get(f"{base_url}/metrics", timeout=10).text)
+
+
+def case_figures(run: Any, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    done = [m for m in run.requests if m.outcome == "ok" and m.ttft_s is not None]
+    if not done:
+        raise SystemExit("no request completed; see the serve log")
+    figures: dict[str, Any] = {
+        "completed": len(done),
+        "requests": len(run.requests),
+        "mean_prompt_tokens": statistics.fmean(m.input_tokens for m in done),
+        "ttft": _dist_ms([m.ttft_s for m in done]),
+        "itl": _dist_ms([gap for m in done for gap in m.itl_s]),
+        # t2 - t1: where PD's decode-side load (get) lands.
+        "first_gap": _dist_ms([m.itl_s[0] for m in done if m.itl_s]),
+        "prefill_decisions": _delta(before, after, "splitserve_prefill_decisions_total", "where"),
+    }
+    transfer = transfer_figures(before, after)
+    if transfer:
+        ttft_mean = figures["ttft"]["mean_ms"]
+        transfer["share_of_ttft"] = transfer["put_plus_get_ms"] / ttft_mean
+        transfer["put_share_of_ttft"] = transfer["put"]["mean_ms"] / ttft_mean
+        transfer["get_share_of_first_gap"] = (
+            transfer["get"]["mean_ms"] / figures["first_gap"]["mean_ms"]
+        )
+        figures["transfer"] = transfer
+    return figures
+
+
+def transfer_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """Mean put and get per transfer from the connector's histogram, this run only."""
+    sums = _delta(before, after, f"{TRANSFER_SECONDS}_sum", "op")
+    counts = _delta(before, after, f"{TRANSFER_SECONDS}_count", "op")
+    nbytes = _delta(before, after, TRANSFER_BYTES, "op")
+    if not all(counts.get(op) for op in ("put", "get")):
+        return None
+    ops = {
+        op: {
+            "count": counts[op],
+            "mean_ms": sums[op] / counts[op] * 1e3,
+            "mean_bytes": nbytes.get(op, 0.0) / counts[op],
+        }
+        for op in ("put", "get")
+    }
+    outcomes = _delta(before, after, TRANSFERS_TOTAL, "outcome")
+    return {
+        **ops,
+        "put_plus_get_ms": ops["put"]["mean_ms"] + ops["get"]["mean_ms"],
+        "outcomes": outcomes,
+    }
+
+
+def _delta(
+    before: dict[str, Any], after: dict[str, Any], name: str, label: str
+) -> dict[str, float]:
+    def totals(samples: dict[str, Any]) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        for labels, value in samples.get(name, []):
+            sums[labels.get(label, "")] = sums.get(labels.get(label, ""), 0.0) + value
+        return sums
+
+    start = totals(before)
+    return {key: value - start.get(key, 0.0) for key, value in totals(after).items()}
+
+
+def _dist_ms(seconds: list[float]) -> dict[str, float]:
+    values = np.array(seconds) * 1e3
+    return {
+        "count": int(values.size),
+        "mean_ms": float(values.mean()),
+        "p50_ms": float(np.percentile(values, 50)),
+        "p90_ms": float(np.percentile(values, 90)),
+    }
+
+
+def _brief(figures: dict[str, Any]) -> str:
+    text = (
+        f"{figures['completed']}/{figures['requests']} ok, "
+        f"TTFT p50 {figures['ttft']['p50_ms']:.1f} ms, ITL p50 {figures['itl']['p50_ms']:.2f} ms"
     )
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "kv_transfer.json")
-    args = parser.parse_args()
+    transfer = figures.get("transfer")
+    if transfer:
+        text += f", put+get {transfer['put_plus_get_ms']:.2f} ms"
+    return text
+
+
+def part_b_verdict(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    pd = measured["pd"]
+    share = pd["transfer"]["share_of_ttft"] if "transfer" in pd else None
+    return {
+        "single": measured["single"],
+        "pd": pd,
+        "ttft_p50_pd_over_single": pd["ttft"]["p50_ms"] / measured["single"]["ttft"]["p50_ms"],
+        "itl_p50_pd_over_single": pd["itl"]["p50_ms"] / measured["single"]["itl"]["p50_ms"],
+        "transfer_share_of_ttft": share,
+        "target_share": TARGET_SHARE,
+        "meets_target": share is not None and share <= TARGET_SHARE,
+    }
+
+
+def part_c_verdict(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    ours, theirs = measured["pd"], measured["pd-example"]
+
+    def ratio(metric: str) -> float:
+        return theirs[metric]["mean_ms"] / ours[metric]["mean_ms"]
+
+    def second_token_ms(figures: dict[str, Any]) -> float:
+        return figures["ttft"]["mean_ms"] + figures["first_gap"]["mean_ms"]
+
+    second_token_ratio = second_token_ms(theirs) / second_token_ms(ours)
+    transfer_ratio = None
+    if "transfer" in ours and "transfer" in theirs:
+        transfer_ratio = theirs["transfer"]["put_plus_get_ms"] / ours["transfer"]["put_plus_get_ms"]
+    return {
+        "pd": ours,
+        "pd-example": theirs,
+        # > 1: ExampleConnector takes that many times as long as ours.
+        "example_over_ours": {
+            "transfer_put_plus_get": transfer_ratio,
+            "ttft_mean": ratio("ttft"),
+            "first_gap_mean": ratio("first_gap"),
+            "second_token_mean": second_token_ratio,
+        },
+        # The transfer itself, and the whole hand-over as the client sees it: t2 is
+        # when the decode engine has the KV and has computed its first token.
+        "ours_faster": bool(transfer_ratio and transfer_ratio > 1 and second_token_ratio > 1),
+    }
+
+
+def print_e2e_table(measured: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    table = Table(
+        title=f"End to end: {args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
+        f"{args.requests} requests one at a time (ms)"
+    )
+    columns = ("case", "TTFT p50", "TTFT mean", "ITL p50", "ITL mean", "t2-t1 mean")
+    for column in (*columns, "put mean", "get mean", "KiB moved", "(put+get) / TTFT"):
+        table.add_column(column, justify="left" if column == "case" else "right")
+    for key, row in measured.items():
+        transfer = row.get("transfer")
+        cells = ["-"] * 4
+        if transfer:
+            cells = [
+                f"{transfer['put']['mean_ms']:.2f}",
+                f"{transfer['get']['mean_ms']:.2f}",
+                f"{transfer['put']['mean_bytes'] / 2**10:.0f}",
+                f"{transfer['share_of_ttft']:.1%}",
+            ]
+        table.add_row(
+            E2E_CASES[key][0],
+            f"{row['ttft']['p50_ms']:.1f}",
+            f"{row['ttft']['mean_ms']:.1f}",
+            f"{row['itl']['p50_ms']:.2f}",
+            f"{row['itl']['mean_ms']:.2f}",
+            f"{row['first_gap']['mean_ms']:.2f}",
+            *cells,
+        )
+    console.print(table, width=E2E_TABLE_WIDTH)
+
+
+def print_verdicts(parts: dict[str, Any]) -> None:
+    if "b" in parts:
+        b, share = parts["b"], parts["b"]["transfer_share_of_ttft"]
+        verdict = "meets" if b["meets_target"] else "misses"
+        console.print(
+            f"(b) PD/single: TTFT p50 {b['ttft_p50_pd_over_single']:.2f}x, ITL p50 "
+            f"{b['itl_p50_pd_over_single']:.2f}x; transfer (put+get) = "
+            f"{share:.1%} of PD's mean TTFT, {verdict} the {TARGET_SHARE:.0%} target"
+        )
+    if "c" in parts:
+        ratios = parts["c"]["example_over_ours"]
+        console.print(
+            f"(c) ExampleConnector / ours: put+get {ratios['transfer_put_plus_get']:.2f}x, "
+            f"TTFT mean {ratios['ttft_mean']:.2f}x, t2-t1 mean {ratios['first_gap_mean']:.2f}x, "
+            f"t2 mean {ratios['second_token_mean']:.2f}x"
+            f" -> ours {'faster' if parts['c']['ours_faster'] else 'NOT faster'}"
+        )
+
+
+# ---- results file --------------------------------------------------------------------
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """Earlier parts' results, so that parts run separately end up in one file."""
+    with contextlib.suppress(OSError, ValueError):
+        results = json.loads(path.read_text())
+        if isinstance(results, dict) and set(results) <= set(PARTS):
+            return results
+    return {}
+
+
+def save_results(path: Path, results: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    console.print(f"saved {path}")
+
+
+def run_part_a(args: argparse.Namespace) -> dict[str, Any]:
     shape = {key: getattr(args, key) for key in LLAMA_3_2_1B}
     # Whole blocks move, K and V.
     slots = -(-args.tokens // args.block_size) * args.block_size
@@ -217,9 +573,36 @@ def main() -> None:
     finally:
         ray.shutdown()
     print_tables(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"shape": shape, **results}, indent=2))
-    console.print(f"saved {args.out}")
+    return {"shape": shape, **results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--part", choices=PARTS, default="all")
+    for key, default in LLAMA_3_2_1B.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--granularity", choices=GRANULARITIES, nargs="*", default=GRANULARITIES)
+    parser.add_argument("--object-store-mib", type=int, default=None)
+    parser.add_argument(
+        "--preallocate-plasma",
+        action="store_true",
+        help="fault the object store's memory in at start (Ray's preallocate_plasma_memory)",
+    )
+    add_e2e_args(parser)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "kv_transfer.json")
+    args = parser.parse_args()
+    results = load_results(args.out)
+    if args.part in ("a", "all"):
+        results["a"] = run_part_a(args)
+        save_results(args.out, results)
+    if args.part in ("b", "c", "all"):
+        results.update(run_end_to_end(args))
+        save_results(args.out, results)
 
 
 if __name__ == "__main__":
