@@ -20,9 +20,16 @@ from pathlib import Path
 
 import pytest
 
+from deployments.launcher import CLUSTER_ENV
+
 # Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
 # this variable, so the final check finds exactly ours, orphans included.
 SESSION_MARKER = "SPLITSERVE_TEST_SESSION"
+
+# The session's cluster uses token authentication (`ray start` turns it on), and Ray
+# reads RAY_AUTH_MODE once, when this process first imports it: set before any test
+# module does, or the state API in this process would talk to the cluster unauthenticated.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def _free_port() -> int:
@@ -55,7 +62,7 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # `ray start` turns token authentication on; every client of this session
     # (`serve run` included, through os.environ) must then present the token too.
     os.environ["RAY_AUTH_MODE"] = "token"
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = CLUSTER_ENV | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     subprocess.run(
         [
             _ray_cli(),

@@ -9,6 +9,8 @@ out would fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
 import statistics
 import time
@@ -161,6 +163,7 @@ OVERLOAD_SECONDS = 20
 HIGH_SHARE = 0.15  # the rest is low priority: what admission control may shed
 PROMPT_LEN, OUTPUT_LEN = 2 * THRESHOLD, 16
 FAST_REFUSAL_S = 0.25
+RAY_WORKER_NICENESS = 15  # Ray's default worker_niceness
 
 
 @dataclass
@@ -220,9 +223,23 @@ async def _overload(base_url: str, rate: float) -> list[Outcome]:
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
 
+@contextlib.contextmanager
+def _niced_like_ray_workers() -> Iterator[None]:
+    """Ray runs its workers (router, proxy, engines) at niceness 15; a client at 0 would
+    take the two cores from the cluster it measures. A client elsewhere would not."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, max(before, RAY_WORKER_NICENESS))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(PermissionError):  # only root may lower it again
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 def test_overload_sheds_low_priority_and_keeps_high_within_slo(pd_app: RunningApp) -> None:
-    sustained = asyncio.run(_sustained_rate(pd_app.base_url))
-    outcomes = asyncio.run(_overload(pd_app.base_url, OVERLOAD_FACTOR * sustained))
+    with _niced_like_ray_workers():
+        sustained = asyncio.run(_sustained_rate(pd_app.base_url))
+        outcomes = asyncio.run(_overload(pd_app.base_url, OVERLOAD_FACTOR * sustained))
     high = [o for o in outcomes if o.priority == "high"]
     low = [o for o in outcomes if o.priority == "low"]
     summary = (
