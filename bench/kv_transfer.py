@@ -43,6 +43,7 @@ import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,9 +63,11 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _H
 
 from deployments.config import load_app_config  # noqa: E402
 from deployments.launcher import serve_run  # noqa: E402
+from kv_transfer.directory import get_kv_directory  # noqa: E402
 from kv_transfer.metrics import BYTES_TOTAL as TRANSFER_BYTES  # noqa: E402
 from kv_transfer.metrics import SECONDS as TRANSFER_SECONDS  # noqa: E402
 from kv_transfer.metrics import TRANSFERS_TOTAL  # noqa: E402
+from kv_transfer.settings import DEFAULT_NAMESPACE  # noqa: E402
 from loadgen.config import RunConfig, WorkloadConfig  # noqa: E402
 from loadgen.runner import execute_run  # noqa: E402
 from loadgen.server_view import parse_metrics  # noqa: E402
@@ -226,18 +229,25 @@ METRICS_SETTLE_S = 1.0
 HEAD_NUM_CPUS = 4
 PD_ALWAYS = REPO_ROOT / "deployments" / "pd_always.yaml"
 EXAMPLE_CONFIG = REPO_ROOT / "bench" / "pd_example_connector.yaml"
+SINGLE = REPO_ROOT / "deployments" / "single.yaml"
 E2E_CASES = {
-    "single": ("single (1 engine)", REPO_ROOT / "deployments" / "single.yaml"),
+    "single": ("single (1 engine)", SINGLE),
+    # single.yaml bound to one core, as each PD engine is: PD vs single at equal cores
+    # per engine (written from single.yaml at run time, so it cannot drift).
+    "single-1core": ("single, 1 core", None),
     "pd": ("PD, ours", PD_ALWAYS),
     "pd-example": ("PD, ExampleConnector", EXAMPLE_CONFIG),
 }
 # Wide enough for the end-to-end table in a log file, where rich assumes 80 columns.
 E2E_TABLE_WIDTH = 130
 CASES_OF_PART = {
-    "b": ("single", "pd"),
+    "b": ("single", "single-1core", "pd"),
     "c": ("pd", "pd-example"),
-    "all": ("single", "pd", "pd-example"),
+    "all": ("single", "single-1core", "pd", "pd-example"),
 }
+ONE_CORE_BIND = "0"
+# Round trips to the directory actor timed from the bench (see directory_round_trip_ms).
+RTT_SAMPLES = 20
 
 
 def add_e2e_args(parser: argparse.ArgumentParser) -> None:
@@ -304,7 +314,7 @@ def own_ray_head() -> Iterator[str]:
 
 
 def measure_case(key: str, address: str, args: argparse.Namespace) -> dict[str, Any]:
-    config = E2E_CASES[key][1]
+    config = E2E_CASES[key][1] or one_core_single()
     storage = load_app_config(config).kv_transfer.storage_path if key == "pd-example" else None
     with _empty_folder(storage), serve_run(str(config), ray_address=address) as app:
         sequential_run(app.base_url, args.e2e_warmups, WARMUP_SEED, args)
@@ -312,7 +322,44 @@ def measure_case(key: str, address: str, args: argparse.Namespace) -> dict[str, 
         run = sequential_run(app.base_url, args.requests, MEASURED_SEED, args)
         time.sleep(METRICS_SETTLE_S)
         after = scrape(app.base_url)
-    return case_figures(run, before, after)
+        rtt_ms = directory_round_trip_ms() if key == "pd" else None
+    figures = case_figures(run, before, after)
+    if rtt_ms is not None and "transfer" in figures:
+        add_registration(figures, rtt_ms)
+    return figures
+
+
+def one_core_single() -> Path:
+    document = yaml.safe_load(SINGLE.read_text())
+    (pool,) = document["applications"][0]["args"]["pools"]
+    pool["cpu_binds"] = [ONE_CORE_BIND]
+    path = Path(tempfile.mkdtemp(prefix="splitserve-bench-")) / "single_one_core.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def directory_round_trip_ms() -> float:
+    """Median round trip to the KV directory actor, from this process, app idle.
+
+    Our put histogram times ray.put only; the registration that follows (one such
+    round trip, blocking the prefill step) is on the TTFT path too, and is added here.
+    """
+    directory = get_kv_directory(DEFAULT_NAMESPACE)
+    ray.get(directory.live_object_ids.remote())  # the first call resolves the actor
+    samples = []
+    for _ in range(RTT_SAMPLES):
+        started = time.perf_counter()
+        ray.get(directory.live_object_ids.remote())
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1e3
+
+
+def add_registration(figures: dict[str, Any], rtt_ms: float) -> None:
+    transfer = figures["transfer"]
+    transfer["directory_rtt_ms"] = rtt_ms
+    transfer["share_of_ttft_with_registration"] = (transfer["put_plus_get_ms"] + rtt_ms) / figures[
+        "ttft"
+    ]["mean_ms"]
 
 
 @contextlib.contextmanager
@@ -436,10 +483,14 @@ def part_b_verdict(measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
     share = pd["transfer"]["share_of_ttft"] if "transfer" in pd else None
     return {
         "single": measured["single"],
+        "single-1core": measured.get("single-1core"),
         "pd": pd,
         "ttft_p50_pd_over_single": pd["ttft"]["p50_ms"] / measured["single"]["ttft"]["p50_ms"],
         "itl_p50_pd_over_single": pd["itl"]["p50_ms"] / measured["single"]["itl"]["p50_ms"],
         "transfer_share_of_ttft": share,
+        "transfer_share_with_registration": pd.get("transfer", {}).get(
+            "share_of_ttft_with_registration"
+        ),
         "target_share": TARGET_SHARE,
         "meets_target": share is not None and share <= TARGET_SHARE,
     }
@@ -501,7 +552,7 @@ def print_e2e_table(measured: dict[str, dict[str, Any]], args: argparse.Namespac
             f"{row['first_gap']['mean_ms']:.2f}",
             *cells,
         )
-    console.print(table, width=E2E_TABLE_WIDTH)
+    Console(width=E2E_TABLE_WIDTH).print(table)
 
 
 def print_verdicts(parts: dict[str, Any]) -> None:
@@ -511,8 +562,13 @@ def print_verdicts(parts: dict[str, Any]) -> None:
         console.print(
             f"(b) PD/single: TTFT p50 {b['ttft_p50_pd_over_single']:.2f}x, ITL p50 "
             f"{b['itl_p50_pd_over_single']:.2f}x; transfer (put+get) = "
-            f"{share:.1%} of PD's mean TTFT, {verdict} the {TARGET_SHARE:.0%} target"
+            f"{share:.1%} of PD's mean TTFT, {verdict} the {TARGET_SHARE:.0%} target; with "
+            f"the directory registration: {b['transfer_share_with_registration'] or 0:.1%}"
         )
+        one_core = b.get("single-1core")
+        if one_core:
+            ratio = b["pd"]["ttft"]["p50_ms"] / one_core["ttft"]["p50_ms"]
+            console.print(f"    PD / single on one core: TTFT p50 {ratio:.2f}x")
     if "c" in parts:
         ratios = parts["c"]["example_over_ours"]
         console.print(
