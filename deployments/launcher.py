@@ -27,6 +27,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 ENGINE_PROCESS_MARKERS = ("VLLM::", "EngineCore")
 APP_NAME = "splitserve"  # the application name in every YAML under deployments/
+# Environment for a Ray cluster that serves us; it only takes effect where the cluster
+# starts (serve_run without an address here, `ray start` in the tests), since Ray's
+# daemons and workers inherit it from there. Serve's proxy then calls the ingress
+# replica over Serve's gRPC transport instead of Ray actor calls and object-ref
+# streams, which cut the proxy's CPU per streamed token on two cores
+# (bench/overhead.py, docs/ARCHITECTURE.md).
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
 class LaunchError(RuntimeError):
@@ -123,7 +130,7 @@ def serve_run(
         raise LaunchError(f"port {port} is already serving; stop that server first")
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="splitserve-"))
     log_path = log_dir / f"serve-{path.stem}.log"
-    env = dict(os.environ)
+    env = CLUSTER_ENV | dict(os.environ)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     with log_path.open("w") as log:
