@@ -5,7 +5,8 @@ The same workload (random 512-token prompts, 64 output tokens with ignore_eos, P
   (a) the bare vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server),
   (b) our deployments/single.yaml through the router (serve run),
   (c) ray.serve.llm's build_openai_app.
-Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON.
+Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON, with the share of a
+core each serving process used during the run (where the time goes).
 
     python bench/overhead.py [--only a,b] [--num-prompts 100] [--out results/overhead.json]
 """
@@ -23,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -37,9 +39,34 @@ PORT_BARE = 8100
 DTYPE = "float32"  # what deployments/single.yaml runs the embedded model in
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 TARGETS = {"b": {"ttft_p50": 1.25, "itl_p50": 1.10}}
+# Serving processes whose CPU is reported, by how their command line starts.
+PROCESS_ROLES = {
+    "ray::ProxyActor": "serve proxy",
+    "ray::ServeReplica:splitserve:Router": "router",
+    "ray::ServeReplica:splitserve:engine-": "engine replica",
+    "ray::ServeReplica:default:": "ray.serve.llm replica",
+    "VLLM::EngineCore": "vllm engine core",
+    f"{sys.executable} -m vllm.entrypoints.openai.api_server": "vllm api server",
+}
 
 
-def run_client(base_url: str, args: argparse.Namespace) -> dict[str, float]:
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of each serving process, summed by role."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            role = next((r for m, r in PROCESS_ROLES.items() if cmdline.startswith(m)), None)
+            if role is None or not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
+
+
+def run_client(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
     """vLLM's benchmark client, in-process; percentiles over every request's samples."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -56,7 +83,9 @@ def run_client(base_url: str, args: argparse.Namespace) -> dict[str, float]:
             "--seed", "0", "--disable-tqdm", "--save-detailed",
         ]
     )  # fmt: skip
+    cpu_before, started = _cpu_seconds(), time.monotonic()
     result = main(client_args)
+    wall_s, cpu_after = time.monotonic() - started, _cpu_seconds()
     ttfts = np.array([t for t in result["ttfts"] if t]) * 1000
     itls = np.array([gap for gaps in result["itls"] for gap in gaps]) * 1000
     return {
@@ -67,6 +96,11 @@ def run_client(base_url: str, args: argparse.Namespace) -> dict[str, float]:
         "ttft_p99_ms": float(np.percentile(ttfts, 99)),
         "itl_p50_ms": float(np.percentile(itls, 50)),
         "itl_p99_ms": float(np.percentile(itls, 99)),
+        # Share of one core per process role while the client ran (client start included).
+        "cpu_share": {
+            role: round((seconds - cpu_before.get(role, 0.0)) / wall_s, 3)
+            for role, seconds in sorted(cpu_after.items())
+        },
     }
 
 
@@ -164,7 +198,7 @@ def _serve_run_url(name: str) -> Iterator[str]:
         yield app.base_url
 
 
-def print_table(results: dict[str, dict[str, float]]) -> None:
+def print_table(results: dict[str, dict[str, Any]]) -> None:
     table = Table(title="Serving overhead: 512 in / 64 out, Poisson 4 req/s")
     for column in ("case", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "vs (a)"):
         table.add_column(column, justify="right" if column != "case" else "left")
@@ -201,7 +235,7 @@ def main() -> None:
     if args.serve_ray_llm:
         serve_ray_llm_forever()
         return
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for key in args.only.split(","):
         title, server = CASES[key]
         console.print(f"[bold]({key}) {title}[/]: starting")
@@ -209,6 +243,9 @@ def main() -> None:
             results[key] = run_client(base_url, args)
         console.print(f"({key}) done: {results[key]}")
     print_table(results)
+    for key, row in results.items():
+        shares = ", ".join(f"{role} {share:.2f}" for role, share in row["cpu_share"].items())
+        console.print(f"({key}) cores used: {shares}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"workload": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
