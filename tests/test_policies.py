@@ -9,8 +9,6 @@ out would fail.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import random
 import statistics
 import time
@@ -168,7 +166,6 @@ PROMPT_LEN, OUTPUT_LEN = 4 * THRESHOLD, 16
 # engines: well under the objective, and measured by the client, proxy hop included.
 FAST_REFUSAL_S = 0.5
 MIN_OFFERED_FACTOR = 2.5  # what the client must have achieved for this to be an overload
-RAY_WORKER_NICENESS = 15  # Ray's default worker_niceness
 
 
 @dataclass
@@ -228,23 +225,10 @@ async def _overload(base_url: str, rate: float) -> list[Outcome]:
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
 
-@contextlib.contextmanager
-def _niced_like_ray_workers() -> Iterator[None]:
-    """Ray runs its workers (router, proxy, engines) at niceness 15; a client at 0 would
-    take the two cores from the cluster it measures. A client elsewhere would not."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, max(before, RAY_WORKER_NICENESS))
-    try:
-        yield
-    finally:
-        with contextlib.suppress(PermissionError):  # only root may lower it again
-            os.setpriority(os.PRIO_PROCESS, 0, before)
-
-
+@pytest.mark.usefixtures("niced_like_ray_workers")
 def test_overload_sheds_low_priority_and_keeps_high_within_slo(pd_app: RunningApp) -> None:
-    with _niced_like_ray_workers():
-        sustained = asyncio.run(_sustained_rate(pd_app.base_url))
-        outcomes = asyncio.run(_overload(pd_app.base_url, OVERLOAD_FACTOR * sustained))
+    sustained = asyncio.run(_sustained_rate(pd_app.base_url))
+    outcomes = asyncio.run(_overload(pd_app.base_url, OVERLOAD_FACTOR * sustained))
     offered = len(outcomes) / OVERLOAD_SECONDS
     high = [o for o in outcomes if o.priority == "high"]
     low = [o for o in outcomes if o.priority == "low"]
