@@ -1,0 +1,313 @@
+"""End to end: pd.yaml, a real Prometheus with dashboards/prometheus.yml, a short load
+generator run, then every query of the Grafana dashboard through Prometheus's HTTP API.
+
+Also: every metric the dashboard names exists in what Prometheus scraped, the scraped
+pages pass ``promtool check metrics``, and the engines' utilization samplers tick every
+200 ms. Ray exports engine-side metrics every 10 s (its default report interval), so
+queries use a window that holds several exports and are retried until they have data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from rich.console import Console
+
+from dashboards.dashboard import build_dashboard, expand, expressions, metric_names
+from dashboards.prometheus import (
+    RunningPrometheus,
+    ScrapeTargets,
+    ensure_prometheus,
+    ray_discovery_file,
+    run_prometheus,
+    target_health,
+)
+from deployments.launcher import serve_run
+from deployments.sampler import SAMPLE_PERIOD_S
+from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.exposition import Exposition
+from loadgen.runner import RunResult, execute_run
+
+pytestmark = pytest.mark.serving
+
+SCRAPE_INTERVAL = "1s"
+# Ray exports engine metrics every 10 s: two minutes hold a dozen exports, so rate()
+# has points from the run even when a busy machine delays an export or two.
+RATE_WINDOW = "2m"
+DATA_TIMEOUT_S = 120.0
+POLL_S = 2.0
+# Above the conditional split's prompt_length_threshold (256), so prompts go remote.
+INPUT_LEN, OUTPUT_LEN = 512, 16
+# 16 s of load: Ray exports the engines' metrics at least once while it runs.
+REQUESTS, RATE = 24, 1.5
+PREFIX_REPEATS = 3
+# The samplers run beside busy engines on two cores: allow them to lose a fifth of ticks.
+MIN_TICK_SHARE = 0.8
+# Export points are read at scrape times, up to one scrape interval late at either end.
+MAX_TICK_SHARE = 1.1
+# Exist only where NVML answers (GPU engines); here the CPU fallback stands in for them.
+PD_REPLICAS = {"prefill-0", "decode-0"}
+GPU_ONLY = {
+    "splitserve_gpu_utilization_percent",
+    "splitserve_gpu_memory_used_bytes",
+    "splitserve_gpu_busy_seconds_total",
+}
+# Families of ours (and vLLM's) on Ray's per-node endpoint, before the renaming.
+RAY_FAMILIES = ("ray_splitserve_", "ray_vllm_")
+# Labels Ray puts on every series (and vLLM's ReplicaId): promtool wants snake_case.
+FOREIGN_LABELS = re.compile(
+    r',?\b(?:Component|NodeAddress|SessionName|Version|WorkerId|ReplicaId|otel_scope_\w+)="[^"]*"'
+)
+# vLLM's own names that promtool objects to; not ours to rename (vllm/v1/metrics/loggers.py).
+VLLM_UPSTREAM_LINT = {
+    "ray_vllm_iteration_tokens_total": "a histogram named like a counter (_total)",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loadgen_metrics() -> tuple[Exposition, int]:
+    exposition, port = Exposition(), _free_port()
+    exposition.serve(port)
+    return exposition, port
+
+
+@pytest.fixture(scope="module")
+def stack(
+    ray_address: str,
+    serve_logs: Path,
+    loadgen_metrics: tuple[Exposition, int],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, RunningPrometheus, RunResult]]:
+    """pd.yaml, Prometheus scraping it, and one finished load-generator run."""
+    exposition, loadgen_port = loadgen_metrics
+    with serve_run("pd", ray_address=ray_address, log_dir=serve_logs) as app:
+        targets = ScrapeTargets(
+            router=app.base_url.removeprefix("http://"),
+            ray_discovery_file=ray_discovery_file(ray_address),
+            loadgen=f"127.0.0.1:{loadgen_port}",
+            scrape_interval=SCRAPE_INTERVAL,
+        )
+        work_dir = tmp_path_factory.mktemp("prometheus")
+        with run_prometheus(targets, port=_free_port(), work_dir=work_dir) as prometheus:
+            config = RunConfig(
+                base_url=app.base_url,
+                workload=WorkloadConfig(name="custom", input_len=INPUT_LEN, output_len=OUTPUT_LEN),
+                qps=RATE,
+                num_requests=REQUESTS,
+                warmup_requests=1,
+                show_progress=False,
+                prometheus_url=prometheus.url,
+            )
+            result = asyncio.run(execute_run(config, Console(quiet=True), exposition))
+            _repeat_one_prompt(app.base_url, result.model)
+            yield app.base_url, prometheus, result
+
+
+def _repeat_one_prompt(base_url: str, model: str) -> None:
+    """The load's prompts are random: send one prompt again so prefix caches have hits."""
+    body = {"model": model, "prompt": list(range(INPUT_LEN)), "max_tokens": OUTPUT_LEN}
+    for _ in range(PREFIX_REPEATS):
+        response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+
+
+def _query(prometheus: RunningPrometheus, expr: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{prometheus.url}/api/v1/query", params={"query": expr}, timeout=10)
+    response.raise_for_status()
+    return response.json()["data"]["result"]
+
+
+def _has_finite_value(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(series["value"][1])) for series in result)
+
+
+def _has_data(prometheus: RunningPrometheus, expr: str) -> bool:
+    return _has_finite_value(_query(prometheus, expand(expr, RATE_WINDOW)))
+
+
+def test_run_completed_and_all_targets_up(stack: tuple) -> None:
+    _, prometheus, result = stack
+    assert result.summary.completed == REQUESTS, result.notes
+    assert result.mode == "pd"
+    health = target_health(prometheus.url)
+    assert {t["job"] for t in health} >= {"splitserve-router", "ray", "loadgen"}
+    assert all(t["health"] == "up" for t in health), health
+
+
+@pytest.fixture(scope="module")
+def settled(stack: tuple) -> list[tuple[str, str]]:
+    """Polls every dashboard query from the run's end until each has had data; what never did.
+
+    Ray exports engine-side series every 10 s and drops an engine's gauges ~20 s after
+    its last step, so each query is proven by its own first answer with data.
+    """
+    _, prometheus, _ = stack
+    started = time.monotonic()
+    pending = set(expressions(build_dashboard()))
+    while pending:
+        pending = {(title, expr) for title, expr in pending if not _has_data(prometheus, expr)}
+        if not pending or time.monotonic() > started + DATA_TIMEOUT_S:
+            break
+        time.sleep(POLL_S)
+    print(
+        f"dashboard queries: {len(pending)} never had data,"
+        f" waited {time.monotonic() - started:.0f}s"
+    )
+    return sorted((title, expand(expr, RATE_WINDOW)) for title, expr in pending)
+
+
+def test_every_dashboard_query_returns_data(settled: list[tuple[str, str]]) -> None:
+    assert not settled, "queries without a finite value:\n" + "\n".join(
+        f"  {title}: {expr}" for title, expr in settled
+    )
+
+
+def _scraped_names(prometheus: RunningPrometheus) -> set[str]:
+    response = httpx.get(f"{prometheus.url}/api/v1/label/__name__/values", timeout=10)
+    response.raise_for_status()
+    return set(response.json()["data"])
+
+
+def _sampler_sources(prometheus: RunningPrometheus) -> set[str]:
+    return {
+        s["metric"]["source"] for s in _query(prometheus, "splitserve_utilization_samples_total")
+    }
+
+
+def test_every_metric_the_dashboard_names_was_scraped(stack: tuple, settled: list) -> None:
+    _, prometheus, _ = stack
+    named = {name for _, expr in expressions(build_dashboard()) for name in metric_names(expr)}
+    missing = named - _scraped_names(prometheus)
+    if _sampler_sources(prometheus) == {"cpu"}:
+        # No NVML here: the GPU families are the documented alternative in each `or`.
+        assert missing >= GPU_ONLY, "GPU metrics without NVML?"
+        missing -= GPU_ONLY
+    assert not missing, f"named by the dashboard, never scraped: {sorted(missing)}"
+
+
+def _export_points(prometheus: RunningPrometheus, selector: str) -> dict[str, list]:
+    """Per replica, the (time, value) points where Ray's export changed the counter.
+
+    rate() over a window longer than Prometheus has been running under-reads; the
+    counter's own export points give ticks per second exactly, to a scrape interval.
+    """
+    series = _query(prometheus, f"{selector}[10m]")
+    points: dict[str, list] = {}
+    for item in series:
+        values = [(float(t), float(v)) for t, v in item["values"]]
+        changes = [values[0]] + [b for a, b in itertools.pairwise(values) if b[1] != a[1]]
+        points[item["metric"]["replica"]] = changes
+    return points
+
+
+def test_samplers_tick_every_200_ms_in_every_engine_replica(stack: tuple, settled: list) -> None:
+    _, prometheus, _ = stack
+    selector = "splitserve_utilization_samples_total"
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    points = _export_points(prometheus, selector)
+    # Three exports (20 s apart at Ray's default) make the scrape's jitter small.
+    while min(len(points.get(r, [])) for r in PD_REPLICAS) < 3 and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        points = _export_points(prometheus, selector)
+    # Ray's metrics agent keeps exporting a stopped replica's last counters for a while:
+    # an earlier test's `engine-0` may still be there, unchanging.
+    assert set(points) >= PD_REPLICAS, sorted(points)
+    points = {replica: p for replica, p in points.items() if replica in PD_REPLICAS}
+    expected = 1 / SAMPLE_PERIOD_S
+    per_second = {
+        replica: (p[-1][1] - p[0][1]) / (p[-1][0] - p[0][0]) for replica, p in points.items()
+    }
+    print(f"sampler ticks per second: {per_second} (expected {expected:g})")
+    for replica, rate in per_second.items():
+        assert MIN_TICK_SHARE * expected <= rate <= MAX_TICK_SHARE * expected, replica
+    assert _sampler_sources(prometheus) == {"cpu"}  # no NVML on this machine
+    # Engine processes were found: each replica's engine core used CPU.
+    cpu = _query(prometheus, "splitserve_cpu_busy_seconds_total")
+    processes = {(s["metric"]["replica"], s["metric"]["process"]) for s in cpu}
+    assert {("prefill-0", "EngineCore"), ("decode-0", "EngineCore")} <= processes
+
+
+def test_engine_metrics_carry_replica_and_role(stack: tuple, settled: list) -> None:
+    _, prometheus, _ = stack
+    # Ray drops an idle engine's gauges after 20 s: look back over the run.
+    series = _query(prometheus, "last_over_time(vllm:num_requests_running[5m])")
+    assert {(s["metric"]["replica"], s["metric"]["role"]) for s in series} == {
+        ("prefill-0", "prefill"),
+        ("decode-0", "decode"),
+    }
+    # KV really moved: the decode replica loaded prompt tokens from transfers.
+    loaded = _query(
+        prometheus,
+        'sum by (replica) (vllm:prompt_tokens_by_source_total{source="external_kv_transfer"})',
+    )
+    assert any(float(s["value"][1]) > 0 for s in loaded), loaded
+
+
+def _promtool_problems(text: str) -> list[str]:
+    _, promtool = ensure_prometheus()
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+    )
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 0 or lines, f"promtool failed silently: {result.returncode}"
+    return lines if result.returncode else []
+
+
+def _families(text: str, prefixes: tuple[str, ...]) -> str:
+    """Only these families, without the labels Ray and vLLM add (CamelCase, not ours)."""
+    keep = []
+    for line in text.splitlines():
+        name = line.split()[2] if line.startswith("# ") and len(line.split()) > 2 else line
+        if name.startswith(prefixes):
+            keep.append(FOREIGN_LABELS.sub("", line).replace("{,", "{").replace(",}", "}"))
+    return "\n".join(keep) + "\n"
+
+
+def test_scraped_pages_pass_promtool_check_metrics(
+    stack: tuple, loadgen_metrics: tuple[Exposition, int]
+) -> None:
+    base_url, prometheus, _ = stack
+    router = httpx.get(f"{base_url}/metrics", timeout=10).text
+    assert "splitserve_requests_total" in router
+    assert _promtool_problems(router) == []
+    loadgen = httpx.get(f"http://127.0.0.1:{loadgen_metrics[1]}/metrics", timeout=10).text
+    assert _promtool_problems(loadgen) == []
+    # Ray's endpoints also carry Ray's own metrics; we check ours and vLLM's.
+    checked = set()
+    for target in target_health(prometheus.url):
+        if target["job"] != "ray":
+            continue
+        page = httpx.get(f"http://{target['address']}/metrics", timeout=10).text
+        for prefix in RAY_FAMILIES:
+            families = _families(page, (prefix,))
+            if not families.strip():
+                continue
+            checked.add(prefix)
+            problems = _promtool_problems(families)
+            if prefix == "ray_vllm_":
+                problems = [p for p in problems if p.split()[0] not in VLLM_UPSTREAM_LINT]
+            assert problems == [], (target["address"], problems)
+    assert checked == set(RAY_FAMILIES), f"Ray endpoints exported only {checked}"
+
+
+def test_loadgen_server_view_reads_prometheus(stack: tuple) -> None:
+    _, _, result = stack
+    assert "Prometheus" in result.server.source, result.server.notes
+    assert result.server.kv_cache_usage_mean, "KV cache usage per replica from Prometheus"
