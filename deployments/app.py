@@ -17,6 +17,20 @@ from deployments.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from kv_transfer.settings import kv_transfer_config
 from router.ingress import Router
 
+# Ray Serve settings for our replicas, read by Serve when the replica process starts.
+# Serve's defaults isolate arbitrary user code: it runs on a second thread and event
+# loop, and handle routing on a third, so every streamed item (each SSE token to the
+# proxy, each engine step to the router) crosses threads. Our replicas never block
+# their loop (prompt tokenization is the longest synchronous step, under a millisecond
+# for chat-sized prompts; the engine's constructor blocks, but before it serves), so
+# they run on the replica's main loop (bench/overhead.py; docs/ARCHITECTURE.md).
+# Serve's logging stays as it is: it costs per request, not per token, and
+# RAY_SERVE_LOG_TO_STDERR=0 would hide replica errors from the `serve run` console.
+SERVE_REPLICA_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
 
 def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig]]:
     """Stable replica names: ``engine-0``, ``engine-1`` or ``prefill-0``, ``decode-0``."""
@@ -29,7 +43,7 @@ def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig]]:
 
 def engine_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[str, str]:
     """Environment of one engine replica's process, inherited by vLLM's engine processes."""
-    env = {"VLLM_LOGGING_LEVEL": "WARNING", ORPHAN_GUARD_ENV: "1"}
+    env = {**SERVE_REPLICA_ENV, "VLLM_LOGGING_LEVEL": "WARNING", ORPHAN_GUARD_ENV: "1"}
     if config.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(pool.kv_cache_gib)
         if pool.cpu_binds is not None:
@@ -73,7 +87,12 @@ def build_app_from_config(config: AppConfig) -> Application:
         index_in_pool[pool.role] = index + 1
         engines[name] = build_engine(config, name, pool, index)
         roles[name] = pool.role
-    router = Router.options(ray_actor_options={"num_cpus": config.resources.router_num_cpus})
+    router = Router.options(
+        ray_actor_options={
+            "num_cpus": config.resources.router_num_cpus,
+            "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
+        }
+    )
     return router.bind(config.model_dump(), roles, engines)
 
 
