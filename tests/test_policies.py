@@ -161,7 +161,7 @@ OVERLOAD_SECONDS = 20
 HIGH_SHARE = 0.15  # the rest is low priority: what admission control may shed
 # Long enough prompts that three times the sustained rate is a rate one client process
 # (niced like the cluster) really sends.
-PROMPT_LEN, OUTPUT_LEN = 4 * THRESHOLD, 16
+PROMPT_LEN, OUTPUT_LEN = 8 * THRESHOLD, 16
 # "Fast" on two cores that the refused requests' own HTTP handling shares with both
 # engines: well under the objective, and measured by the client, proxy hop included.
 FAST_REFUSAL_S = 0.5
