@@ -46,7 +46,7 @@ pytestmark = pytest.mark.serving
 
 INPUT_LEN, OUTPUT_LEN = 256, 32
 RATE = 1.0  # per client: 2 req/s together, a rate one CPU engine sustains
-REQUESTS = 120  # the medians of two noisy clients: 60 each left them 5% apart by chance
+REQUESTS = 120  # per client: the medians of two noisy clients, compared within 10%
 WARMUPS = 2
 TOLERANCE = 0.10
 VLLM_START_TIMEOUT_S = 180.0
