@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -33,7 +34,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from deployments.launcher import REPO_ROOT, descendant_engine_pids, engine_pids, serve_run
+from deployments.launcher import (
+    REPO_ROOT,
+    default_sigint,
+    descendant_engine_pids,
+    engine_pids,
+    serve_run,
+)
 from deployments.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 
 console = Console()
@@ -155,6 +162,11 @@ def serve_ray_llm_forever() -> None:
     ray.shutdown()
 
 
+def _prepare_child(niceness: int) -> None:
+    default_sigint()  # _background stops it with SIGINT
+    os.setpriority(os.PRIO_PROCESS, 0, niceness)
+
+
 @contextlib.contextmanager
 def _background(
     command: list[str], name: str, niceness: int = 0
@@ -168,7 +180,7 @@ def _background(
             env=env,
             stdout=sink,
             stderr=sink,
-            preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, niceness),
+            preexec_fn=functools.partial(_prepare_child, niceness),
         )
     try:
         yield process

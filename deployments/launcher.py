@@ -141,6 +141,7 @@ def serve_run(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=default_sigint,
         )
     base_url = f"http://127.0.0.1:{port}"
     engines: set[int] = set()
@@ -158,6 +159,17 @@ def serve_run(
             raise LaunchError(
                 f"engine processes {sorted(leftovers)} outlived {path.name}; killed them"
             )
+
+
+def default_sigint() -> None:
+    """In a child before exec: SIGINT stops it, as `_stop` expects.
+
+    A process started in the background by a shell without job control (`nohup x &`,
+    CI runners) inherits SIGINT ignored, and so would `serve run`: it then ignored
+    `_stop`'s SIGINT, was killed after the timeout without deleting the application,
+    and its replicas and engines stayed in the cluster.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _port_in_use(port: int) -> bool:
