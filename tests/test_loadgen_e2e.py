@@ -12,7 +12,7 @@ Random interleaving treats both alike; medians must agree within 10%.
 
 Both clients run under SCHED_IDLE: on a core they only get what the serving processes
 leave. At ITL ~2.5 ms each client's own CPU per token slowed the server while that
-client's requests streamed, and vLLM's client spends about twice ours per request
+client's requests streamed, and vLLM's client spends three to four times our CPU per request
 (bench/loadgen_capacity.py): at niceness 0, and again at the cluster's niceness 15, it
 measured ITL 17-20% above ours with the same gap in its decode spans, a slower server
 rather than another clock. A client on another machine would weigh nothing.
