@@ -35,10 +35,12 @@ from rich.console import Console
 from rich.table import Table
 
 from deployments.launcher import (
+    RAY_WORKER_NICENESS,
     REPO_ROOT,
     default_sigint,
     descendant_engine_pids,
     engine_pids,
+    niced_like_ray_workers,
     serve_run,
 )
 from deployments.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
@@ -48,10 +50,6 @@ PORT_BARE = 8100
 DTYPE = "float32"  # what deployments/single.yaml runs the embedded model in
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 TARGETS = {"b": {"ttft_p50": 1.25, "itl_p50": 1.10}}
-# Ray runs its workers (Serve's proxy, our replicas, vLLM's engines under them) at
-# niceness 15. The bare server and the client run at the same niceness, so no process
-# of one case preempts the serving processes where another case's would not.
-RAY_WORKER_NICENESS = 15
 # Serving processes whose CPU is reported, by how their command line starts.
 PROCESS_ROLES = {
     "ray::ProxyActor": "serve proxy",
@@ -125,6 +123,7 @@ def bare_vllm() -> Iterator[str]:
         "--port", str(PORT_BARE), "--enforce-eager", "--max-model-len", "4096",
         "--dtype", DTYPE,
     ]  # fmt: skip
+    # At the niceness of Ray's workers, like the serving processes of (b) and (c).
     with _background(command, "bare-vllm", niceness=RAY_WORKER_NICENESS) as process:
         base_url = f"http://127.0.0.1:{PORT_BARE}"
         _wait_health(process, f"{base_url}/health")
@@ -212,17 +211,6 @@ def _wait_health(process: subprocess.Popen[bytes], url: str, timeout_s: float = 
     raise RuntimeError(f"{url} not ready after {timeout_s}s")
 
 
-@contextlib.contextmanager
-def _niceness(value: int) -> Iterator[None]:
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, max(before, value))
-    try:
-        yield
-    finally:
-        with contextlib.suppress(PermissionError):  # only root may lower it again
-            os.setpriority(os.PRIO_PROCESS, 0, before)
-
-
 CASES = {
     "a": ("bare vLLM OpenAI server", bare_vllm),
     "b": ("splitserve single.yaml (router)", lambda: _serve_run_url("single")),
@@ -277,7 +265,7 @@ def main() -> None:
     for key in args.only.split(","):
         title, server = CASES[key]
         console.print(f"[bold]({key}) {title}[/]: starting")
-        with server() as base_url, _niceness(RAY_WORKER_NICENESS):
+        with server() as base_url, niced_like_ray_workers():
             results[key] = run_client(base_url, args)
         console.print(f"({key}) done: {results[key]}")
     print_table(results)

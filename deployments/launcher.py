@@ -161,6 +161,25 @@ def serve_run(
             )
 
 
+RAY_WORKER_NICENESS = 15  # Ray's default worker_niceness: proxy, router, engines
+
+
+@contextlib.contextmanager
+def niced_like_ray_workers() -> Iterator[None]:
+    """Run this process (and what it starts) at the niceness of Ray's workers.
+
+    A client at niceness 0 on the cluster's own cores takes them from the serving
+    processes it measures; a client on another machine would not.
+    """
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, max(before, RAY_WORKER_NICENESS))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(PermissionError):  # only root may lower it again
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 def default_sigint() -> None:
     """In a child before exec: SIGINT stops it, as `_stop` expects.
 

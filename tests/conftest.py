@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.launcher import CLUSTER_ENV
+from deployments.launcher import CLUSTER_ENV, niced_like_ray_workers
 
 # Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
 # this variable, so the final check finds exactly ours, orphans included.
@@ -134,19 +134,9 @@ def serve_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve-logs")
 
 
-RAY_WORKER_NICENESS = 15  # Ray's default worker_niceness
-
-
-@pytest.fixture
-def niced_like_ray_workers() -> Iterator[None]:
-    """Ray runs its workers (router, proxy, engines) at niceness 15; a client at 0 takes
-    the two cores from the cluster it measures, more so the more CPU it spends per token.
-    A client on another machine would not: this test's clients (and the processes they
-    start, which inherit it) run at the cluster's niceness."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, 0, max(before, RAY_WORKER_NICENESS))
-    try:
+@pytest.fixture(name="niced_like_ray_workers")
+def niced_like_ray_workers_fixture() -> Iterator[None]:
+    """This test's clients run at the cluster's niceness (the overload test must not take
+    the two cores from the cluster it overloads)."""
+    with niced_like_ray_workers():
         yield
-    finally:
-        with contextlib.suppress(PermissionError):  # only root may lower it again
-            os.setpriority(os.PRIO_PROCESS, 0, before)
