@@ -10,7 +10,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from local_ports import free_port
 
 from deployments.launcher import CLUSTER_ENV, niced_like_ray_workers
 
@@ -35,12 +35,6 @@ SESSION_MARKER = "SPLITSERVE_TEST_SESSION"
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _session_pids(token: str) -> set[int]:
@@ -63,7 +57,7 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Ray head for the whole session, small and quiet: the engines get the cores."""
     token = uuid.uuid4().hex
     os.environ[SESSION_MARKER] = token
-    port = _free_port()
+    port = free_port()
     env = CLUSTER_ENV | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     started = subprocess.run(
         [
@@ -74,7 +68,7 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "--num-cpus=4",
             # The dashboard serves Ray's state API, which the PD tests ask for objects.
             "--include-dashboard=true",
-            f"--dashboard-port={_free_port()}",
+            f"--dashboard-port={free_port()}",
             "--disable-usage-stats",
         ],
         env=env,

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import ray
+from local_ports import free_port
 
 from deployments.tiny_model import embedded_model_path
 from kv_transfer import (
@@ -54,12 +54,6 @@ ENGINE_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def dashboard() -> Iterator[str]:
     """Our own Ray cluster; yields the address of its state API (list_objects needs it)."""
@@ -70,7 +64,7 @@ def dashboard() -> Iterator[str]:
         address="local",  # a new cluster, even if another one is running on this machine
         num_cpus=4,
         include_dashboard=True,
-        dashboard_port=_free_port(),
+        dashboard_port=free_port(),
         namespace=NAMESPACE,
         log_to_driver=False,
     )

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from local_ports import free_port
 
 from loadgen.burstgpt import BurstGPTShapedGenerator, write_trace_csv
 from loadgen.cli import main
@@ -29,12 +30,6 @@ def loadgen(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
         timeout=timeout,
         env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +58,7 @@ def test_run_writes_json_csv_and_plots(server: str, tmp_path: Path) -> None:
     result = loadgen(
         "--base-url", server, "--input-len", "64", "--output-len", "8", "--qps", "40,inf",
         "--num-requests", "12", "--out", str(tmp_path), "--no-progress",
-        "--metrics-port", str(_free_port()),
+        "--metrics-port", str(free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "TTFT p50 (ms)" in result.stdout and "QPS inf" in result.stdout
@@ -80,7 +75,7 @@ def test_run_writes_json_csv_and_plots(server: str, tmp_path: Path) -> None:
 
 
 def test_offline_trace_error_names_trace_file(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{_free_port()}/BurstGPT_1.csv"
+    url = f"http://127.0.0.1:{free_port()}/BurstGPT_1.csv"
     result = loadgen(
         "--base-url", "http://127.0.0.1:9", "--trace", "burstgpt", "--workload", "T-general",
         "--trace-cache-dir", str(tmp_path), "--trace-url", url,
@@ -98,7 +93,7 @@ def test_trace_stats_on_a_generated_csv(tmp_path: Path) -> None:
 
 
 def test_sweep_launches_and_stops_each_mode(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     command = f"{sys.executable} -m loadgen fake-server --port {{port}} --mode {{mode}} --ttft-ms 2"
     started = time.monotonic()
     result = loadgen(
@@ -150,7 +145,7 @@ def test_demo_without_its_application_is_a_clear_error() -> None:
 def test_demo_runs_a_burstgpt_shaped_load_and_names_the_plot(tmp_path: Path) -> None:
     command = f"{sys.executable} -m loadgen fake-server --port {{port}} --mode {{mode}} --ttft-ms 1"
     result = loadgen(
-        "demo", "--config", "pd", "--launch-command", command, "--port", str(_free_port()),
+        "demo", "--config", "pd", "--launch-command", command, "--port", str(free_port()),
         "--num-requests", "12", "--rate", "50", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import math
 import re
-import socket
 import statistics
 import subprocess
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from local_ports import free_port
 from rich.console import Console
 
 from dashboards.dashboard import build_dashboard, expand, expressions, metric_names
@@ -80,15 +80,9 @@ VLLM_UPSTREAM_LINT = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def loadgen_metrics() -> tuple[Exposition, int]:
-    exposition, port = Exposition(), _free_port()
+    exposition, port = Exposition(), free_port()
     exposition.serve(port)
     return exposition, port
 
@@ -110,7 +104,7 @@ def stack(
             scrape_interval=SCRAPE_INTERVAL,
         )
         work_dir = tmp_path_factory.mktemp("prometheus")
-        with run_prometheus(targets, port=_free_port(), work_dir=work_dir) as prometheus:
+        with run_prometheus(targets, port=free_port(), work_dir=work_dir) as prometheus:
             config = RunConfig(
                 base_url=app.base_url,
                 workload=WorkloadConfig(name="custom", input_len=INPUT_LEN, output_len=OUTPUT_LEN),
