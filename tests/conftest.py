@@ -123,6 +123,14 @@ def _wait_gone(alive: Callable[[], set[int]], timeout_s: float) -> set[int]:
     return pids
 
 
+@pytest.fixture
+def cluster_pids(ray_address: str) -> Callable[[], set[int]]:
+    """The session cluster's processes at the time of the call: Ray's daemons and
+    workers, `serve run`, vLLM engines; not this test process."""
+    token = os.environ[SESSION_MARKER]
+    return lambda: _session_pids(token)
+
+
 @pytest.fixture(scope="session")
 def serve_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("serve-logs")
