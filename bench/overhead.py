@@ -4,13 +4,16 @@ The same workload (random 512-token prompts, 64 output tokens with ignore_eos, P
 4 req/s, 100 requests), driven by vLLM's own benchmark client, against:
   (a) the bare vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server),
   (b) our deployments/single.yaml through the router (serve run),
-  (c) ray.serve.llm's build_openai_app.
+  (c) ray.serve.llm's build_openai_app,
+  (d) (b) with Ray Serve's direct ingress: the router replica itself listens on port
+      8000 and Serve's proxy (moved to 8001) carries nothing. Not our default yet (see
+      docs/ARCHITECTURE.md); measured here to size what the proxy hop costs.
 Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON, with the share of a
 core each serving process used during the run (where the time goes). The bare server
 and the client run at Ray's worker niceness (15), as the serving processes of (b) and
 (c) do.
 
-    python bench/overhead.py [--only a,b] [--num-prompts 100] [--out results/overhead.json]
+    python bench/overhead.py [--only a,b,d] [--num-prompts 100] [--out results/overhead.json]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -50,6 +54,17 @@ PORT_BARE = 8100
 DTYPE = "float32"  # what deployments/single.yaml runs the embedded model in
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 TARGETS = {"b": {"ttft_p50": 1.25, "itl_p50": 1.10}}
+# Case (d): Serve reads these where the cluster starts (`serve run` starts its own
+# here). Ports come from a range; one port makes it 8000. Ports and drains are held
+# for proxies and load balancers in front, of which this machine has none.
+DIRECT_INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8001",  # exclusive
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    "RAY_SERVE_PORT_QUARANTINE_S": "0",
+}
+DIRECT_INGRESS_PROXY_PORT = 8001
 # Serving processes whose CPU is reported, by how their command line starts.
 PROCESS_ROLES = {
     "ray::ProxyActor": "serve proxy",
@@ -215,6 +230,7 @@ CASES = {
     "a": ("bare vLLM OpenAI server", bare_vllm),
     "b": ("splitserve single.yaml (router)", lambda: _serve_run_url("single")),
     "c": ("ray.serve.llm build_openai_app", ray_serve_llm),
+    "d": ("splitserve single.yaml, Serve direct ingress", lambda: _direct_ingress_url()),
 }
 
 
@@ -222,6 +238,26 @@ CASES = {
 def _serve_run_url(name: str) -> Iterator[str]:
     with serve_run(name) as app:
         yield app.base_url
+
+
+@contextlib.contextmanager
+def _direct_ingress_url() -> Iterator[str]:
+    config = yaml.safe_load((REPO_ROOT / "deployments" / "single.yaml").read_text())
+    config["http_options"]["port"] = DIRECT_INGRESS_PROXY_PORT  # 8000 is the router's
+    saved = {key: os.environ.get(key) for key in DIRECT_INGRESS_ENV}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "single-direct-ingress.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        os.environ.update(DIRECT_INGRESS_ENV)
+        try:
+            with serve_run(str(path)) as app:
+                yield app.base_url
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
