@@ -7,7 +7,7 @@ The same workload (random 512-token prompts, 64 output tokens with ignore_eos, P
   (c) ray.serve.llm's build_openai_app,
   (d) (b) with Ray Serve's direct ingress: the router replica itself listens on port
       8000 and Serve's proxy (moved to 8001) carries nothing. Not our default yet (see
-      docs/ARCHITECTURE.md); measured here to size what the proxy hop costs.
+      docs/DECISIONS.md); measured here to size what the proxy hop costs.
 Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON, with the share of a
 core each serving process used during the run (where the time goes). The bare server
 and the client run at Ray's worker niceness (15), as the serving processes of (b) and

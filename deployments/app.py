@@ -23,7 +23,7 @@ from router.ingress import Router
 # proxy, each engine step to the router) crosses threads. Our replicas never block
 # their loop (prompt tokenization is the longest synchronous step, under a millisecond
 # for chat-sized prompts; the engine's constructor blocks, but before it serves), so
-# they run on the replica's main loop (bench/overhead.py; docs/ARCHITECTURE.md).
+# they run on the replica's main loop (bench/overhead.py; docs/DECISIONS.md).
 # Serve's logging stays as it is: it costs per request, not per token, and
 # RAY_SERVE_LOG_TO_STDERR=0 would hide replica errors from the `serve run` console.
 SERVE_REPLICA_ENV = {

@@ -4,7 +4,7 @@ It takes token ids and a SamplingParams, and streams token deltas back: every
 request's deltas of one engine step travel together on one long-lived stream per
 router process (``deltas``), because Ray's per-item streaming cost, not vLLM,
 dominated a per-request stream on two cores. Everything
-OpenAI-shaped lives in the router; see docs/ARCHITECTURE.md for why we host
+OpenAI-shaped lives in the router; see docs/DECISIONS.md for why we host
 AsyncLLM ourselves instead of through ray.serve.llm's LLMServer.
 """
 

@@ -32,7 +32,7 @@ APP_NAME = "splitserve"  # the application name in every YAML under deployments/
 # daemons and workers inherit it from there. Serve's proxy then calls the ingress
 # replica over Serve's gRPC transport instead of Ray actor calls and object-ref
 # streams, which cut the proxy's CPU per streamed token on two cores
-# (bench/overhead.py, docs/ARCHITECTURE.md).
+# (bench/overhead.py, docs/DECISIONS.md).
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
