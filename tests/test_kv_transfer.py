@@ -98,7 +98,16 @@ def _start_engine(cpu: str, role: str, **engine_kwargs: Any) -> Any:
 
 
 def _stop_engine(engine: Any) -> None:
-    engine.llm_engine.engine_core.shutdown()
+    from vllm.utils import system_utils  # the psutil vLLM's shutdown uses
+
+    core = engine.llm_engine.engine_core
+    try:
+        core.shutdown()
+    except system_utils.psutil.NoSuchProcess:
+        # vLLM names each child process before killing it and suppresses only
+        # ProcessLookupError; a child that exits in between aborts the shutdown (seen in
+        # CI). The second pass no longer lists it and ends the rest.
+        core.shutdown()
 
 
 # Engines live per test class, so that at most two run at once on this small machine.
