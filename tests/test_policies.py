@@ -217,15 +217,11 @@ async def _overload(base_url: str, rate: float) -> list[Outcome]:
         base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=None)
     ) as http:
         tasks = []
-        # Send times laid out from the start, not slept one after another: the time
-        # each send takes on niced cores would otherwise lengthen every gap (CI once
-        # offered 2.48x for 3x).
-        started = send_at = time.perf_counter()
-        while send_at < started + OVERLOAD_SECONDS:
-            await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
+        deadline = time.perf_counter() + OVERLOAD_SECONDS
+        while time.perf_counter() < deadline:
             priority = "high" if rng.random() < HIGH_SHARE else "low"
             tasks.append(asyncio.create_task(_send(http, priority)))
-            send_at += rng.expovariate(rate)
+            await asyncio.sleep(rng.expovariate(rate))
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
 
