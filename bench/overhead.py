@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import numpy as np
@@ -244,20 +245,14 @@ def _serve_run_url(name: str) -> Iterator[str]:
 def _direct_ingress_url() -> Iterator[str]:
     config = yaml.safe_load((REPO_ROOT / "deployments" / "single.yaml").read_text())
     config["http_options"]["port"] = DIRECT_INGRESS_PROXY_PORT  # 8000 is the router's
-    saved = {key: os.environ.get(key) for key in DIRECT_INGRESS_ENV}
-    with tempfile.TemporaryDirectory() as folder:
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        mock.patch.dict(os.environ, DIRECT_INGRESS_ENV),  # serve_run passes it on
+    ):
         path = Path(folder) / "single-direct-ingress.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        os.environ.update(DIRECT_INGRESS_ENV)
-        try:
-            with serve_run(str(path)) as app:
-                yield app.base_url
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        with serve_run(str(path)) as app:
+            yield app.base_url
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
