@@ -2,7 +2,9 @@
 
 ``serve run deployments/dp.yaml`` calls ``build_app`` with the YAML's ``args``: one
 Serve deployment per engine replica (so the router, not Serve, picks the replica and
-each replica keeps its own queue), and the router ingress bound to their handles.
+each replica keeps its own queue), and the router ingress bound to their handles. An
+application with one engine (single, tp, pp) hosts it in the router's own process
+instead (``router.engine_in_router``), as vLLM's own API server does.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def engine_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[
     return env
 
 
-def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
-    spec = EngineSpec(
+def engine_spec(config: AppConfig, name: str, pool: PoolConfig) -> EngineSpec:
+    return EngineSpec(
         name=name,
         role=pool.role,
         model=config.model,
@@ -60,6 +62,10 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
         accelerator=config.accelerator,
         kv_transfer=_kv_transfer_config(config, pool),
     )
+
+
+def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
+    spec = engine_spec(config, name, pool)
     actor_options: dict[str, Any] = {
         "num_cpus": config.resources.engine_num_cpus,
         "runtime_env": {"env_vars": engine_env(config, pool, replica_index)},
@@ -79,6 +85,8 @@ def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] |
 
 
 def build_app_from_config(config: AppConfig) -> Application:
+    if config.hosts_engine_in_router:
+        return _router_hosting_engine(config)
     engines: dict[str, Application] = {}
     roles: dict[str, str] = {}
     index_in_pool: dict[str, int] = {}
@@ -94,6 +102,21 @@ def build_app_from_config(config: AppConfig) -> Application:
         }
     )
     return router.bind(config.model_dump(), roles, engines)
+
+
+def _router_hosting_engine(config: AppConfig) -> Application:
+    """One engine in the router's process: the router's replica takes the engine's
+    environment and resources, and its engine keeps the replica name it would have had."""
+    [(name, pool)] = engine_names(config)
+    actor_options: dict[str, Any] = {
+        "num_cpus": config.resources.router_num_cpus + config.resources.engine_num_cpus,
+        "runtime_env": {"env_vars": engine_env(config, pool, 0)},
+    }
+    if config.accelerator == "gpu":
+        actor_options["num_gpus"] = pool.ranks_per_replica
+    router = Router.options(health_check_period_s=5, ray_actor_options=actor_options)
+    spec = engine_spec(config, name, pool)
+    return router.bind(config.model_dump(), {name: pool.role}, {}, {name: spec.model_dump()})
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -114,6 +114,11 @@ class RouterConfig(StrictModel):
     stats_interval_s: float = Field(
         0.2, gt=0, description="How often the router polls every engine for its load."
     )
+    engine_in_router: Literal["auto"] | bool = Field(
+        "auto",
+        description="Host the engine in the router's own process: true, false, or auto (when"
+        " the application has exactly one engine replica: single, tp, pp).",
+    )
 
 
 class AppConfig(StrictModel):
@@ -166,6 +171,26 @@ class AppConfig(StrictModel):
             if want is not None and got != want:
                 raise ValueError(f"strategy {self.strategy!r} needs {name} = {want}, got {got}")
         return self
+
+    @model_validator(mode="after")
+    def _engine_in_router_fits(self) -> AppConfig:
+        if self.router.engine_in_router is True and self.engine_replicas != 1:
+            raise ValueError(
+                "router.engine_in_router: true needs exactly one engine replica, but this"
+                f" application has {self.engine_replicas}; use false or auto"
+            )
+        return self
+
+    @property
+    def engine_replicas(self) -> int:
+        return sum(pool.replicas for pool in self.pools)
+
+    @property
+    def hosts_engine_in_router(self) -> bool:
+        """One engine and nothing to route between: the router's process runs it, which
+        saves every token a hop between processes (docs/DECISIONS.md)."""
+        wanted = self.router.engine_in_router
+        return self.engine_replicas == 1 if wanted == "auto" else wanted
 
     def _check_replica_choice_roles(self) -> AppConfig:
         choice = self.router.replica_choice

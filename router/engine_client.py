@@ -2,7 +2,9 @@
 
 Each router process subscribes once to each engine replica's ``deltas`` stream and
 routes the batched deltas to per-request queues, so Ray carries one message per
-engine step rather than one per token per request.
+engine step rather than one per token per request. The engine is reached through a
+link: a Serve handle to an engine replica, or the engine host in the router's own
+process (an application with one engine), behind the same four calls.
 """
 
 from __future__ import annotations
@@ -13,9 +15,15 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
-from deployments.protocol import GenerateChunk, GenerateFailure, GenerateRequest
+from deployments.protocol import (
+    DeltaBatch,
+    EngineStats,
+    GenerateChunk,
+    GenerateFailure,
+    GenerateRequest,
+)
 from router.replica_state import PrefillTicket, ReplicaState
 
 logger = logging.getLogger("splitserve.router")
@@ -26,12 +34,74 @@ class EngineFailed(RuntimeError):
     """The engine replica failed the request or went away while it ran."""
 
 
+class EngineLink(Protocol):
+    """How the router reaches one engine: the calls of deployments.engine.EngineHost."""
+
+    async def submit(self, request: GenerateRequest) -> None: ...
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget: the caller may be being torn down."""
+
+    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    async def check_health(self) -> None: ...
+
+
+class ServeEngineLink:
+    """An engine replica in its own Serve deployment, through its handle."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    async def submit(self, request: GenerateRequest) -> None:
+        await self._handle.submit.remote(request)
+
+    def abort(self, request_id: str) -> None:
+        self._handle.abort.remote(request_id)
+
+    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        return self._handle.options(stream=True).deltas.remote(subscriber)
+
+    async def stats(self) -> EngineStats:
+        return await self._handle.stats.remote()
+
+    async def check_health(self) -> None:
+        await self._handle.check_health.remote()
+
+
+class LocalEngineLink:
+    """An engine host in this process: the same calls, without Ray in between."""
+
+    def __init__(self, host: Any) -> None:
+        self._host = host
+        self._aborts: set[asyncio.Task[None]] = set()
+
+    async def submit(self, request: GenerateRequest) -> None:
+        await self._host.submit(request)
+
+    def abort(self, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._host.abort(request_id))
+        self._aborts.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._aborts.discard)
+
+    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        return self._host.deltas(subscriber)
+
+    async def stats(self) -> EngineStats:
+        return self._host.stats()
+
+    async def check_health(self) -> None:
+        await self._host.check_health()
+
+
 class EngineClient:
     def __init__(
         self,
         name: str,
         role: str,
-        handle: Any,
+        link: EngineLink,
         submit_timeout_s: float,
         state: ReplicaState | None = None,
     ) -> None:
@@ -42,14 +112,14 @@ class EngineClient:
         # the dispatcher routes around unhealthy replicas where it has a choice.
         self.healthy = True
         self._submit_timeout_s = submit_timeout_s
-        self._handle = handle
+        self._link = link
         self._subscriber = f"router-{uuid.uuid4().hex[:12]}"
         self._pending: dict[str, asyncio.Queue[GenerateChunk | GenerateFailure]] = {}
         self._listener: asyncio.Task[None] | None = None
 
     @property
-    def handle(self) -> Any:
-        return self._handle
+    def link(self) -> EngineLink:
+        return self._link
 
     @property
     def in_flight(self) -> int:
@@ -86,7 +156,7 @@ class EngineClient:
         finished = False
         try:
             try:
-                await asyncio.wait_for(self._handle.submit.remote(request), self._submit_timeout_s)
+                await asyncio.wait_for(self._link.submit(request), self._submit_timeout_s)
             except TimeoutError:
                 self.healthy = False
                 raise EngineFailed(f"{self.name} did not accept the request in time") from None
@@ -131,13 +201,12 @@ class EngineClient:
     def _abort_soon(self, request_id: str) -> None:
         # Fire and forget: the caller is being torn down and must not wait on Ray.
         with contextlib.suppress(Exception):
-            self._handle.abort.remote(request_id)
+            self._link.abort(request_id)
 
     async def _listen(self) -> None:
         while True:
             try:
-                stream = self._handle.options(stream=True).deltas.remote(self._subscriber)
-                async for batch in stream:
+                async for batch in self._link.deltas(self._subscriber):
                     for request_id, item in batch:
                         queue = self._pending.get(request_id)
                         if queue is not None:

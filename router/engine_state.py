@@ -64,7 +64,7 @@ class EngineStatePoller:
     async def _poll(self, replica: EngineClient) -> None:
         try:
             stats: EngineStats = await asyncio.wait_for(
-                replica.handle.stats.remote(), timeout=max(1.0, 5 * self._interval_s)
+                replica.link.stats(), timeout=max(1.0, 5 * self._interval_s)
             )
         except Exception as error:  # a replica that is starting or gone: keep the last view
             logger.debug("no stats from %s: %s", replica.name, error)

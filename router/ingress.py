@@ -30,7 +30,7 @@ from deployments.model_source import resolve_model
 from deployments.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVTransferCollector, release_handle, shutdown_kv_directory
 from router.dispatch import Dispatch, Dispatcher, Plan
-from router.engine_client import EngineClient
+from router.engine_client import EngineClient, EngineLink, LocalEngineLink, ServeEngineLink
 from router.engine_state import EngineStatePoller
 from router.errors import OpenAIError, bad_request
 from router.metrics import RouterMetrics
@@ -59,9 +59,17 @@ async def _json_body(raw: Request) -> Any:
 @serve.ingress(app)
 class Router:
     async def __init__(
-        self, config: dict[str, Any], roles: dict[str, str], engines: dict[str, Any]
+        self,
+        config: dict[str, Any],
+        roles: dict[str, str],
+        engines: dict[str, Any],
+        local_engines: dict[str, dict[str, Any]] | None = None,
     ) -> None:
+        """``engines``: Serve handles by replica name; ``local_engines``: EngineSpecs of
+        engines this process hosts itself (see deployments/app.py)."""
         from transformers import AutoConfig, AutoTokenizer
+
+        from deployments.engine import EngineHost
 
         self._config = AppConfig.model_validate(config)
         model = resolve_model(self._config.model)
@@ -71,15 +79,23 @@ class Router:
         self._prompts = PromptBuilder(tokenizer, self._config.model.max_model_len, vocab_size)
         submit_timeout_s = self._config.router.submit_timeout_s
         qos = self._config.qos
+        self._local_engines = [EngineHost(spec) for spec in (local_engines or {}).values()]
+        links: dict[str, EngineLink] = {
+            name: ServeEngineLink(handle) for name, handle in engines.items()
+        }
+        links.update(
+            (name, LocalEngineLink(host))
+            for name, host in zip(local_engines or {}, self._local_engines, strict=True)
+        )
         self._replicas = [
             EngineClient(
                 name,
                 roles[name],
-                handle,
+                link,
                 submit_timeout_s,
                 ReplicaState(qos.ema_weight, qos.min_prefill_tokens_per_sample),
             )
-            for name, handle in engines.items()
+            for name, link in links.items()
         ]
         for replica in self._replicas:
             replica.start()
@@ -309,7 +325,15 @@ class Router:
                 "model",
             )
 
+    async def check_health(self) -> None:
+        # Serve restarts this replica when this raises; an engine in this process that
+        # died takes its router with it, as an engine replica's health check would.
+        for host in self._local_engines:
+            await host.check_health()
+
     def __del__(self) -> None:
+        for host in getattr(self, "_local_engines", ()):
+            host.shutdown()
         # The KV directory is a detached actor: it goes with the application.
         if getattr(self, "_kv_namespace", None) is not None:
             with contextlib.suppress(Exception):
@@ -318,7 +342,7 @@ class Router:
     async def _replica_health(self, replica: EngineClient) -> str:
         timeout = self._config.router.health_check_timeout_s
         try:
-            await asyncio.wait_for(replica.handle.check_health.remote(), timeout)
+            await asyncio.wait_for(replica.link.check_health(), timeout)
         except Exception as error:
             return f"unhealthy: {type(error).__name__}"
         return "ok"

@@ -112,7 +112,7 @@ def _replica(name: str, active: int = 0, kv: float = 0.0) -> EngineClient:
             kv_capacity_blocks=1000,
         )
     )
-    return EngineClient(name, "mixed", handle=None, submit_timeout_s=1.0, state=state)
+    return EngineClient(name, "mixed", link=None, submit_timeout_s=1.0, state=state)
 
 
 PROMPT = PromptBlocks(list(range(40)))
