@@ -3,11 +3,13 @@
 The same workload (random 512-token prompts, 64 output tokens with ignore_eos, Poisson
 4 req/s, 100 requests), driven by vLLM's own benchmark client, against:
   (a) the bare vLLM OpenAI server (python -m vllm.entrypoints.openai.api_server),
-  (b) our deployments/single.yaml through the router (serve run),
+  (b) our deployments/single.yaml as `python -m deployments.serve single` serves it:
+      Serve's direct ingress (the router replica listens on 8000 itself) and the engine
+      in the router's process,
   (c) ray.serve.llm's build_openai_app,
-  (d) (b) with Ray Serve's direct ingress: the router replica itself listens on port
-      8000 and Serve's proxy (moved to 8001) carries nothing. Not our default yet (see
-      docs/DECISIONS.md); measured here to size what the proxy hop costs.
+  (d) the same YAML through a plain `serve run` (Serve's proxy in front of the router),
+  (e) (b) with the engine in its own replica (router.engine_in_router: false), to size
+      the router-to-engine hop (docs/DECISIONS.md).
 Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON, with the share of a
 core each serving process used during the run (where the time goes). The bare server
 and the client run at Ray's worker niceness (15), as the serving processes of (b) and
@@ -31,7 +33,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import httpx
 import numpy as np
@@ -55,17 +56,6 @@ PORT_BARE = 8100
 DTYPE = "float32"  # what deployments/single.yaml runs the embedded model in
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 TARGETS = {"b": {"ttft_p50": 1.25, "itl_p50": 1.10}}
-# Case (d): Serve reads these where the cluster starts (`serve run` starts its own
-# here). Ports come from a range; one port makes it 8000. Ports and drains are held
-# for proxies and load balancers in front, of which this machine has none.
-DIRECT_INGRESS_ENV = {
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8000",
-    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8001",  # exclusive
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-    "RAY_SERVE_PORT_QUARANTINE_S": "0",
-}
-DIRECT_INGRESS_PROXY_PORT = 8001
 # Serving processes whose CPU is reported, by how their command line starts.
 PROCESS_ROLES = {
     "ray::ProxyActor": "serve proxy",
@@ -229,30 +219,36 @@ def _wait_health(process: subprocess.Popen[bytes], url: str, timeout_s: float = 
 
 CASES = {
     "a": ("bare vLLM OpenAI server", bare_vllm),
-    "b": ("splitserve single.yaml (router)", lambda: _serve_run_url("single")),
+    "b": ("splitserve single.yaml (python -m deployments.serve)", lambda: _serve_run_url()),
     "c": ("ray.serve.llm build_openai_app", ray_serve_llm),
-    "d": ("splitserve single.yaml, Serve direct ingress", lambda: _direct_ingress_url()),
+    "d": ("splitserve single.yaml, plain serve run (Serve's proxy)", lambda: _proxied_url()),
+    "e": ("(b) with the engine in its own replica", lambda: _engine_apart_url()),
 }
+SINGLE_YAML = REPO_ROOT / "deployments" / "single.yaml"
 
 
 @contextlib.contextmanager
-def _serve_run_url(name: str) -> Iterator[str]:
-    with serve_run(name) as app:
+def _serve_run_url(path: Path = SINGLE_YAML) -> Iterator[str]:
+    with serve_run(str(path)) as app:
         yield app.base_url
 
 
 @contextlib.contextmanager
-def _direct_ingress_url() -> Iterator[str]:
-    config = yaml.safe_load((REPO_ROOT / "deployments" / "single.yaml").read_text())
-    config["http_options"]["port"] = DIRECT_INGRESS_PROXY_PORT  # 8000 is the router's
-    with (
-        tempfile.TemporaryDirectory() as folder,
-        mock.patch.dict(os.environ, DIRECT_INGRESS_ENV),  # serve_run passes it on
-    ):
-        path = Path(folder) / "single-direct-ingress.yaml"
+def _proxied_url() -> Iterator[str]:
+    with serve_run(str(SINGLE_YAML), direct_ingress=False) as app:
+        yield app.base_url
+
+
+@contextlib.contextmanager
+def _engine_apart_url() -> Iterator[str]:
+    config = yaml.safe_load(SINGLE_YAML.read_text())
+    args = config["applications"][0]["args"]
+    args.setdefault("router", {})["engine_in_router"] = False
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "single-engine-apart.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        with serve_run(str(path)) as app:
-            yield app.base_url
+        with _serve_run_url(path) as url:
+            yield url
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:

@@ -1,4 +1,5 @@
-"""Start and stop a splitserve application exactly as a user does: ``serve run FILE.yaml``.
+"""Start and stop a splitserve application exactly as a user does: ``serve run FILE.yaml``
+with the cluster settings of ``python -m deployments.serve`` (Serve's direct ingress).
 
 Used by the demo, the tests and the benchmarks, so they all exercise the real entry
 point. Stopping is graceful first (SIGINT makes ``serve run`` shut the application
@@ -22,18 +23,81 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 ENGINE_PROCESS_MARKERS = ("VLLM::", "EngineCore")
 APP_NAME = "splitserve"  # the application name in every YAML under deployments/
-# Environment for a Ray cluster that serves us; it only takes effect where the cluster
-# starts (serve_run without an address here, `ray start` in the tests), since Ray's
-# daemons and workers inherit it from there. Serve's proxy then calls the ingress
-# replica over Serve's gRPC transport instead of Ray actor calls and object-ref
-# streams, which cut the proxy's CPU per streamed token on two cores
-# (bench/overhead.py, docs/DECISIONS.md).
-CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+DEFAULT_PORT = 8000
+# Serve's proxy moves this far above the port the router serves on (see cluster_env).
+PROXY_PORT_OFFSET = 1
+
+
+def cluster_env(port: int = DEFAULT_PORT) -> dict[str, str]:
+    """Environment for a Ray cluster that serves us, read only where the cluster starts.
+
+    Serve's direct ingress: the router replica serves HTTP on ``port`` itself, so a
+    token crosses no Serve proxy (bench/overhead.py, docs/DECISIONS.md). Replica ports
+    come from a range; a range of one makes it ``port``. Serve holds a released port
+    back and drains an ingress replica for the load balancers in front of a cluster;
+    with none here, both are short, so a restarted application gets its port at once.
+    Serve's proxy still starts on the head node and must leave ``port`` (see
+    ``direct_ingress_config``).
+    """
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    }
+
+
+def direct_ingress_config(path: Path, port: int = DEFAULT_PORT) -> Path:
+    """A copy of a Serve YAML whose proxy listens beside ``port``, which the router takes.
+
+    The YAMLs keep ``port`` for Serve's proxy, so that a plain ``serve run FILE`` on a
+    cluster without ``cluster_env`` serves there too, through the proxy.
+    """
+    config = yaml.safe_load(path.read_text())
+    http_options = config.setdefault("http_options", {})
+    http_options["port"] = port + PROXY_PORT_OFFSET
+    folder = Path(tempfile.gettempdir()) / f"splitserve-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    copy = folder / f"{path.stem}.direct-ingress-{port}.yaml"
+    copy.write_text(f"# Written from {path} by deployments.launcher.\n" + yaml.safe_dump(config))
+    return copy
+
+
+# Linux holds a closed connection's address for 60 s (TIME_WAIT), a little margin on top.
+TIME_WAIT_S = 65.0
+
+
+def wait_until_bindable(port: int, timeout_s: float = TIME_WAIT_S) -> None:
+    """Wait until a new server could bind ``port`` the way Serve's direct ingress does.
+
+    That bind sets no SO_REUSEADDR, so the connections a stopped router closed itself
+    keep the port for a minute; a replica that cannot bind has Serve block the port for
+    good (ray/serve/_private/replica.py, Ray 2.60) and the application never comes up.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+                return
+            except OSError as error:
+                if time.monotonic() > deadline:
+                    message = f"port {port} stayed taken for {timeout_s:.0f}s: {error}"
+                    raise LaunchError(message) from error
+        time.sleep(1.0)
+
+
+def serve_command(path: Path, port: int = DEFAULT_PORT) -> tuple[list[str], dict[str, str]]:
+    """``serve run`` of a config with direct ingress on ``port``: argv and environment."""
+    argv = [_serve_cli(), "run", str(direct_ingress_config(path, port))]
+    return argv, cluster_env(port) | dict(os.environ)
 
 
 class LaunchError(RuntimeError):
@@ -116,26 +180,37 @@ def serve_run(
     name_or_path: str,
     *,
     ray_address: str | None = None,
-    port: int = 8000,
+    port: int = DEFAULT_PORT,
+    direct_ingress: bool = True,
     ready_timeout_s: float = 420.0,
     stop_timeout_s: float = 90.0,
     log_dir: Path | None = None,
 ) -> Iterator[RunningApp]:
-    """Run ``serve run`` for a config until the block ends; wait for every engine to be ready."""
+    """Run ``serve run`` for a config until the block ends; wait for every engine to be ready.
+
+    The router serves ``port`` through Serve's direct ingress (``cluster_env``): a
+    cluster this starts gets that environment; one at ``ray_address`` must have it.
+    ``direct_ingress=False`` runs the YAML as it is, through Serve's proxy.
+    """
     path = config_path(name_or_path)
     if not path.exists():
         raise LaunchError(f"no such config: {path}")
     if _port_in_use(port):
         # Serve binds with SO_REUSEPORT: a second app would silently share the traffic.
         raise LaunchError(f"port {port} is already serving; stop that server first")
+    if direct_ingress:
+        wait_until_bindable(port)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="splitserve-"))
     log_path = log_dir / f"serve-{path.stem}.log"
-    env = CLUSTER_ENV | dict(os.environ)
+    if direct_ingress:
+        argv, env = serve_command(path, port)
+    else:
+        argv, env = [_serve_cli(), "run", str(path)], dict(os.environ)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [_serve_cli(), "run", str(path)],
+            argv,
             cwd=REPO_ROOT,
             env=env,
             stdout=log,

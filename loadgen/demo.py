@@ -53,7 +53,7 @@ def run_demo(options: DemoOptions, console: Console) -> Path:
             options.launch_command, mode=options.config, config=config_path, port=options.port
         )
     elif config_path.exists():
-        command = serve_run_command(config_path)
+        command = serve_run_command(config_path, options.port)
     else:
         raise LaunchError(f"no {config_path}; pick another with --config (single, dp, tp, pp)")
     base_url = f"http://127.0.0.1:{options.port}"

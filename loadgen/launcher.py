@@ -1,4 +1,4 @@
-"""Start and stop a server for the sweep: ``serve run deployments/<mode>.yaml`` by default.
+"""Start and stop a server for the sweep: ``python -m deployments.serve <mode>`` by default.
 
 The load generator is an external client: it runs the same command a person would,
 as a subprocess, waits until ``GET /health`` answers 200, and stops it with SIGINT
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -45,11 +44,10 @@ class LaunchedServer:
     pid: int
 
 
-def serve_run_command(config_path: Path) -> list[str]:
-    """``serve run CONFIG``, with the ``serve`` next to this Python if there is one."""
-    beside = Path(sys.executable).with_name("serve")
-    serve = str(beside) if beside.exists() else (shutil.which("serve") or "serve")
-    return [serve, "run", str(config_path)]
+def serve_run_command(config_path: Path, port: int) -> list[str]:
+    """``serve run CONFIG`` as ``python -m deployments.serve`` runs it: the router on
+    ``port`` through Serve's direct ingress."""
+    return [sys.executable, "-m", "deployments.serve", str(config_path), "--port", str(port)]
 
 
 def command_from_template(template: str, **fields: object) -> list[str]:

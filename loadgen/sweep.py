@@ -159,7 +159,7 @@ async def _run_mode(
     command = (
         command_from_template(sweep.launch_command, mode=mode, config=config_path, port=sweep.port)
         if sweep.launch_command
-        else serve_run_command(config_path)
+        else serve_run_command(config_path, sweep.port)
     )
     base_url = f"http://127.0.0.1:{sweep.port}"
     console.print(f"starting {' '.join(command)} (waiting for {base_url}/health)")

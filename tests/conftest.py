@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from local_ports import free_port
 
-from deployments.launcher import CLUSTER_ENV, niced_like_ray_workers
+from deployments.launcher import cluster_env, niced_like_ray_workers
 
 # Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
 # this variable, so the final check finds exactly ours, orphans included.
@@ -58,7 +58,7 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     token = uuid.uuid4().hex
     os.environ[SESSION_MARKER] = token
     port = free_port()
-    env = CLUSTER_ENV | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = cluster_env() | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     started = subprocess.run(
         [
             _ray_cli(),
