@@ -115,6 +115,10 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
             {"strategy": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
             "qos.ttft_slo_s: Input should be greater than 0",
         ),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"engine_in_router": True}},
+            "engine_in_router: true needs exactly one engine replica, but this application has 2",
+        ),
     ],
 )
 def test_bad_config_names_the_field(args: dict, message: str) -> None:
@@ -135,3 +139,23 @@ def test_pd_always_is_pd_without_the_policies() -> None:
         assert ours.model_dump(exclude={"engine_kwargs"}) == theirs.model_dump(
             exclude={"engine_kwargs"}
         )
+
+
+@pytest.mark.parametrize(
+    ("name", "setting", "in_router"),
+    [
+        ("single", "auto", True),
+        ("tp", "auto", True),
+        ("pp", "auto", True),
+        ("dp", "auto", False),
+        ("pd", "auto", False),
+        ("single", False, False),
+        ("single", True, True),
+    ],
+)
+def test_a_lone_engine_is_hosted_by_the_router(
+    name: str, setting: str | bool, in_router: bool
+) -> None:
+    args = load_app_config(DEPLOYMENTS / f"{name}.yaml").model_dump()
+    args["router"]["engine_in_router"] = setting
+    assert parse_app_config(args).hosts_engine_in_router is in_router

@@ -6,6 +6,8 @@ are split: ``single`` runs first and sets the reference the others are held to.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -14,9 +16,10 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 
-from deployments.launcher import RunningApp, serve_run
+from deployments.launcher import RunningApp, app_engine_pids, serve_run
 
 pytestmark = pytest.mark.serving
 
@@ -33,6 +36,9 @@ CHAT_PROMPTS = {
     "greeting": "Hello there, who are you?",
     "question": "Explain pipeline parallelism in one sentence.",
 }
+
+# Ray titles a Serve replica's process after its application and deployment.
+REPLICA_TITLE = re.compile(r"ServeReplica:splitserve:([\w-]+)")
 
 # (kind, prompt name) -> token ids the 'single' strategy generated.
 _REFERENCE: dict[tuple[str, str], list[int]] = {}
@@ -131,6 +137,20 @@ def test_chat_stream(app: RunningApp, client: openai.OpenAI, name: str) -> None:
     assert roles[0] == "assistant"
     assert usage is not None and usage.completion_tokens == MAX_TOKENS
     _check_reference(app, ("chat", name), token_ids)
+
+
+def test_engines_run_where_the_strategy_puts_them(app: RunningApp) -> None:
+    """One engine (single, tp, pp) runs in the router's process; DP's in their replicas."""
+    owners = set()
+    for pid in app_engine_pids():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for parent in psutil.Process(pid).parents():
+                found = REPLICA_TITLE.search(" ".join(parent.cmdline()))
+                if found:
+                    owners.add(found.group(1))
+                    break
+    expected = {"engine-0", "engine-1"} if app.config_path.stem == "dp" else {"Router"}
+    assert owners == expected
 
 
 def test_replicas_share_requests_evenly(app: RunningApp) -> None:
