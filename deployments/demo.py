@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--model", default="splitserve-tiny-llama")
     args = parser.parse_args()
-    console.print(f"starting [bold]serve run deployments/{args.config}.yaml[/] (about a minute)")
+    console.print(f"starting [bold]python -m deployments.serve {args.config}[/] (about a minute)")
     with serve_run(args.config) as app:
         console.print(f"[green]serving[/] {app.config_path.name} at {app.base_url}/v1")
         ask(app.base_url, args.model, args.question, args.max_tokens)

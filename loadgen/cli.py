@@ -78,7 +78,7 @@ fake-server (a zero-latency streaming server), trace-stats (BurstGPT subset mean
 Run `python -m loadgen COMMAND --help` for each."""
 
 SWEEP_EXAMPLES = """examples:
-  # the study's whole matrix: starts and stops serve run deployments/<mode>.yaml per mode
+  # the study's whole matrix: starts and stops python -m deployments.serve <mode> per mode
   python -m loadgen sweep --modes tp,pp,dp,pd_always --qps 1,2,4,8,inf --trace-file BurstGPT_1.csv
   # a few minutes on a laptop: 10 requests a cell, QPS 4 and inf, synthetic trace
   python -m loadgen sweep --smoke --modes dp,tp
@@ -259,7 +259,7 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadgen sweep",
         description="The study's matrix: modes x workloads x QPS; starts and stops each"
-        " Serve application (serve run deployments/<mode>.yaml) unless given --urls.",
+        " Serve application (python -m deployments.serve <mode>) unless given --urls.",
         epilog=SWEEP_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,7 +1,7 @@
 """The study's matrix in one command: every mode x workload x QPS, 200 requests a cell.
 
-For each mode the sweep starts the Serve application itself (``serve run
-deployments/<mode>.yaml``, or ``--launch-command``), runs every workload at every
+For each mode the sweep starts the Serve application itself (``python -m
+deployments.serve <mode>``, or ``--launch-command``), runs every workload at every
 rate against it, and stops it before the next mode; or it measures servers that are
 already up (``--urls tp=http://...``). Every cell of a mode uses the same seed, so
 all modes see the same requests at the same offsets. Results are written as they
