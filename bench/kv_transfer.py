@@ -62,7 +62,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
 
 from deployments.config import load_app_config  # noqa: E402
-from deployments.launcher import serve_run  # noqa: E402
+from deployments.launcher import cluster_env, serve_run  # noqa: E402
 from kv_transfer.directory import get_kv_directory  # noqa: E402
 from kv_transfer.metrics import BYTES_TOTAL as TRANSFER_BYTES  # noqa: E402
 from kv_transfer.metrics import SECONDS as TRANSFER_SECONDS  # noqa: E402
@@ -77,6 +77,9 @@ console = Console()
 GRANULARITIES = ("request", "request-staged", "layer")
 PARTS = ("a", "b", "c", "all")
 TARGET_RATIO = 0.5
+# Part (a)'s object store: room for a few transfers in flight, small enough that the
+# warm-up below writes all of it (see warmup_transfers).
+DEFAULT_OBJECT_STORE_MIB = 512
 
 
 # Llama-3.2-1B's KV layout; 128 is vLLM's default block size on the CPU.
@@ -142,6 +145,21 @@ def numpy_copy_seconds(nbytes: int, repeats: int) -> list[float]:
     return samples
 
 
+def warmup_transfers(args: argparse.Namespace, nbytes: int) -> int:
+    """Transfers to run before measuring: by default, enough to write the whole store.
+
+    A process's first write to each page of the object store's shared memory takes a
+    page fault (64 MiB: 16,384 faults, ~40 ms, against ~5 ms once mapped), so the first
+    puts of a new process measure the kernel, not the path. A prefill worker lives
+    for the engine's life and pays that once per page; the steady state is what a
+    serving engine sees. docs/DECISIONS.md has both.
+    """
+    if args.warmup is not None:
+        return args.warmup
+    store = (args.object_store_mib or 0) * 2**20
+    return -(-store // nbytes) + 3 if store else 3
+
+
 def transfer_seconds(
     args: argparse.Namespace, granularity: str
 ) -> tuple[list[float], list[float], bool]:
@@ -157,11 +175,12 @@ def transfer_seconds(
     producer = KVEndpoint.remote(shape, num_blocks, seed=1)
     consumer = KVEndpoint.remote(shape, num_blocks, seed=2)
     puts, gets = [], []
-    for iteration in range(args.warmup + args.repeats):
+    warmup = warmup_transfers(args, num_request_blocks * args.block_size * _token_bytes(args))
+    for iteration in range(warmup + args.repeats):
         refs, put_s = ray.get(producer.put.remote(source_blocks, granularity))
         get_s = ray.get(consumer.get.remote(refs, target_blocks, granularity))
         del refs
-        if iteration >= args.warmup:
+        if iteration >= warmup:
             puts.append(put_s)
             gets.append(get_s)
     identical = ray.get(producer.checksum.remote(source_blocks)) == ray.get(
@@ -170,6 +189,10 @@ def transfer_seconds(
     for actor in (producer, consumer):
         ray.kill(actor)
     return puts, gets, identical
+
+
+def _token_bytes(args: argparse.Namespace) -> int:
+    return args.layers * args.kv_heads * args.head_size * 2 * FP16_BYTES
 
 
 def summarize(nbytes: int, samples: list[float]) -> dict[str, float]:
@@ -306,6 +329,7 @@ def own_ray_head() -> Iterator[str]:
     """A Ray head in this process for the apps to join; it ends, with them, at exit."""
     # Never RAY_ADDRESS or a cluster another process started on this machine.
     os.environ.pop("RAY_ADDRESS", None)
+    os.environ.update(cluster_env())  # serve_run's apps take their port by direct ingress
     ray.init(address="local", num_cpus=HEAD_NUM_CPUS, include_dashboard=False, log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
@@ -601,7 +625,7 @@ def run_part_a(args: argparse.Namespace) -> dict[str, Any]:
     shape = {key: getattr(args, key) for key in LLAMA_3_2_1B}
     # Whole blocks move, K and V.
     slots = -(-args.tokens // args.block_size) * args.block_size
-    nbytes = slots * args.layers * args.kv_heads * args.head_size * 2 * FP16_BYTES
+    nbytes = slots * _token_bytes(args)
     # A cluster of our own: never RAY_ADDRESS or the cluster another process started here.
     os.environ.pop("RAY_ADDRESS", None)
     ray.init(
@@ -641,9 +665,19 @@ def main() -> None:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="transfers before measuring; default: enough to have written the whole store",
+    )
     parser.add_argument("--granularity", choices=GRANULARITIES, nargs="*", default=GRANULARITIES)
-    parser.add_argument("--object-store-mib", type=int, default=None)
+    parser.add_argument(
+        "--object-store-mib",
+        type=int,
+        default=DEFAULT_OBJECT_STORE_MIB,
+        help="part (a)'s object store; 0 for Ray's default (30%% of memory)",
+    )
     parser.add_argument(
         "--preallocate-plasma",
         action="store_true",

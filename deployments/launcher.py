@@ -221,7 +221,8 @@ def serve_run(
     base_url = f"http://127.0.0.1:{port}"
     engines: set[int] = set()
     try:
-        _wait_ready(process, base_url, log_path, ready_timeout_s)
+        proxy_url = f"http://127.0.0.1:{port + PROXY_PORT_OFFSET}" if direct_ingress else None
+        _wait_ready(process, base_url, log_path, ready_timeout_s, proxy_url)
         engines = app_engine_pids()
         yield RunningApp(base_url=base_url, config_path=path, log_path=log_path)
     finally:
@@ -278,18 +279,32 @@ def _serve_cli() -> str:
 
 
 def _wait_ready(
-    process: subprocess.Popen[bytes], base_url: str, log_path: Path, timeout_s: float
+    process: subprocess.Popen[bytes],
+    base_url: str,
+    log_path: Path,
+    timeout_s: float,
+    proxy_url: str | None = None,
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise LaunchError(f"serve run exited with {process.returncode}:\n{_tail(log_path)}")
-        with contextlib.suppress(httpx.HTTPError):
-            response = httpx.get(f"{base_url}/health", timeout=10)
-            if response.status_code == 200:
-                return
+        if _healthy(base_url):
+            return
+        # Asked again after the proxy: the router may have come up between the two.
+        if proxy_url is not None and _healthy(proxy_url) and not _healthy(base_url):
+            raise LaunchError(
+                f"the application answers on Serve's proxy at {proxy_url}, not {base_url}: the"
+                " cluster was started without deployments.launcher.cluster_env()"
+            )
         time.sleep(2)
     raise LaunchError(f"not ready after {timeout_s:.0f}s:\n{_tail(log_path)}")
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/health", timeout=10).status_code == 200
+    return False
 
 
 def _stop(process: subprocess.Popen[bytes], timeout_s: float) -> None:
