@@ -1,0 +1,44 @@
+"""single.yaml runs its engine in the router's process: when that engine dies, requests
+fail at once with an OpenAI error, and Serve restarts the router (its health check is
+the engine's), which comes back on the same port with a new engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deployments.launcher import app_engine_pids, serve_run
+
+pytestmark = pytest.mark.serving
+
+RECOVERY_TIMEOUT_S = 180.0
+REQUEST = {"model": "splitserve-tiny-llama", "prompt": [1, 2, 3], "max_tokens": 3}
+
+
+def _status(base_url: str) -> int | None:
+    try:
+        return httpx.post(f"{base_url}/v1/completions", json=REQUEST, timeout=30).status_code
+    except httpx.HTTPError:
+        return None  # the router is restarting: nothing listens for a while
+
+
+def test_a_dead_engine_restarts_its_router(ray_address: str, serve_logs: Path) -> None:
+    with serve_run("single", ray_address=ray_address, log_dir=serve_logs) as app:
+        assert _status(app.base_url) == 200
+        dead = app_engine_pids()
+        assert dead
+        for pid in dead:
+            os.kill(pid, signal.SIGKILL)
+        response = httpx.post(f"{app.base_url}/v1/completions", json=REQUEST, timeout=30)
+        assert response.status_code == 500
+        assert "error" in response.json()
+        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+        while _status(app.base_url) != 200:
+            assert time.monotonic() < deadline, "the router did not come back with a new engine"
+            time.sleep(1)
+        assert app_engine_pids().isdisjoint(dead)
