@@ -5,7 +5,8 @@ Part (a), host path: the KV of one 2,048-token prompt in the Llama-3.2-1B layout
 moves between two Ray actors, each holding a paged KV cache with vLLM's CPU layout.
 "put" is the prefill side (pack the request's pages + ray.put), "get" the decode side
 (ray.get + write the pages into its own cache), both with the connector's own
-PagedKVCache. Baseline: one np.copyto of the same 64 MiB inside one process.
+PagedKVCache. Baseline: one np.copyto of the same 64 MiB inside one process. Measured
+after a warm-up that has written the whole object store (``warmup_transfers``).
 
 It also compares object granularities: one object per request per rank holding every
 layer (what the connector does), the same through a staging buffer, and one object
