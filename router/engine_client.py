@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from deployments.protocol import (
     DeltaBatch,
@@ -25,6 +25,9 @@ from deployments.protocol import (
     GenerateRequest,
 )
 from router.replica_state import PrefillTicket, ReplicaState
+
+if TYPE_CHECKING:
+    from deployments.engine import EngineHost
 
 logger = logging.getLogger("splitserve.router")
 RESUBSCRIBE_DELAY_S = 0.5
@@ -74,7 +77,7 @@ class ServeEngineLink:
 class LocalEngineLink:
     """An engine host in this process: the same calls, without Ray in between."""
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: EngineHost) -> None:
         self._host = host
         self._aborts: set[asyncio.Task[None]] = set()
 
