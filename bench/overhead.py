@@ -221,21 +221,18 @@ CASES = {
     "a": ("bare vLLM OpenAI server", bare_vllm),
     "b": ("splitserve single.yaml (python -m deployments.serve)", lambda: _serve_run_url()),
     "c": ("ray.serve.llm build_openai_app", ray_serve_llm),
-    "d": ("splitserve single.yaml, plain serve run (Serve's proxy)", lambda: _proxied_url()),
+    "d": (
+        "splitserve single.yaml, plain serve run (Serve's proxy)",
+        lambda: _serve_run_url(direct_ingress=False),
+    ),
     "e": ("(b) with the engine in its own replica", lambda: _engine_apart_url()),
 }
 SINGLE_YAML = REPO_ROOT / "deployments" / "single.yaml"
 
 
 @contextlib.contextmanager
-def _serve_run_url(path: Path = SINGLE_YAML) -> Iterator[str]:
-    with serve_run(str(path)) as app:
-        yield app.base_url
-
-
-@contextlib.contextmanager
-def _proxied_url() -> Iterator[str]:
-    with serve_run(str(SINGLE_YAML), direct_ingress=False) as app:
+def _serve_run_url(path: Path = SINGLE_YAML, direct_ingress: bool = True) -> Iterator[str]:
+    with serve_run(str(path), direct_ingress=direct_ingress) as app:
         yield app.base_url
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from ray.serve import Application
 
 from deployments.config import AppConfig, PoolConfig, parse_app_config
-from deployments.engine import EngineReplica, EngineSpec
+from deployments.engine import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica, EngineSpec
 from deployments.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from kv_transfer.settings import kv_transfer_config
 from router.ingress import Router
@@ -64,14 +64,24 @@ def engine_spec(config: AppConfig, name: str, pool: PoolConfig) -> EngineSpec:
     )
 
 
-def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
-    spec = engine_spec(config, name, pool)
+def engine_actor_options(
+    config: AppConfig, pool: PoolConfig, replica_index: int, num_cpus: float
+) -> dict[str, Any]:
+    """Ray options of the process that hosts one engine: its environment and devices."""
     actor_options: dict[str, Any] = {
-        "num_cpus": config.resources.engine_num_cpus,
+        "num_cpus": num_cpus,
         "runtime_env": {"env_vars": engine_env(config, pool, replica_index)},
     }
     if config.accelerator == "gpu":
         actor_options["num_gpus"] = pool.ranks_per_replica
+    return actor_options
+
+
+def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
+    spec = engine_spec(config, name, pool)
+    actor_options = engine_actor_options(
+        config, pool, replica_index, config.resources.engine_num_cpus
+    )
     return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
         spec.model_dump()
     )
@@ -108,13 +118,13 @@ def _router_hosting_engine(config: AppConfig) -> Application:
     """One engine in the router's process: the router's replica takes the engine's
     environment and resources, and its engine keeps the replica name it would have had."""
     [(name, pool)] = engine_names(config)
-    actor_options: dict[str, Any] = {
-        "num_cpus": config.resources.router_num_cpus + config.resources.engine_num_cpus,
-        "runtime_env": {"env_vars": engine_env(config, pool, 0)},
-    }
-    if config.accelerator == "gpu":
-        actor_options["num_gpus"] = pool.ranks_per_replica
-    router = Router.options(health_check_period_s=5, ray_actor_options=actor_options)
+    resources = config.resources
+    actor_options = engine_actor_options(
+        config, pool, 0, resources.router_num_cpus + resources.engine_num_cpus
+    )
+    router = Router.options(
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S, ray_actor_options=actor_options
+    )
     spec = engine_spec(config, name, pool)
     return router.bind(config.model_dump(), {name: pool.role}, {}, {name: spec.model_dump()})
 

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.engine")
 # vLLM's names for where a prompt token's KV came from (PromptTokenStats.ALL_SOURCES).
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# How often Serve asks whatever process hosts an engine whether that engine is alive.
+ENGINE_HEALTH_CHECK_PERIOD_S = 5
 
 
 class EngineSpec(BaseModel):
@@ -291,7 +293,7 @@ class EngineHost:
             engine.shutdown()
 
 
-@serve.deployment(max_ongoing_requests=4096, health_check_period_s=5)
+@serve.deployment(max_ongoing_requests=4096, health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S)
 class EngineReplica(EngineHost):
     """A Serve replica that owns one engine host: the router reaches it through Ray."""
 
