@@ -132,7 +132,9 @@ class AppConfig(StrictModel):
     resources: ResourcesConfig = ResourcesConfig()
     kv_transfer: ConnectorSettings = Field(
         default_factory=ConnectorSettings,
-        description="PD only: the object-store KV connector (namespace, ttl_s, claim_wait_s).",
+        description=(
+            "PD only: the object-store KV connector (namespace, ttl_s, claim_wait_s, push_wait_s)."
+        ),
     )
     split_policy: SplitPolicyConfig = Field(
         default_factory=SplitPolicyConfig,

@@ -33,7 +33,7 @@ from deployments.protocol import (
     GenerateRequest,
 )
 from deployments.sampler import start_replica_sampler
-from kv_transfer.handle import check_handle_compatible, is_transfer_params
+from kv_transfer.handle import check_handle_compatible, consumer_id, is_transfer_params
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -278,6 +278,7 @@ class EngineHost:
             block_size=cache.block_size or 0,
             kv_capacity_blocks=cache.num_gpu_blocks or 0,
             prompt_tokens=dict(latest.prompt_tokens),
+            kv_consumer=consumer_id(self._engine.vllm_config),
         )
 
     async def check_health(self) -> None:

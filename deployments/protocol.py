@@ -71,3 +71,5 @@ class EngineStats:
     # Prompt tokens since the engine started, by where they came from as vLLM counts them:
     # local_compute, local_cache_hit, external_kv_transfer.
     prompt_tokens: dict[str, int] = field(default_factory=dict)
+    # How a prefill request names this engine as its KV's consumer (decode engines of PD).
+    kv_consumer: str | None = None

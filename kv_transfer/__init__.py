@@ -1,9 +1,11 @@
 """A vLLM KV connector that moves a request's KV blocks through Ray's object store.
 
 Engine side: ``kv_transfer_config(role)`` is the engine argument that loads
-``ObjectStoreConnector``. Router side: ``release_handle`` frees a handle that will never
-be decoded, ``get_kv_directory().metrics_snapshot.remote()`` returns the transfer
-metrics and ``KVTransferCollector`` exports them; ``check_handle_compatible`` lets a
+``ObjectStoreConnector``; ``consumer_id`` is how a decode engine is named. Router side:
+``remote_decode_params(consumer)`` marks a prefill request and names the decode engine
+its KV goes to, ``release_handle`` frees a handle that will never be decoded,
+``get_kv_directory().metrics_snapshot.remote()`` returns the transfer metrics and
+``KVTransferCollector`` exports them; ``check_handle_compatible`` lets a
 decode host refuse a handle from an engine with another KV layout before submitting.
 The connector class is imported lazily, so the router does not import torch for it.
 """
@@ -17,7 +19,9 @@ from kv_transfer.handle import (
     KVLayoutMismatchError,
     LayoutFingerprint,
     check_handle_compatible,
+    consumer_id,
     layout_fingerprint,
+    remote_decode_params,
 )
 from kv_transfer.metrics import KVTransferCollector
 from kv_transfer.settings import ConnectorSettings, kv_transfer_config
@@ -32,10 +36,12 @@ __all__ = [
     "LayoutFingerprint",
     "ObjectStoreConnector",
     "check_handle_compatible",
+    "consumer_id",
     "get_kv_directory",
     "kv_transfer_config",
     "layout_fingerprint",
     "release_handle",
+    "remote_decode_params",
     "shutdown_kv_directory",
 ]
 

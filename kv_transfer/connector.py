@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_transfer.directory import disconnect_ray
-from kv_transfer.handle import layout_fingerprint
+from kv_transfer.handle import consumer_id, layout_fingerprint
 from kv_transfer.orders import TransferOrders
 from kv_transfer.scheduler_side import TransferScheduler
 from kv_transfer.settings import ConnectorSettings
@@ -84,6 +84,7 @@ class ObjectStoreConnector(KVConnectorBase_V1):
                 rank=get_tensor_model_parallel_rank(),
                 block_size=vllm_config.cache_config.block_size,
                 settings=settings,
+                consumer=consumer_id(vllm_config),
             )
 
     # ---- scheduler side -------------------------------------------------------------

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 # Our fields live under one key, so they never collide with vLLM's own.
 PARAMS_KEY = "splitserve_kv"
 HANDLE_VERSION = 1
+# In a prefill request's kv_transfer_params: the decode engine that will load the KV.
+CONSUMER_KEY = "splitserve_consumer"
 
 
 class KVLayoutMismatchError(ValueError):
@@ -82,6 +84,9 @@ class TransferHandle(BaseModel):
     num_parts: int
     layout: LayoutFingerprint
     expires_at: float  # wall-clock time after which the directory frees the objects
+    # The decode engine the parts were pushed to, if the router named one; that engine
+    # waits for the push instead of claiming, any other claims.
+    consumer: str | None = None
 
     def to_params(self) -> dict[str, Any]:
         """The ``kv_transfer_params`` to hand to the decode engine as they are."""
@@ -98,6 +103,26 @@ class TransferHandle(BaseModel):
             return cls.model_validate({k: v for k, v in fields.items() if k != "version"})
         except ValidationError as error:
             raise ValueError(f"malformed KV transfer handle: {error}") from error
+
+
+def remote_decode_params(consumer: str | None = None) -> dict[str, Any]:
+    """A prefill request's ``kv_transfer_params``: compute the prompt, keep its KV.
+
+    ``consumer``: ``consumer_id`` of the decode engine that will load it; its ranks then
+    receive the parts ahead of the decode request instead of asking for them.
+    """
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if consumer:
+        params[CONSUMER_KEY] = consumer
+    return params
+
+
+def consumer_id(vllm_config: VllmConfig) -> str | None:
+    """How a prefill request names this engine as its KV's consumer (None: not one)."""
+    transfer_config = vllm_config.kv_transfer_config
+    if transfer_config is None or not transfer_config.is_kv_consumer:
+        return None
+    return str(transfer_config.engine_id)
 
 
 def is_transfer_params(params: dict[str, Any] | None) -> bool:

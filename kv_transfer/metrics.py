@@ -15,6 +15,7 @@ from typing import Any, Literal
 BYTES_TOTAL = "splitserve_kv_transfer_bytes_total"
 SECONDS = "splitserve_kv_transfer_seconds"
 TRANSFERS_TOTAL = "splitserve_kv_transfers_total"
+LOADS_TOTAL = "splitserve_kv_transfer_loads_total"
 LIVE_TRANSFERS = "splitserve_kv_transfer_live_transfers"
 LIVE_BYTES = "splitserve_kv_transfer_live_bytes"
 
@@ -25,6 +26,10 @@ OPERATIONS: tuple[Operation, ...] = ("put", "get")
 # decode side had every block in its prefix cache, the router or an abort gave it up).
 Outcome = Literal["loaded", "expired", "failed", "released"]
 OUTCOMES: tuple[Outcome, ...] = ("loaded", "expired", "failed", "released")
+# How a decode rank got the part it loaded: pushed to it ahead of the request (and
+# fetched then), or claimed from the directory when the load was due.
+LoadPath = Literal["pushed", "claimed"]
+LOAD_PATHS: tuple[LoadPath, ...] = ("pushed", "claimed")
 # One part of a 2k-token prompt is tens of MiB; puts and gets take 1 ms to 1 s.
 SECONDS_BUCKETS: tuple[float, ...] = (
     0.001,
@@ -69,6 +74,7 @@ class TransferStats:
         self._bytes = dict.fromkeys(OPERATIONS, 0)
         self._seconds = {op: _Histogram(SECONDS_BUCKETS) for op in OPERATIONS}
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
+        self._loads = dict.fromkeys(LOAD_PATHS, 0)
 
     def observe(self, op: Operation, seconds: float, nbytes: int) -> None:
         self._bytes[op] += nbytes
@@ -77,11 +83,15 @@ class TransferStats:
     def count_outcome(self, outcome: Outcome) -> None:
         self._outcomes[outcome] += 1
 
+    def count_load(self, path: LoadPath) -> None:
+        self._loads[path] += 1
+
     def snapshot(self, live_transfers: int, live_bytes: int) -> dict[str, Any]:
         return {
             "bytes_total": dict(self._bytes),
             "seconds": {op: hist.snapshot() for op, hist in self._seconds.items()},
             "transfers_total": dict(self._outcomes),
+            "loads_total": dict(self._loads),
             "live_transfers": live_transfers,
             "live_bytes": live_bytes,
         }
@@ -127,6 +137,12 @@ class KVTransferCollector:
         for outcome, value in snapshot["transfers_total"].items():
             outcomes.add_metric([outcome], value)
         yield outcomes
+        loads = CounterMetricFamily(
+            LOADS_TOTAL, "KV parts loaded by decode ranks, by how they got them", labels=["path"]
+        )
+        for path, value in snapshot.get("loads_total", {}).items():
+            loads.add_metric([path], value)
+        yield loads
         yield GaugeMetricFamily(
             LIVE_TRANSFERS, "KV transfers held in the object store", snapshot["live_transfers"]
         )

@@ -16,6 +16,8 @@ class SaveOrder:
     block_ids: list[int]
     num_parts: int
     ttl_s: float
+    # The decode engine (consumer_id) the router chose, to push the part to; or None.
+    consumer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,8 @@ class LoadOrder:
     transfer_id: str
     first_source_block: int
     block_ids: list[int]
+    # The part was pushed to this engine: wait for it rather than claim it.
+    pushed: bool = False
     # Set when the blocks were allocated but must not be loaded: the worker reports them
     # as load errors, so vLLM recomputes them (every accepted async load needs an answer).
     problem: str | None = None

@@ -7,8 +7,9 @@ the blocks at once (no delayed free).
 
 Decode (consumer): a request whose ``kv_transfer_params`` carry our handle reports the
 transferred prompt tokens beyond its local prefix-cache hit as computed externally and
-loaded asynchronously; a LoadOrder covers exactly those blocks. The handle is claimed
-once: after a failed load vLLM recomputes locally and we never load again.
+loaded asynchronously; a LoadOrder covers exactly those blocks, and says whether the
+parts were pushed to this engine (the handle names it) or must be claimed. A handle is
+loaded once: after a failed load vLLM recomputes locally and we never load again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vllm.v1.request import RequestStatus
 
 from kv_transfer.directory import get_kv_directory
 from kv_transfer.handle import (
+    CONSUMER_KEY,
     KVLayoutMismatchError,
     LayoutFingerprint,
     TransferHandle,
@@ -55,10 +57,13 @@ class _Match:
 class _Saved:
     """A prompt whose blocks a SaveOrder put; the handle is built when the request ends."""
 
-    def __init__(self, transfer_id: str, num_tokens: int, digest: str) -> None:
+    def __init__(
+        self, transfer_id: str, num_tokens: int, digest: str, consumer: str | None
+    ) -> None:
         self.transfer_id = transfer_id
         self.num_tokens = num_tokens
         self.digest = digest
+        self.consumer = consumer
 
 
 class TransferScheduler:
@@ -139,13 +144,16 @@ class TransferScheduler:
         (block_ids,) = self._kv_cache_manager.get_block_ids(request.request_id)
         transfer_id = f"{self._engine_id[:8]}-{uuid.uuid4().hex}"
         digest = prompt_digest((request.prompt_token_ids or [])[:num_tokens])
-        self._saved[request.request_id] = _Saved(transfer_id, num_tokens, digest)
+        consumer = (request.kv_transfer_params or {}).get(CONSUMER_KEY)
+        consumer = consumer if isinstance(consumer, str) and consumer else None
+        self._saved[request.request_id] = _Saved(transfer_id, num_tokens, digest, consumer)
         return SaveOrder(
             request_id=request.request_id,
             transfer_id=transfer_id,
             block_ids=list(block_ids[:num_blocks]),
             num_parts=self._layout.tp_size,
             ttl_s=self._settings.ttl_s,
+            consumer=consumer,
         )
 
     def _handle(self, saved: _Saved) -> TransferHandle:
@@ -158,6 +166,7 @@ class TransferScheduler:
             num_parts=self._layout.tp_size,
             layout=self._layout,
             expires_at=time.time() + self._settings.ttl_s,
+            consumer=saved.consumer,
         )
 
     # ---- consumer -----------------------------------------------------------------
@@ -210,6 +219,7 @@ class TransferScheduler:
                 transfer_id=transfer_id,
                 first_source_block=first_block,
                 block_ids=list(block_ids[first_block:last_block]),
+                pushed=match.handle.consumer == self._engine_id,
                 # vLLM offers block-aligned local hits; a load starting inside a block
                 # could overwrite a shared cached block, so it is refused.
                 problem=f"load starts inside a block, at token {first_token}"

@@ -30,10 +30,15 @@ class ConnectorSettings(BaseModel):
     namespace: str = Field(default=DEFAULT_NAMESPACE, min_length=1)
     # A transfer nobody loads within this time (client gone, decode failed) is freed.
     ttl_s: float = Field(default=60.0, gt=0)
-    # How long a decode worker waits for a part that is not registered. Parts are
-    # registered before the handle exists, so this only delays the fallback to a local
-    # prefill when a put failed.
+    # How long a decode worker waits for a part that is not registered yet. A prefill
+    # rank registers its part without waiting for the answer (the round trip stays off
+    # the first token's path), so a claim can arrive first; a put that failed is never
+    # registered, and this is how long the fallback to a local prefill waits.
     claim_wait_s: float = Field(default=1.0, ge=0)
+    # How long a decode rank waits for a part pushed to it (the router named its engine)
+    # before it claims the part instead. Pushes are sent when the part is registered,
+    # before the first token reaches the client, so they normally arrive first.
+    push_wait_s: float = Field(default=0.5, ge=0)
     # Which connector the PD engines load. The fields above are the object store's;
     # example_disk uses only storage_path (and namespace, for its metrics).
     connector: ConnectorName = "object_store"
@@ -54,8 +59,9 @@ def kv_transfer_config(
     """The ``kv_transfer_config`` engine argument that loads our connector.
 
     ``extra`` are ConnectorSettings fields (``ttl_s``, ``namespace``, ``claim_wait_s``,
-    ``connector``, ``storage_path``). Load failures are recomputed, never fatal: a lost
-    or expired transfer costs the decode engine a local prefill, not the request.
+    ``push_wait_s``, ``connector``, ``storage_path``). Load failures are recomputed,
+    never fatal: a lost or expired transfer costs the decode engine a local prefill,
+    not the request.
     """
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ValueError(f"role must be kv_producer, kv_consumer or kv_both, not {role!r}")

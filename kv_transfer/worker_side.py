@@ -2,13 +2,16 @@
 
 Save (prefill): in ``wait_for_save``, after the forward pass that wrote the prompt's
 KV, each rank puts its own shard of the request's blocks, one object holding every
-layer, and registers it with the directory before the step returns.
+layer, and registers it with the directory (naming the decode engine, if the router
+chose one) without waiting for the answer: the step, and with it the first token, pays
+for the copy only.
 
-Load (decode): ``start_load_kv`` hands each LoadOrder to a thread that claims the part
-from the directory, checks its page layout against ours, gets it (zero copy from the
-local object store), writes the pages and confirms; the scheduler hears about it
-through ``transfer_results`` on a later step. A failed load reports its blocks as load
-errors, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+Load (decode): ``start_load_kv`` hands each LoadOrder to a thread that takes the part
+pushed to this rank (``PushedParts``; already fetched) or else claims it from the
+directory and gets it (zero copy from the local object store), checks its page layout
+against ours, writes the pages and confirms; the scheduler hears about it through
+``transfer_results`` on a later step. A failed load reports its blocks as load errors,
+and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 """
 
 from __future__ import annotations
@@ -26,16 +29,16 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kv_transfer.directory import get_kv_directory
+from kv_transfer.metrics import LoadPath
 from kv_transfer.orders import LoadOrder, SaveOrder
-from kv_transfer.paged_cache import PagedKVCache
+from kv_transfer.paged_cache import PackedLayers, PagedKVCache
+from kv_transfer.pushed_parts import PushedParts
 from kv_transfer.settings import ConnectorSettings
 
 logger = logging.getLogger("vllm.splitserve.kv_transfer")
 
 # Two loads in flight overlap one's directory round trip with the other's copy.
 LOADER_THREADS = 2
-# A directory that does not answer must not hang an engine step or a load forever.
-DIRECTORY_TIMEOUT_S = 10.0
 
 
 class TransferLostError(RuntimeError):
@@ -48,13 +51,29 @@ class _LoadResult:
     failed_block_ids: tuple[int, ...]
 
 
+@dataclass(slots=True)
+class _Part:
+    """A part in this process, however it came, and what getting it cost."""
+
+    ref: ray.ObjectRef  # kept while the views live: the object must not be freed under them
+    packed: PackedLayers
+    layout: dict[str, Any]
+    get_seconds: float
+    path: LoadPath
+
+
 class TransferWorker:
-    def __init__(self, rank: int, block_size: int, settings: ConnectorSettings) -> None:
+    def __init__(
+        self, rank: int, block_size: int, settings: ConnectorSettings, consumer: str | None
+    ) -> None:
+        """``consumer``: this engine's ``consumer_id`` if it loads KV, else None."""
         self._rank = rank
         self._block_size = block_size
         self._settings = settings
+        self._consumer = consumer
         self._cache: PagedKVCache | None = None
         self._directory: Any = None
+        self._pushed: PushedParts | None = None
         self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-load")
         self._finished_loads: queue.SimpleQueue[_LoadResult] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
@@ -63,6 +82,11 @@ class TransferWorker:
         self._cache = PagedKVCache(kv_caches, self._block_size)
         # Join Ray now, at engine start-up, rather than inside the first request.
         self._directory = get_kv_directory(self._settings.namespace)
+        if self._consumer is not None:
+            self._pushed = PushedParts(
+                self._directory, self._consumer, self._rank, self._settings.ttl_s
+            )
+            self._pushed.start()
 
     # ---- prefill ------------------------------------------------------------------
 
@@ -80,20 +104,19 @@ class TransferWorker:
         ref = ray.put(self._cache.pack(order.block_ids))  # copies the pages: they may be freed
         seconds = time.perf_counter() - started
         nbytes = len(order.block_ids) * self._cache.page_bytes * self._cache.num_layers
-        # Registered before the step ends, so the handle is valid once the client has t1.
-        # After that the directory's borrowed reference alone keeps the object alive.
-        ray.get(
-            self._directory.register.remote(
-                order.transfer_id,
-                self._rank,
-                order.num_parts,
-                [ref],
-                nbytes,
-                self._cache.layout,
-                seconds,
-                order.ttl_s,
-            ),
-            timeout=DIRECTORY_TIMEOUT_S,
+        # Not awaited: a claim that comes first waits for it (claim_wait_s). Ray keeps
+        # the object alive for the pending call, then the directory's borrowed
+        # reference alone does.
+        self._directory.register.remote(
+            order.transfer_id,
+            self._rank,
+            order.num_parts,
+            [ref],
+            nbytes,
+            self._cache.layout,
+            seconds,
+            order.ttl_s,
+            order.consumer,
         )
 
     # ---- decode -------------------------------------------------------------------
@@ -119,6 +142,8 @@ class TransferWorker:
         return errors
 
     def shutdown(self) -> None:
+        if self._pushed is not None:
+            self._pushed.stop()
         self._loader.shutdown(wait=False, cancel_futures=True)
 
     def _load_and_report(self, order: LoadOrder) -> None:
@@ -136,16 +161,31 @@ class TransferWorker:
         assert self._cache is not None
         if order.problem is not None:
             raise ValueError(order.problem)
+        part = self._take_pushed(order) or self._claim(order)
+        if part.layout != self._cache.layout:
+            raise ValueError(f"part layout {part.layout} != ours {self._cache.layout}")
+        started = time.perf_counter()
+        nbytes = self._cache.unpack(part.packed, order.first_source_block, order.block_ids)
+        seconds = part.get_seconds + time.perf_counter() - started
+        path = part.path
+        del part  # drop our views of the object before the directory frees it
+        self._directory.confirm_loaded.remote(order.transfer_id, self._rank, seconds, nbytes, path)
+
+    def _take_pushed(self, order: LoadOrder) -> _Part | None:
+        if not order.pushed or self._pushed is None:
+            return None
+        fetched = self._pushed.take(order.transfer_id, self._settings.push_wait_s)
+        if fetched is None:
+            return None
+        return _Part(fetched.ref, fetched.packed, fetched.layout, fetched.get_seconds, "pushed")
+
+    def _claim(self, order: LoadOrder) -> _Part:
         started = time.perf_counter()
         claim = ray.get(
             self._directory.claim.remote(order.transfer_id, self._rank, self._settings.claim_wait_s)
         )
         if claim["status"] != "ok":
             raise TransferLostError(f"transfer is {claim['status']}")
-        if claim["layout"] != self._cache.layout:
-            raise ValueError(f"part layout {claim['layout']} != ours {self._cache.layout}")
-        packed = ray.get(claim["refs"][0], timeout=self._settings.ttl_s)
-        nbytes = self._cache.unpack(packed, order.first_source_block, order.block_ids)
-        del packed, claim  # drop our views of the object before the directory frees it
-        seconds = time.perf_counter() - started
-        self._directory.confirm_loaded.remote(order.transfer_id, self._rank, seconds, nbytes)
+        (ref,) = claim["refs"]
+        packed = ray.get(ref, timeout=self._settings.ttl_s)
+        return _Part(ref, packed, claim["layout"], time.perf_counter() - started, "claimed")

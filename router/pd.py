@@ -1,8 +1,9 @@
 """One request across a prefill replica and a decode replica (PD disaggregation).
 
 The prefill replica computes the prompt and the first token; its KV blocks go into
-Ray's object store and the handle comes back in ``kv_transfer_params``. The first
-token is streamed to the client at once. The decode replica then gets the prompt plus
+Ray's object store, pushed towards the decode engine chosen before the prefill, and the
+handle comes back in ``kv_transfer_params``. The first token is streamed to the client
+at once. The decode replica then gets the prompt plus
 that token, loads the transferred KV instead of recomputing it, and continues.
 If the prefill replica is missing or fails, the decode replica prefills locally.
 """
@@ -16,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.protocol import GenerateChunk, GenerateRequest
+from kv_transfer import remote_decode_params
 from router.engine_client import EngineClient, EngineFailed
 
 logger = logging.getLogger("splitserve.router")
 
-DO_REMOTE_DECODE = {"do_remote_decode": True}
 DO_REMOTE_PREFILL = {"do_remote_prefill": True}
 # Outcomes where the decode replica prefilled although the plan was remote.
 PREFILL_FALLBACK_REASONS = ("prefill_failed", "no_prefill_replica")
@@ -56,7 +57,9 @@ class PrefillDecodeFlow:
         first: GenerateChunk | None = None
         if prefill is not None:
             try:
-                first = await self._prefill(prefill, request, prefill_tokens, on_accepted)
+                first = await self._prefill(
+                    prefill, request, prefill_tokens, on_accepted, _consumer_of(decode)
+                )
             except EngineFailed as error:
                 logger.warning("prefill on %s failed, prefilling locally: %s", prefill.name, error)
                 outcome.where, outcome.reason = "local", "prefill_failed"
@@ -89,6 +92,7 @@ class PrefillDecodeFlow:
         request: GenerateRequest,
         prefill_tokens: int | None,
         on_accepted: Callable[[], None] | None,
+        consumer: str | None,
     ) -> GenerateChunk:
         params = request.sampling_params.clone()
         params.max_tokens = 1
@@ -97,7 +101,7 @@ class PrefillDecodeFlow:
             request,
             request_id=f"{request.request_id}-prefill",
             sampling_params=params,
-            kv_transfer_params=dict(DO_REMOTE_DECODE),
+            kv_transfer_params=remote_decode_params(consumer),
         )
         first: GenerateChunk | None = None
         async for chunk in prefill.generate(prefill_request, prefill_tokens, on_accepted):
@@ -112,6 +116,12 @@ class PrefillDecodeFlow:
                 self._release_transfer(handle)
             except Exception as error:  # the TTL frees it anyway
                 logger.warning("could not release KV transfer %s: %s", handle, error)
+
+
+def _consumer_of(decode: EngineClient) -> str | None:
+    """The decode engine's KV consumer id, once its replica has reported one."""
+    stats = decode.state.engine
+    return stats.kv_consumer if stats is not None else None
 
 
 def _decode_request(

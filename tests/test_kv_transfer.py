@@ -4,7 +4,9 @@ A Ray cluster of our own (never RAY_ADDRESS or another process's cluster) and tw
 engines in this process, as the router would drive them: the prefill engine (producer)
 computes the prompt and the first token and returns a handle; the decode engine
 (consumer) gets prompt + first token and the handle, loads the transferred blocks and
-continues. The directory's counters prove the KV was loaded, not recomputed.
+continues. The directory's counters prove the KV was loaded, not recomputed, and by
+which path: pushed to the decode engine the prefill request named (the router's way),
+or claimed by a decode engine that was not named.
 
 The single-engine baseline runs on the prefill engine with plain requests (its
 connector stays idle) and prefix caching off, so every baseline is a full computation.
@@ -26,9 +28,11 @@ from deployments.tiny_model import embedded_model_path
 from kv_transfer import (
     KVLayoutMismatchError,
     check_handle_compatible,
+    consumer_id,
     get_kv_directory,
     kv_transfer_config,
     release_handle,
+    remote_decode_params,
     shutdown_kv_directory,
 )
 from kv_transfer.directory import SWEEP_INTERVAL_S
@@ -37,6 +41,8 @@ pytestmark = pytest.mark.serving
 
 NAMESPACE = "splitserve-kv-test"
 TTL_S = 4.0
+# Long enough that a named decode engine always loads the pushed part, never a claim.
+PUSH_WAIT_S = 5.0
 BLOCK_SIZE = 128  # vLLM's default on the CPU; see test_engine_block_size
 MAX_TOKENS = 12
 # 1 token; around one block of 16 (GPU default) and of 128 (CPU default); long prompts.
@@ -92,7 +98,9 @@ def _start_engine(cpu: str, role: str, **engine_kwargs: Any) -> Any:
         enforce_eager=True,
         max_model_len=4096,
         seed=0,
-        kv_transfer_config=kv_transfer_config(role, namespace=NAMESPACE, ttl_s=TTL_S),
+        kv_transfer_config=kv_transfer_config(
+            role, namespace=NAMESPACE, ttl_s=TTL_S, push_wait_s=PUSH_WAIT_S
+        ),
         **engine_kwargs,
     )
 
@@ -175,9 +183,11 @@ def _single_engine_tokens(prefill: Any, prompt: list[int]) -> list[int]:
     return _baselines[key]
 
 
-def _prefill_step(prefill: Any, prompt: list[int]) -> tuple[int, dict[str, Any]]:
+def _prefill_step(
+    prefill: Any, prompt: list[int], consumer: str | None = None
+) -> tuple[int, dict[str, Any]]:
     """What the router does first: one token, and the handle for the decode engine."""
-    output = _generate(prefill, prompt, _greedy(1, {"do_remote_decode": True}))
+    output = _generate(prefill, prompt, _greedy(1, remote_decode_params(consumer)))
     (first_token,) = output.outputs[0].token_ids
     assert output.kv_transfer_params is not None, "the prefill engine returned no handle"
     return first_token, output.kv_transfer_params
@@ -190,23 +200,34 @@ def _decode_step(decode: Any, prompt: list[int], first_token: int, handle: dict)
 
 def _counters(directory: Any) -> dict[str, int]:
     snapshot = ray.get(directory.metrics_snapshot.remote())
-    return {**snapshot["transfers_total"], "get_bytes": snapshot["bytes_total"]["get"]}
+    return {
+        **snapshot["transfers_total"],
+        **snapshot["loads_total"],
+        "get_bytes": snapshot["bytes_total"]["get"],
+    }
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {key: after[key] - before[key] for key in after if after[key] != before[key]}
 
 
-def _pd_tokens(prefill: Any, decode: Any, prompt: list[int]) -> list[int]:
-    first_token, handle = _prefill_step(prefill, prompt)
+def _pd_tokens(prefill: Any, decode: Any, prompt: list[int], named: bool = True) -> list[int]:
+    """``named``: the prefill request names the decode engine, as the router does."""
+    first_token, handle = _prefill_step(prefill, prompt, _consumer(decode) if named else None)
     check_handle_compatible(handle, decode.llm_engine.vllm_config)
     return _decode_step(decode, prompt, first_token, handle)
+
+
+def _consumer(decode: Any) -> str:
+    consumer = consumer_id(decode.llm_engine.vllm_config)
+    assert consumer is not None
+    return consumer
 
 
 def _pd_batch_tokens(prefill: Any, decode: Any, prompts: list[list[int]]) -> list[list[int]]:
     firsts = prefill.generate(
         [{"prompt_token_ids": prompt} for prompt in prompts],
-        _greedy(1, {"do_remote_decode": True}),
+        _greedy(1, remote_decode_params(_consumer(decode))),
         use_tqdm=False,
     )
     rests = decode.generate(
@@ -236,11 +257,27 @@ class TestOneRankEachSide:
         expected = _single_engine_tokens(prefill, prompt)
         before = _counters(directory)
         assert _pd_tokens(prefill, decode, prompt) == expected
-        # Loaded (not recomputed): one transfer, every block of the prompt written once.
+        # Loaded (not recomputed): one transfer, pushed to the decode engine the prefill
+        # request named, every block of the prompt written once.
         blocks = -(-length // BLOCK_SIZE)
         assert _delta(before, _counters(directory)) == {
             "loaded": 1,
+            "pushed": 1,
             "get_bytes": blocks * BYTES_PER_BLOCK,
+        }
+
+    def test_unnamed_decode_engine_claims_the_part(
+        self, prefill: Any, decode: Any, directory: Any
+    ) -> None:
+        """A handle that names no decode engine (or another one) is claimed on demand."""
+        prompt = _prompt(333)
+        expected = _single_engine_tokens(prefill, prompt)
+        before = _counters(directory)
+        assert _pd_tokens(prefill, decode, prompt, named=False) == expected
+        assert _delta(before, _counters(directory)) == {
+            "loaded": 1,
+            "claimed": 1,
+            "get_bytes": 3 * BYTES_PER_BLOCK,
         }
 
     def test_concurrent_transfers(self, prefill: Any, decode: Any, directory: Any) -> None:
@@ -252,6 +289,7 @@ class TestOneRankEachSide:
         blocks = sum(-(-len(prompt) // BLOCK_SIZE) for prompt in prompts)
         assert _delta(before, _counters(directory)) == {
             "loaded": len(prompts),
+            "pushed": len(prompts),
             "get_bytes": blocks * BYTES_PER_BLOCK,
         }
 
@@ -268,7 +306,7 @@ class TestOneRankEachSide:
         expected = _single_engine_tokens(prefill, prompt)
         before = _counters(directory)
         assert _pd_tokens(prefill, decode, prompt) == expected
-        loaded = {"loaded": 1, "get_bytes": blocks_loaded * BYTES_PER_BLOCK}
+        loaded = {"loaded": 1, "pushed": 1, "get_bytes": blocks_loaded * BYTES_PER_BLOCK}
         assert _delta(before, _counters(directory)) == (
             loaded if blocks_loaded else {"released": 1}
         )
@@ -301,10 +339,14 @@ class TestOneRankEachSide:
         assert _decode_step(decode, prompt, first_token, handle) == expected
         assert _delta(before, _counters(directory)) == {}  # already counted as released
 
-    def test_unused_handles_are_freed(self, dashboard: str, prefill: Any, directory: Any) -> None:
-        _, released = _prefill_step(prefill, _prompt(200))
-        _, _abandoned = _prefill_step(prefill, _prompt(250))  # never decoded or released
-        held = ray.get(directory.live_object_ids.remote())
+    def test_unused_handles_are_freed(
+        self, dashboard: str, prefill: Any, decode: Any, directory: Any
+    ) -> None:
+        """Also from the decode engine they were pushed to, which fetched them at once."""
+        _, released = _prefill_step(prefill, _prompt(200), _consumer(decode))
+        # Never decoded or released.
+        _, _abandoned = _prefill_step(prefill, _prompt(250), _consumer(decode))
+        held = _wait_for_registrations(directory, 2)
         assert len(held) == 2
         assert set(held) <= {entry.object_id for entry in _objects(dashboard)}
         before = _counters(directory)
@@ -328,6 +370,7 @@ class TestTensorParallelTwo:
         blocks = -(-length // BLOCK_SIZE)  # two shards of half a block's bytes each
         assert _delta(before, _counters(directory)) == {
             "loaded": 1,
+            "pushed": 2,  # one part per rank
             "get_bytes": blocks * BYTES_PER_BLOCK,
         }
 
@@ -354,6 +397,16 @@ class TestTensorParallelTwo:
 def test_object_store_is_empty_at_the_end(dashboard: str, directory: Any) -> None:
     time.sleep(TTL_S + 3 * SWEEP_INTERVAL_S)  # whatever a failed test left behind expires
     _assert_object_store_empty(dashboard, directory)
+
+
+def _wait_for_registrations(directory: Any, count: int) -> list[str]:
+    """The directory's objects once ``count`` are registered (producers do not wait)."""
+    deadline = time.monotonic() + 10
+    while True:
+        held = ray.get(directory.live_object_ids.remote())
+        if len(held) >= count or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
 
 
 def _assert_object_store_empty(dashboard: str, directory: Any) -> None:

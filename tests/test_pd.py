@@ -112,6 +112,10 @@ def test_completions_match_single_engine(pd_app: RunningApp, reference: dict) ->
     # The KV moved rather than being recomputed on the decode side.
     assert _metric(pd_app.base_url, "splitserve_kv_transfers_total", outcome="loaded") >= 15
     assert _metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="remote") >= 20
+    # Pushed to the decode engine the router named, not claimed when the load was due.
+    loads = "splitserve_kv_transfer_loads_total"
+    assert _metric(pd_app.base_url, loads, path="pushed") >= 15
+    assert _metric(pd_app.base_url, loads, path="claimed") <= 1
 
 
 def test_streams_match_single_engine(pd_app: RunningApp, reference: dict) -> None:
