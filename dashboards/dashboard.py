@@ -338,9 +338,16 @@ KV_TRANSFER = Row(
         ),
         Panel(
             "Transfers by outcome",
-            "loaded, released, expired (TTL) or failed (recomputed), per second.",
+            "loaded, released, expired (TTL) or failed (recomputed), per second; and how "
+            "decode ranks got what they loaded: pushed ahead of the request, or claimed.",
             "short",
-            (Target(rate_by("splitserve_kv_transfers_total", "", "outcome"), legend("outcome")),),
+            (
+                Target(rate_by("splitserve_kv_transfers_total", "", "outcome"), legend("outcome")),
+                Target(
+                    rate_by("splitserve_kv_transfer_loads_total", "", "path"),
+                    "load {{path}}",
+                ),
+            ),
         ),
         Panel(
             "KV held in the object store",
