@@ -85,6 +85,7 @@ def connect_ray(namespace: str = DEFAULT_NAMESPACE) -> None:
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=False)
             _connected_here = True
+            _stop_error_listener()
         except ConnectionError as error:
             raise RuntimeError(
                 f"the KV connector found no Ray cluster at RAY_ADDRESS={address!r}"
@@ -93,6 +94,18 @@ def connect_ray(namespace: str = DEFAULT_NAMESPACE) -> None:
             if sigterm_handler is not None:
                 signal.signal(signal.SIGTERM, sigterm_handler)
             sys.excepthook = excepthook
+
+
+def _stop_error_listener() -> None:
+    """End the thread ``ray.init`` starts in every driver to print cluster errors.
+
+    In vLLM's worker processes (pinned to their cores) its GCS long poll returned at
+    once, over and over: each idle engine worker spent 0.17 of a core on it and the GCS
+    0.56 of one answering it (bench/kv_transfer.py's PD, docs/DECISIONS.md). An engine
+    process has no console to print those errors to anyway.
+    """
+    worker = ray._private.worker.global_worker
+    worker.threads_stopped.set()  # Ray's own stop signal for that thread; clears it on exit
 
 
 def disconnect_ray() -> None:
