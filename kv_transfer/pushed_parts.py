@@ -32,12 +32,11 @@ ANSWER_TIMEOUT_S = 10.0
 
 @dataclass(slots=True)
 class FetchedPart:
-    """One pushed part, already in this process (views of the object store's copy)."""
+    """One part in this process (views of the object store's copy), and its fetch time."""
 
     ref: ray.ObjectRef  # kept while the views live: the object must not be freed under them
     packed: PackedLayers
     layout: dict[str, Any]
-    nbytes: int
     get_seconds: float
 
 
@@ -100,9 +99,7 @@ class PushedParts:
             # The load will wait in vain, then claim, and fail there with the reason.
             logger.warning("KV transfer %s: pushed part not fetched: %s", transfer_id, error)
             return
-        fetched = FetchedPart(
-            ref, packed, part["layout"], part["nbytes"], time.perf_counter() - started
-        )
+        fetched = FetchedPart(ref, packed, part["layout"], time.perf_counter() - started)
         with self._changed:
             self._parts[transfer_id] = fetched
             self._changed.notify_all()

@@ -31,8 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from kv_transfer.directory import get_kv_directory
 from kv_transfer.metrics import LoadPath
 from kv_transfer.orders import LoadOrder, SaveOrder
-from kv_transfer.paged_cache import PackedLayers, PagedKVCache
-from kv_transfer.pushed_parts import PushedParts
+from kv_transfer.paged_cache import PagedKVCache
+from kv_transfer.pushed_parts import FetchedPart, PushedParts
 from kv_transfer.settings import ConnectorSettings
 
 logger = logging.getLogger("vllm.splitserve.kv_transfer")
@@ -49,17 +49,6 @@ class TransferLostError(RuntimeError):
 class _LoadResult:
     request_id: str
     failed_block_ids: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _Part:
-    """A part in this process, however it came, and what getting it cost."""
-
-    ref: ray.ObjectRef  # kept while the views live: the object must not be freed under them
-    packed: PackedLayers
-    layout: dict[str, Any]
-    get_seconds: float
-    path: LoadPath
 
 
 class TransferWorker:
@@ -161,25 +150,24 @@ class TransferWorker:
         assert self._cache is not None
         if order.problem is not None:
             raise ValueError(order.problem)
-        part = self._take_pushed(order) or self._claim(order)
+        part = self._take_pushed(order)
+        path: LoadPath = "pushed"
+        if part is None:
+            part, path = self._claim(order), "claimed"
         if part.layout != self._cache.layout:
             raise ValueError(f"part layout {part.layout} != ours {self._cache.layout}")
         started = time.perf_counter()
         nbytes = self._cache.unpack(part.packed, order.first_source_block, order.block_ids)
         seconds = part.get_seconds + time.perf_counter() - started
-        path = part.path
         del part  # drop our views of the object before the directory frees it
         self._directory.confirm_loaded.remote(order.transfer_id, self._rank, seconds, nbytes, path)
 
-    def _take_pushed(self, order: LoadOrder) -> _Part | None:
+    def _take_pushed(self, order: LoadOrder) -> FetchedPart | None:
         if not order.pushed or self._pushed is None:
             return None
-        fetched = self._pushed.take(order.transfer_id, self._settings.push_wait_s)
-        if fetched is None:
-            return None
-        return _Part(fetched.ref, fetched.packed, fetched.layout, fetched.get_seconds, "pushed")
+        return self._pushed.take(order.transfer_id, self._settings.push_wait_s)
 
-    def _claim(self, order: LoadOrder) -> _Part:
+    def _claim(self, order: LoadOrder) -> FetchedPart:
         started = time.perf_counter()
         claim = ray.get(
             self._directory.claim.remote(order.transfer_id, self._rank, self._settings.claim_wait_s)
@@ -188,4 +176,4 @@ class TransferWorker:
             raise TransferLostError(f"transfer is {claim['status']}")
         (ref,) = claim["refs"]
         packed = ray.get(ref, timeout=self._settings.ttl_s)
-        return _Part(ref, packed, claim["layout"], time.perf_counter() - started, "claimed")
+        return FetchedPart(ref, packed, claim["layout"], time.perf_counter() - started)
