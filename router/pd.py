@@ -1,11 +1,12 @@
 """One request across a prefill replica and a decode replica (PD disaggregation).
 
-The prefill replica computes the prompt and the first token; its KV blocks go into
-Ray's object store, pushed towards the decode engine chosen before the prefill, and the
-handle comes back in ``kv_transfer_params``. The first token is streamed to the client
-at once. The decode replica then gets the prompt plus
-that token, loads the transferred KV instead of recomputing it, and continues.
-If the prefill replica is missing or fails, the decode replica prefills locally.
+The decode replica is chosen first and named in the prefill request. The prefill
+replica computes the prompt and the first token; its KV blocks go into Ray's object
+store, pushed towards that decode engine, and the handle comes back in
+``kv_transfer_params``. The first token is streamed to the client at once. The decode
+replica then gets the prompt plus that token, loads the transferred KV instead of
+recomputing it, and continues. If the prefill replica is missing or fails, the decode
+replica prefills locally.
 """
 
 from __future__ import annotations
