@@ -394,6 +394,34 @@ class TestTensorParallelTwo:
             ray.get(release_handle(handle))
 
 
+def test_directory_pushes_only_to_the_named_consumer(directory: Any) -> None:
+    """The directory's side of a push, without engines: who gets a part, and when."""
+    part = ray.put(b"kv pages")
+    layout = {"num_layers": 1}
+
+    def register(transfer_id: str, consumer: str) -> None:
+        args = (transfer_id, 0, 1, [part], 8, layout, 0.001, TTL_S, consumer)
+        assert ray.get(directory.register.remote(*args))
+
+    def deliveries(consumer: str, held: list[str]) -> dict[str, Any]:
+        return ray.get(directory.deliveries.remote(consumer, 0, held, 0.2))
+
+    register("t-before-poll", "late")  # its consumer has not polled yet: no inbox
+    for consumer in ("named", "other", "late"):
+        assert deliveries(consumer, []) == {"parts": {}, "closed": []}
+    register("t-named", "named")
+    pushed = deliveries("named", [])
+    assert list(pushed["parts"]) == ["t-named"]
+    assert pushed["parts"]["t-named"]["layout"] == layout
+    assert deliveries("other", []) == {"parts": {}, "closed": []}
+    assert deliveries("late", []) == {"parts": {}, "closed": []}
+    # A consumer holding a part hears when its transfer closes, and may drop it.
+    assert deliveries("named", ["t-named"])["closed"] == []
+    for transfer_id in ("t-named", "t-before-poll"):
+        ray.get(directory.release.remote(transfer_id))
+    assert deliveries("named", ["t-named"]) == {"parts": {}, "closed": ["t-named"]}
+
+
 def test_object_store_is_empty_at_the_end(dashboard: str, directory: Any) -> None:
     time.sleep(TTL_S + 3 * SWEEP_INTERVAL_S)  # whatever a failed test left behind expires
     _assert_object_store_empty(dashboard, directory)
