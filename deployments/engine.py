@@ -186,6 +186,7 @@ class EngineHost:
         self._sampler = start_replica_sampler(self._spec.name, self._spec.role)
         # vLLM refuses a priority other than 0 unless it schedules by priority.
         self._schedules_by_priority = self._engine.vllm_config.scheduler_config.policy == "priority"
+        self._kv_consumer = consumer_id(self._engine.vllm_config)  # reported with every stats
         logger.info(
             "engine %s (%s) ready in %.1fs",
             self._spec.name,
@@ -278,7 +279,7 @@ class EngineHost:
             block_size=cache.block_size or 0,
             kv_capacity_blocks=cache.num_gpu_blocks or 0,
             prompt_tokens=dict(latest.prompt_tokens),
-            kv_consumer=consumer_id(self._engine.vllm_config),
+            kv_consumer=self._kv_consumer,
         )
 
     async def check_health(self) -> None:

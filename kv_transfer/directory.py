@@ -169,6 +169,10 @@ class _Part:
     nbytes: int
     layout: dict[str, Any]
 
+    def handed_over(self) -> dict[str, Any]:
+        """What a consumer rank gets, claimed or pushed (a list keeps the ref a ref)."""
+        return {"refs": [self.ref], "nbytes": self.nbytes, "layout": self.layout}
+
 
 @dataclass
 class _Transfer:
@@ -275,11 +279,7 @@ class KVObjectDirectory:
             transfer = self._transfers.get(transfer_id)
             part = transfer.parts.get(rank) if transfer is not None else None
             if part is not None and part.ref is not None:
-                parts[transfer_id] = {
-                    "refs": [part.ref],
-                    "nbytes": part.nbytes,
-                    "layout": part.layout,
-                }
+                parts[transfer_id] = part.handed_over()
         return parts
 
     async def claim(self, transfer_id: str, rank: int, wait_s: float) -> dict[str, Any]:
@@ -302,7 +302,7 @@ class KVObjectDirectory:
             return {"status": "loaded"}
         # The load is under way: give it a full TTL, so only abandoned loads expire.
         transfer.deadline = max(transfer.deadline, time.monotonic() + transfer.ttl_s)
-        return {"status": "ok", "refs": [part.ref], "nbytes": part.nbytes, "layout": part.layout}
+        return {"status": "ok", **part.handed_over()}
 
     async def confirm_loaded(
         self, transfer_id: str, rank: int, seconds: float, nbytes: int, path: LoadPath

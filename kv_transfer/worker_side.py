@@ -167,7 +167,9 @@ class TransferWorker:
         started = time.perf_counter()
         nbytes = self._cache.unpack(part.packed, order.first_source_block, order.block_ids)
         seconds = part.get_seconds + time.perf_counter() - started
-        del part  # drop our views of the object before the directory frees it
+        # Drop our views of the object now; a caller that passed it in drops its own
+        # when it returns (our ref keeps the object alive until then either way).
+        del part
         self._directory.confirm_loaded.remote(order.transfer_id, self._rank, seconds, nbytes, path)
 
     def _take_pushed(self, order: LoadOrder, wait_s: float) -> FetchedPart | None:
