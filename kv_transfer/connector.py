@@ -119,6 +119,12 @@ class ObjectStoreConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_half.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM binds each step's orders before its forward pass (start_load_kv, for
+        # asynchronous loads, comes after it): the last moment to protect the pages.
+        self._worker_half.settle_saves(self._orders().finished_saves)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker_half.start_loads(self._orders().loads)
 

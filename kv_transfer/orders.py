@@ -39,3 +39,6 @@ class LoadOrder:
 class TransferOrders(KVConnectorMetadata):
     saves: list[SaveOrder] = field(default_factory=list)
     loads: list[LoadOrder] = field(default_factory=list)
+    # Requests with a SaveOrder that vLLM has finished since the last step; their blocks
+    # stay allocated until the worker reports the put done (``finished_sending``).
+    finished_saves: list[str] = field(default_factory=list)

@@ -1,9 +1,10 @@
 """The connector's scheduler half, in the EngineCore process.
 
 Prefill (producer): a request with ``do_remote_decode`` gets a SaveOrder in the step
-that completes its prompt; the worker puts the blocks before that step's output exists,
-so ``request_finished`` can return the handle with the first token and let vLLM free
-the blocks at once (no delayed free).
+that completes its prompt; the worker puts the blocks in the background, so the step's
+output, the first token, does not wait for the copy. ``request_finished`` returns the
+handle with that token and asks vLLM to keep the blocks (delayed free) until the worker
+reports the put done; the next step's orders tell the worker the request has finished.
 
 Decode (consumer): a request whose ``kv_transfer_params`` carry our handle reports the
 transferred prompt tokens beyond its local prefix-cache hit as computed externally and
@@ -118,12 +119,13 @@ class TransferScheduler:
         saved = self._saved.pop(request_id, None)
         if saved is None:
             return False, None
+        # The worker's put may still be reading the blocks, whatever became of the request.
+        self._orders.finished_saves.append(request_id)
         if request.status not in _HANDED_OFF:
             # Aborted, or stopped at its first token (EOS): there is nothing to decode.
             self._release(saved.transfer_id)
-            return False, None
-        # The worker put the blocks in the step that computed them; free them now.
-        return False, self._handle(saved).to_params()
+            return True, None
+        return True, self._handle(saved).to_params()
 
     # ---- producer -----------------------------------------------------------------
 

@@ -1,10 +1,14 @@
 """The connector's worker half, in each vLLM worker rank (one process per TP rank).
 
 Save (prefill): in ``wait_for_save``, after the forward pass that wrote the prompt's
-KV, each rank puts its own shard of the request's blocks, one object holding every
-layer, and registers it with the directory (naming the decode engine, if the router
-chose one) without waiting for the answer: the step, and with it the first token, pays
-for the copy only.
+KV, each rank hands the request's blocks to its saver thread, which puts its own shard
+(one object holding every layer) and registers it with the directory (naming the
+decode engine, if the router chose one) without waiting for the answer. The step, and
+with it the first token, pays for neither. vLLM keeps the blocks until the put is
+reported done (``finished_sending``), which happens once the scheduler has finished the
+request too; and before any forward pass, a put whose request the scheduler has not
+finished is waited for, since only a finished request's blocks are sure to stay put
+(a running one could be preempted and its blocks handed to another request).
 
 Load (decode): ``start_load_kv`` hands each LoadOrder to a thread that takes the part
 pushed to this rank (``PushedParts``; already fetched) or else claims it from the
@@ -20,7 +24,7 @@ import logging
 import queue
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +68,10 @@ class TransferWorker:
         self._directory: Any = None
         self._pushed: PushedParts | None = None
         self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-load")
+        # One thread: puts run in the order their steps ordered them.
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
+        self._saves: dict[str, Future[None]] = {}  # request id -> its put, until reported
+        self._finished_saves: set[str] = set()  # of those, requests vLLM has finished
         self._finished_loads: queue.SimpleQueue[_LoadResult] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
 
@@ -81,16 +89,39 @@ class TransferWorker:
 
     def save(self, orders: Iterable[SaveOrder]) -> None:
         for order in orders:
-            try:
-                self._save(order)
-            except Exception:
-                # The decode side will find no part, report the load failed and recompute.
-                logger.exception("KV transfer %s: put failed", order.transfer_id)
+            self._saves[order.request_id] = self._saver.submit(self._save_logged, order)
+
+    def settle_saves(self, finished_request_ids: Iterable[str]) -> None:
+        """Before a forward pass: wait for puts whose blocks vLLM could hand out."""
+        self._finished_saves.update(finished_request_ids)
+        for request_id, put in self._saves.items():
+            if request_id not in self._finished_saves:
+                put.result()
+
+    def _save_logged(self, order: SaveOrder) -> None:
+        try:
+            self._save(order)
+        except Exception:
+            # The decode side will find no part, report the load failed and recompute.
+            logger.exception("KV transfer %s: put failed", order.transfer_id)
+
+    def _saves_done(self) -> set[str]:
+        """Finished requests whose put is over: vLLM may free their blocks now."""
+        done = {rid for rid in self._finished_saves if self._put_over(rid)}
+        for request_id in done:
+            self._saves.pop(request_id, None)
+        self._finished_saves -= done
+        return done
+
+    def _put_over(self, request_id: str) -> bool:
+        put = self._saves.get(request_id)
+        return put is None or put.done()  # None: no put here ever read its blocks
 
     def _save(self, order: SaveOrder) -> None:
         assert self._cache is not None
         started = time.perf_counter()
-        ref = ray.put(self._cache.pack(order.block_ids))  # copies the pages: they may be freed
+        # The only copy: vLLM keeps the pages until we report this put done.
+        ref = ray.put(self._cache.pack(order.block_ids))
         seconds = time.perf_counter() - started
         nbytes = len(order.block_ids) * self._cache.page_bytes * self._cache.num_layers
         # Not awaited: a claim that comes first waits for it (claim_wait_s). Ray keeps
@@ -122,7 +153,8 @@ class TransferWorker:
                 self._loader.submit(self._load_and_report, order, None)
 
     def transfer_results(self) -> KVConnectorTransferResults:
-        """Loads finished since the last call; failed blocks go to ``take_load_errors``."""
+        """Puts and loads finished since the last call; failed loads' blocks go to
+        ``take_load_errors``."""
         finished: set[str] = set()
         while True:
             try:
@@ -131,7 +163,9 @@ class TransferWorker:
                 break
             finished.add(result.request_id)
             self._load_errors.update(result.failed_block_ids)
-        return KVConnectorTransferResults(finished_recving=finished)
+        return KVConnectorTransferResults(
+            finished_sending=self._saves_done(), finished_recving=finished
+        )
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -141,6 +175,7 @@ class TransferWorker:
         if self._pushed is not None:
             self._pushed.stop()
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._saver.shutdown(wait=False, cancel_futures=True)
 
     def _load_and_report(self, order: LoadOrder, arrived: FetchedPart | None) -> None:
         failed: tuple[int, ...] = ()

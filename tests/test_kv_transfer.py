@@ -280,6 +280,28 @@ class TestOneRankEachSide:
             "get_bytes": 3 * BYTES_PER_BLOCK,
         }
 
+    def test_prefill_that_keeps_decoding_hands_over_its_prompt(
+        self, prefill: Any, decode: Any, directory: Any
+    ) -> None:
+        """Not the router's way (it asks for one token), but a client may ask for more.
+
+        The request is still running when its put starts, so its blocks are not yet
+        held for the put: the next step waits for the put before its forward pass.
+        """
+        prompt = _prompt(450)
+        expected = _single_engine_tokens(prefill, prompt)
+        params = _greedy(4, remote_decode_params(_consumer(decode)))
+        output = _generate(prefill, prompt, params)
+        assert list(output.outputs[0].token_ids) == expected[:4]
+        before = _counters(directory)
+        handle = output.kv_transfer_params
+        assert _decode_step(decode, prompt, expected[0], handle) == expected
+        assert _delta(before, _counters(directory)) == {
+            "loaded": 1,
+            "pushed": 1,
+            "get_bytes": 4 * BYTES_PER_BLOCK,
+        }
+
     def test_concurrent_transfers(self, prefill: Any, decode: Any, directory: Any) -> None:
         """Several prompts prefilled in one batch, then loaded and decoded in one batch."""
         prompts = [_prompt(length) for length in (33, 257, 511, 900, 1200)]
