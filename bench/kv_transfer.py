@@ -33,7 +33,7 @@ kv_transfer.example_disk, against ours.
 
 Parts (b) and (c) again with ``--model llama-3.2-1b-kv``: a tiny Llama with
 Llama-3.2-1B's KV shape, where a request's KV weighs what it would on the study's model
-(64 MiB for 1,024 tokens), not 1.5 MiB. ``--rounds N`` measures the cases in turn N
+(62.5 MiB for 1,000 tokens), not 1.5 MiB. ``--rounds N`` measures the cases in turn N
 times; part (c)'s verdict takes the median of the per-round ratios.
 
     python bench/kv_transfer.py [--part a|b|c|all] [--out results/kv_transfer.json]
@@ -311,6 +311,8 @@ def add_e2e_args(parser: argparse.ArgumentParser) -> None:
 def run_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
     """Parts (b) and/or (c), ``--rounds`` times over; ``pd`` is measured once a round."""
     check_example_config()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
     if "pd-example" in CASES_OF_PART[args.part] and args.prompt_tokens % args.block_size == 0:
         # ExampleConnector looks a decode request's KV up under its prompt (the prefill's
         # prompt and first token) less one token, rounded down to whole blocks, and loads
