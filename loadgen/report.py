@@ -166,6 +166,7 @@ def run_document(result: RunResult) -> dict[str, Any]:
     return {
         "run_id": result.run_id,
         "started_at": result.started_at,
+        "clock_origin_s": result.clock_origin_s,
         "mode": result.mode,
         "model": result.model,
         "max_model_len": result.max_model_len,

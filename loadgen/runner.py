@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -82,6 +83,9 @@ class RunResult:
     qps_label: str
     arrivals: str
     started_at: str
+    # ``time.perf_counter()`` at the run's time zero, which every request's ``*_s`` counts
+    # from: lines our requests up with another client's on the same host.
+    clock_origin_s: float
     summary: RunSummary
     server: ServerView
     requests: list[RequestMetrics]
@@ -218,6 +222,7 @@ class Run:
             temperature=config.temperature, return_token_ids=config.return_token_ids
         )
         self.notes: list[str] = []
+        self.clock_origin = math.nan
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -250,6 +255,7 @@ class Run:
             else format_qps(config.qps),
             arrivals=type(prepared.arrivals).__name__,
             started_at=started_at,
+            clock_origin_s=self.clock_origin,
             summary=summarize_run(metrics, run_duration(metrics), self._service_level()),
             server=server,
             requests=warmup_metrics + metrics,
@@ -399,7 +405,7 @@ class Run:
                 live.request_done(metrics, progress.in_flight)
 
         dispatcher = Dispatcher(self.client, self.config.max_concurrency, on_sent, on_done)
-        run_start = time.perf_counter() + START_LEAD_S
+        run_start = self.clock_origin = time.perf_counter() + START_LEAD_S
         with progress:
             ticker = asyncio.create_task(_tick(progress, live))
             try:
