@@ -8,7 +8,7 @@ same seconds (on one core its ITL drifts between 3.4 and 8 ms within a run). Mos
 requests meet an idle engine: TTFT and ITL on a busy one are another mode of the
 distribution, and medians taken across two modes move with the share of each. With
 one request in flight per client, no client's requests queue behind its own.
-Medians must agree within 10%.
+Medians must agree within 10% (see below for which medians).
 
 The server and the clients run on separate cores, as if the clients were on another
 machine: every process of the cluster on all cores but the last, the clients on that
@@ -26,6 +26,17 @@ different seconds of the drifting engine: 13% apart. Back-to-back requests locke
 two clients into one phase: TTFT 22% apart. At 2 req/s with one request in flight,
 half the requests met a busy engine: TTFT 11% apart. vLLM's client asks for token ids
 in each chunk, as ours does; without that its TTFT and ITL came out 5-14% above ours.
+
+Each client's requests are compared with the other client's over the same seconds, not
+median against median over each whole run: the engine drifts (the clients' requests in
+one 20 s window had ITL 3.4 ms, in the next 4.5-5.1 ms, seen here), the two seeded
+schedules take different times (ours ends ~22 s after vLLM's), and within a window one
+client may send 4 requests where the other sends 22; whole-run medians then weigh the
+drift differently for each client. They came out 11.8% apart (ITL) in one CI run on a
+machine at half this one's speed, and 1-3% apart in runs here. Time-local ratios
+(each request against the median of the other client's requests sent within 5 s of
+it, both ways) ignore drift slower than that; here they came out within 3%, also with
+a CPU hog switched on and off at random on the server's core.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -59,6 +71,8 @@ RATE = 0.75  # per client; a request takes ~0.2 s, so most meet an idle engine
 REQUESTS = 150  # per client: each median within ~2.5% (bootstrap), compared within 10%
 WARMUPS = 2  # of ours, before vLLM's client starts; its own would run alone
 TOLERANCE = 0.10
+SAME_SECONDS_S = 5.0  # the other client's requests sent this close count as the same seconds
+MIN_NEIGHBOURS = 3  # a request with fewer of them (the start, ours' tail) is not compared
 VLLM_TIMEOUT_S = 300.0  # its imports, then its requests
 # Our client asks for token ids in every chunk; vLLM's does too (see the docstring).
 SAME_RESPONSE_AS_OURS = {"return_token_ids": True}
@@ -190,14 +204,45 @@ def test_counts_and_latencies_agree_with_vllm_client(
     assert theirs["completed"] == REQUESTS and theirs["failed"] == 0
 
     measured = [m for m in run.requests if not m.warmup]
-    our_ttft = statistics.median(m.ttft_s for m in measured)
-    our_itl = statistics.median(gap for m in measured for gap in m.itl_s)
-    their_ttft = statistics.median(theirs["ttfts"])
-    their_itl = statistics.median(gap for gaps in theirs["itls"] for gap in gaps)
+    our_sent = [run.clock_origin_s + m.sent_s for m in measured]
+    their_sent: list[float] = theirs["start_times"]  # perf_counter, as ours
+    ttft = time_local_ratio((our_sent, [m.ttft_s for m in measured]), (their_sent, theirs["ttfts"]))
+    itl = time_local_ratio(
+        (our_sent, [statistics.median(m.itl_s) for m in measured]),
+        (their_sent, [statistics.median(gaps) for gaps in theirs["itls"]]),
+    )
     report = (
-        f"TTFT p50 ours {our_ttft * 1000:.2f} ms vs vLLM {their_ttft * 1000:.2f} ms;"
-        f" ITL p50 ours {our_itl * 1000:.3f} ms vs vLLM {their_itl * 1000:.3f} ms"
+        f"ours/vLLM over the same seconds: TTFT {ttft:.3f}, ITL {itl:.3f}; whole-run p50s:"
+        f" TTFT ours {statistics.median(m.ttft_s for m in measured) * 1000:.2f} ms vs vLLM"
+        f" {statistics.median(theirs['ttfts']) * 1000:.2f} ms, ITL ours"
+        f" {statistics.median(g for m in measured for g in m.itl_s) * 1000:.3f} ms vs vLLM"
+        f" {statistics.median(g for gaps in theirs['itls'] for g in gaps) * 1000:.3f} ms"
     )
     print(report)
-    assert our_ttft == pytest.approx(their_ttft, rel=TOLERANCE), report
-    assert our_itl == pytest.approx(their_itl, rel=TOLERANCE), report
+    assert ttft == pytest.approx(1.0, rel=TOLERANCE), report
+    assert itl == pytest.approx(1.0, rel=TOLERANCE), report
+
+
+Timed = tuple[list[float], list[float]]  # send times (perf_counter s) and one value each
+
+
+def time_local_ratio(ours: Timed, theirs: Timed) -> float:
+    """Ours over theirs, each request against the other client's sent in the same seconds.
+
+    The median log-ratio of our requests to their neighbours' median, and of theirs to
+    ours, averaged (a geometric mean), so neither client is the fixed reference.
+    """
+    ours_vs_theirs = _log_ratios_to_neighbours(ours, theirs)
+    theirs_vs_ours = _log_ratios_to_neighbours(theirs, ours)
+    for ratios in (ours_vs_theirs, theirs_vs_ours):
+        assert len(ratios) >= REQUESTS // 2, "the two clients barely ran at the same time"
+    return math.exp((statistics.median(ours_vs_theirs) - statistics.median(theirs_vs_ours)) / 2)
+
+
+def _log_ratios_to_neighbours(requests: Timed, others: Timed) -> list[float]:
+    ratios = []
+    for sent, value in zip(*requests, strict=True):
+        near = [v for t, v in zip(*others, strict=True) if abs(t - sent) <= SAME_SECONDS_S]
+        if len(near) >= MIN_NEIGHBOURS:
+            ratios.append(math.log(value / statistics.median(near)))
+    return ratios
