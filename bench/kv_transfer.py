@@ -643,19 +643,27 @@ def print_verdicts(parts: dict[str, Any]) -> None:
 
 def print_part_b(key: str, part: dict[str, Any]) -> None:
     for number, b in enumerate(part["rounds"], 1):
-        share = b["transfer_share_of_ttft"]
-        verdict = "meets" if b["meets_target"] else "misses"
         console.print(
             f"({key}, round {number}) PD/single: TTFT p50 {b['ttft_p50_pd_over_single']:.2f}x, "
-            f"ITL p50 {b['itl_p50_pd_over_single']:.2f}x; transfer (put+get) = "
-            f"{share:.1%} of PD's mean TTFT, {verdict} the {TARGET_SHARE:.0%} target; put "
-            f"alone: {b['pd']['transfer']['put_share_of_ttft']:.1%}; "
-            f"loads by path {b['pd']['transfer']['loads']}"
+            f"ITL p50 {b['itl_p50_pd_over_single']:.2f}x; {_transfer_share_text(b)}"
         )
         one_core = b.get("single-1core")
         if one_core:
             ratio = b["pd"]["ttft"]["p50_ms"] / one_core["ttft"]["p50_ms"]
             console.print(f"    PD / single on one core: TTFT p50 {ratio:.2f}x")
+
+
+def _transfer_share_text(b: dict[str, Any]) -> str:
+    share = b["transfer_share_of_ttft"]
+    if share is None:  # every prefill ran on the decode replica: nothing moved
+        return f"no KV transfer measured, misses the {TARGET_SHARE:.0%} target"
+    verdict = "meets" if b["meets_target"] else "misses"
+    transfer = b["pd"]["transfer"]
+    return (
+        f"transfer (put+get) = {share:.1%} of PD's mean TTFT, {verdict} the "
+        f"{TARGET_SHARE:.0%} target; put alone: {transfer['put_share_of_ttft']:.1%}; "
+        f"loads by path {transfer['loads']}"
+    )
 
 
 def print_part_c(key: str, part: dict[str, Any]) -> None:
