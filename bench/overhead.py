@@ -83,7 +83,13 @@ def _cpu_seconds() -> dict[str, float]:
     return totals
 
 
-def run_client(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_client(
+    base_url: str,
+    request_rate: float,
+    num_prompts: int,
+    input_len: int = 512,
+    output_len: int = 64,
+) -> dict[str, Any]:
     """vLLM's benchmark client, in-process; percentiles over every request's samples."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -94,9 +100,9 @@ def run_client(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
         [
             "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--model", EMBEDDED_MODEL_NAME, "--tokenizer", str(embedded_model_path()),
-            "--dataset-name", "random", "--random-input-len", "512",
-            "--random-output-len", "64", "--ignore-eos",
-            "--request-rate", str(args.request_rate), "--num-prompts", str(args.num_prompts),
+            "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--ignore-eos",
+            "--request-rate", str(request_rate), "--num-prompts", str(num_prompts),
             "--seed", "0", "--disable-tqdm", "--save-detailed",
         ]
     )  # fmt: skip
@@ -112,6 +118,7 @@ def run_client(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_p50_ms": float(np.percentile(ttfts, 50)),
         "ttft_p99_ms": float(np.percentile(ttfts, 99)),
         "itl_p50_ms": float(np.percentile(itls, 50)),
+        "itl_mean_ms": float(np.mean(itls)),
         "itl_p99_ms": float(np.percentile(itls, 99)),
         # Share of one core per process role while the client ran (client start included).
         "cpu_share": {
@@ -122,24 +129,27 @@ def run_client(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def bare_vllm() -> Iterator[str]:
+def bare_vllm(
+    port: int = PORT_BARE, env: dict[str, str] | None = None, name: str = "bare-vllm"
+) -> Iterator[str]:
+    """One bare vLLM OpenAI server; ``env`` adds to its environment (a core binding)."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(embedded_model_path()), "--served-model-name", EMBEDDED_MODEL_NAME,
-        "--port", str(PORT_BARE), "--enforce-eager", "--max-model-len", "4096",
+        "--port", str(port), "--enforce-eager", "--max-model-len", "4096",
         "--dtype", DTYPE,
     ]  # fmt: skip
     # At the niceness of Ray's workers, like the serving processes of (b) and (c).
-    with _background(command, "bare-vllm", niceness=RAY_WORKER_NICENESS) as process:
-        base_url = f"http://127.0.0.1:{PORT_BARE}"
-        _wait_health(process, f"{base_url}/health")
+    with background(command, name, niceness=RAY_WORKER_NICENESS, env=env) as process:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_health(process, f"{base_url}/health")
         yield base_url
 
 
 @contextlib.contextmanager
 def ray_serve_llm() -> Iterator[str]:
-    with _background([sys.executable, __file__, "--serve-ray-llm"], "ray-serve-llm") as process:
-        _wait_health(process, "http://127.0.0.1:8000/v1/models")
+    with background([sys.executable, __file__, "--serve-ray-llm"], "ray-serve-llm") as process:
+        wait_health(process, "http://127.0.0.1:8000/v1/models")
         yield "http://127.0.0.1:8000"
 
 
@@ -173,11 +183,12 @@ def _prepare_child(niceness: int) -> None:
 
 
 @contextlib.contextmanager
-def _background(
-    command: list[str], name: str, niceness: int = 0
+def background(
+    command: list[str], name: str, niceness: int = 0, env: dict[str, str] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process for the length of a block, stopped with SIGINT, its engines checked."""
     log = Path(tempfile.gettempdir()) / f"splitserve-bench-{name}.log"
-    env = dict(os.environ, **ENGINE_ENV)
+    env = dict(os.environ, **ENGINE_ENV, **(env or {}))
     with log.open("w") as sink:
         process = subprocess.Popen(
             command,
@@ -204,7 +215,7 @@ def _background(
                 os.kill(pid, signal.SIGKILL)
 
 
-def _wait_health(process: subprocess.Popen[bytes], url: str, timeout_s: float = 600) -> None:
+def wait_health(process: subprocess.Popen[bytes], url: str, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -219,32 +230,33 @@ def _wait_health(process: subprocess.Popen[bytes], url: str, timeout_s: float = 
 
 CASES = {
     "a": ("bare vLLM OpenAI server", bare_vllm),
-    "b": ("splitserve single.yaml (python -m deployments.serve)", lambda: _serve_run_url()),
+    "b": ("splitserve single.yaml (python -m deployments.serve)", lambda: serve_run_url()),
     "c": ("ray.serve.llm build_openai_app", ray_serve_llm),
     "d": (
         "splitserve single.yaml, plain serve run (Serve's proxy)",
-        lambda: _serve_run_url(direct_ingress=False),
+        lambda: serve_run_url(direct_ingress=False),
     ),
-    "e": ("(b) with the engine in its own replica", lambda: _engine_apart_url()),
+    "e": ("(b) with the engine in its own replica", lambda: engines_apart_url()),
 }
 SINGLE_YAML = REPO_ROOT / "deployments" / "single.yaml"
 
 
 @contextlib.contextmanager
-def _serve_run_url(path: Path = SINGLE_YAML, direct_ingress: bool = True) -> Iterator[str]:
+def serve_run_url(path: Path = SINGLE_YAML, direct_ingress: bool = True) -> Iterator[str]:
     with serve_run(str(path), direct_ingress=direct_ingress) as app:
         yield app.base_url
 
 
 @contextlib.contextmanager
-def _engine_apart_url() -> Iterator[str]:
-    config = yaml.safe_load(SINGLE_YAML.read_text())
+def engines_apart_url(path: Path = SINGLE_YAML) -> Iterator[str]:
+    """The YAML with every engine in a Serve replica of its own, reached through Ray."""
+    config = yaml.safe_load(path.read_text())
     args = config["applications"][0]["args"]
     args.setdefault("router", {})["engine_in_router"] = False
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "single-engine-apart.yaml"
+        path = Path(folder) / f"{path.stem}-engines-apart.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        with _serve_run_url(path) as url:
+        with serve_run_url(path) as url:
             yield url
 
 
@@ -290,7 +302,7 @@ def main() -> None:
         title, server = CASES[key]
         console.print(f"[bold]({key}) {title}[/]: starting")
         with server() as base_url, niced_like_ray_workers():
-            results[key] = run_client(base_url, args)
+            results[key] = run_client(base_url, args.request_rate, args.num_prompts)
         console.print(f"({key}) done: {results[key]}")
     print_table(results)
     for key, row in results.items():

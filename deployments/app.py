@@ -2,9 +2,10 @@
 
 ``serve run deployments/dp.yaml`` calls ``build_app`` with the YAML's ``args``: one
 Serve deployment per engine replica (so the router, not Serve, picks the replica and
-each replica keeps its own queue), and the router ingress bound to their handles. An
-application with one engine (single, tp, pp) hosts it in the router's own process
-instead (``router.engine_in_router``), as vLLM's own API server does.
+each replica keeps its own queue), and the router ingress bound to their handles; or,
+by default (``router.engine_in_router``), every engine in the router's own process, as
+vLLM's API server holds its data-parallel engines: one front end, each engine core in
+processes of its own, tokens over vLLM's ZMQ sockets instead of Ray.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ray.serve import Application
 
 from deployments.config import AppConfig, PoolConfig, parse_app_config
 from deployments.engine import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica, EngineSpec
+from deployments.launcher import ENGINE_NAME_ENV
 from deployments.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from kv_transfer.settings import kv_transfer_config
 from router.ingress import Router
@@ -43,9 +45,13 @@ def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig]]:
     return names
 
 
-def engine_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[str, str]:
-    """Environment of one engine replica's process, inherited by vLLM's engine processes."""
-    env = {**SERVE_REPLICA_ENV, "VLLM_LOGGING_LEVEL": "WARNING", ORPHAN_GUARD_ENV: "1"}
+# Environment of every process that hosts engines, inherited by vLLM's processes.
+ENGINE_HOST_ENV = {**SERVE_REPLICA_ENV, "VLLM_LOGGING_LEVEL": "WARNING", ORPHAN_GUARD_ENV: "1"}
+
+
+def engine_process_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[str, str]:
+    """What one engine's own processes need in their environment: cores and KV size."""
+    env: dict[str, str] = {}
     if config.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(pool.kv_cache_gib)
         if pool.cpu_binds is not None:
@@ -53,7 +59,13 @@ def engine_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[
     return env
 
 
-def engine_spec(config: AppConfig, name: str, pool: PoolConfig) -> EngineSpec:
+def engine_spec(
+    config: AppConfig,
+    name: str,
+    pool: PoolConfig,
+    replica_index: int,
+    device_offset: int | None = None,
+) -> EngineSpec:
     return EngineSpec(
         name=name,
         role=pool.role,
@@ -61,26 +73,26 @@ def engine_spec(config: AppConfig, name: str, pool: PoolConfig) -> EngineSpec:
         pool=pool,
         accelerator=config.accelerator,
         kv_transfer=_kv_transfer_config(config, pool),
+        process_env={ENGINE_NAME_ENV: name, **engine_process_env(config, pool, replica_index)},
+        device_offset=device_offset,
     )
 
 
-def engine_actor_options(
-    config: AppConfig, pool: PoolConfig, replica_index: int, num_cpus: float
-) -> dict[str, Any]:
-    """Ray options of the process that hosts one engine: its environment and devices."""
+def engine_actor_options(config: AppConfig, num_cpus: float, num_gpus: int) -> dict[str, Any]:
+    """Ray options of a process that hosts engines: its environment and devices."""
     actor_options: dict[str, Any] = {
         "num_cpus": num_cpus,
-        "runtime_env": {"env_vars": engine_env(config, pool, replica_index)},
+        "runtime_env": {"env_vars": ENGINE_HOST_ENV},
     }
     if config.accelerator == "gpu":
-        actor_options["num_gpus"] = pool.ranks_per_replica
+        actor_options["num_gpus"] = num_gpus
     return actor_options
 
 
 def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
-    spec = engine_spec(config, name, pool)
+    spec = engine_spec(config, name, pool, replica_index)
     actor_options = engine_actor_options(
-        config, pool, replica_index, config.resources.engine_num_cpus
+        config, config.resources.engine_num_cpus, pool.ranks_per_replica
     )
     return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
         spec.model_dump()
@@ -94,15 +106,23 @@ def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] |
     return kv_transfer_config(roles[pool.role], **config.kv_transfer.model_dump())
 
 
-def build_app_from_config(config: AppConfig) -> Application:
-    if config.hosts_engine_in_router:
-        return _router_hosting_engine(config)
-    engines: dict[str, Application] = {}
-    roles: dict[str, str] = {}
+def engines_with_index(config: AppConfig) -> list[tuple[str, PoolConfig, int]]:
+    """Every engine replica with its index in its pool (which of the pool's cpu_binds)."""
+    found = []
     index_in_pool: dict[str, int] = {}
     for name, pool in engine_names(config):
         index = index_in_pool.get(pool.role, 0)
         index_in_pool[pool.role] = index + 1
+        found.append((name, pool, index))
+    return found
+
+
+def build_app_from_config(config: AppConfig) -> Application:
+    if config.hosts_engines_in_router:
+        return _router_hosting_engines(config)
+    engines: dict[str, Application] = {}
+    roles: dict[str, str] = {}
+    for name, pool, index in engines_with_index(config):
         engines[name] = build_engine(config, name, pool, index)
         roles[name] = pool.role
     router = Router.options(
@@ -114,19 +134,25 @@ def build_app_from_config(config: AppConfig) -> Application:
     return router.bind(config.model_dump(), roles, engines)
 
 
-def _router_hosting_engine(config: AppConfig) -> Application:
-    """One engine in the router's process: the router's replica takes the engine's
-    environment and resources, and its engine keeps the replica name it would have had."""
-    [(name, pool)] = engine_names(config)
+def _router_hosting_engines(config: AppConfig) -> Application:
+    """Every engine in the router's process: the router's replica takes the engines'
+    resources, and each engine keeps the replica name it would have had."""
     resources = config.resources
-    actor_options = engine_actor_options(
-        config, pool, 0, resources.router_num_cpus + resources.engine_num_cpus
-    )
+    specs: dict[str, dict[str, Any]] = {}
+    roles: dict[str, str] = {}
+    shared = config.engine_replicas > 1
+    devices = 0
+    for name, pool, index in engines_with_index(config):
+        offset = devices if shared else None
+        specs[name] = engine_spec(config, name, pool, index, offset).model_dump()
+        roles[name] = pool.role
+        devices += pool.ranks_per_replica
+    num_cpus = resources.router_num_cpus + config.engine_replicas * resources.engine_num_cpus
     router = Router.options(
-        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S, ray_actor_options=actor_options
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
+        ray_actor_options=engine_actor_options(config, num_cpus, devices),
     )
-    spec = engine_spec(config, name, pool)
-    return router.bind(config.model_dump(), {name: pool.role}, {}, {name: spec.model_dump()})
+    return router.bind(config.model_dump(), roles, {}, specs)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -114,10 +114,18 @@ class RouterConfig(StrictModel):
     stats_interval_s: float = Field(
         0.2, gt=0, description="How often the router polls every engine for its load."
     )
+    engine_restart_attempts: int = Field(
+        3,
+        ge=1,
+        description="An engine in the router's process that dies is restarted there; after"
+        " this many failed starts in a row the router fails its health check and Serve"
+        " restarts it.",
+    )
     engine_in_router: Literal["auto"] | bool = Field(
         "auto",
-        description="Host the engine in the router's own process: true, false, or auto (when"
-        " the application has exactly one engine replica: single, tp, pp).",
+        description="Host every engine in the router's own process, each engine core in"
+        " processes of its own (vLLM's data-parallel layout): true, false (one Serve"
+        " replica per engine, reached through Ray), or auto (true).",
     )
 
 
@@ -174,25 +182,15 @@ class AppConfig(StrictModel):
                 raise ValueError(f"strategy {self.strategy!r} needs {name} = {want}, got {got}")
         return self
 
-    @model_validator(mode="after")
-    def _engine_in_router_fits(self) -> AppConfig:
-        if self.router.engine_in_router is True and self.engine_replicas != 1:
-            raise ValueError(
-                "router.engine_in_router: true needs exactly one engine replica, but this"
-                f" application has {self.engine_replicas}; use false or auto"
-            )
-        return self
-
     @property
     def engine_replicas(self) -> int:
         return sum(pool.replicas for pool in self.pools)
 
     @property
-    def hosts_engine_in_router(self) -> bool:
-        """One engine and nothing to route between: the router's process runs it, which
-        saves every token a hop between processes (docs/DECISIONS.md)."""
-        wanted = self.router.engine_in_router
-        return self.engine_replicas == 1 if wanted == "auto" else wanted
+    def hosts_engines_in_router(self) -> bool:
+        """The router's process runs every engine's front end, which saves every token a
+        hop between processes through Ray (docs/DECISIONS.md)."""
+        return self.router.engine_in_router in ("auto", True)
 
     def _check_replica_choice_roles(self) -> AppConfig:
         choice = self.router.replica_choice

@@ -11,10 +11,11 @@ AsyncLLM ourselves instead of through ray.serve.llm's LLMServer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.engine")
 # vLLM's names for where a prompt token's KV came from (PromptTokenStats.ALL_SOURCES).
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# One subscriber's queue of (request id, delta); None ends its stream.
+Outbox = asyncio.Queue[tuple[str, Any] | None]
 # How often Serve asks whatever process hosts an engine whether that engine is alive.
 ENGINE_HEALTH_CHECK_PERIOD_S = 5
 
@@ -57,6 +60,12 @@ class EngineSpec(BaseModel):
     accelerator: str
     # vLLM's kv_transfer_config for PD roles (our object-store connector), else None.
     kv_transfer: dict[str, Any] | None = None
+    # Environment of this engine's own processes (its core binding, its KV cache size),
+    # set while they are spawned: several engines may share one host process.
+    process_env: dict[str, str] = {}
+    # GPU only, for engines that share a host process: the first of this engine's GPUs
+    # among the host's (ray.get_gpu_ids()); None when the engine has the host's GPUs alone.
+    device_offset: int | None = None
 
 
 class _LatestSchedulerStats:
@@ -172,18 +181,22 @@ class EngineHost:
         # joins this cluster itself, by the address it inherits from here.
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         self._latest = _LatestSchedulerStats()
-        self._outboxes: dict[str, asyncio.Queue[tuple[str, Any]]] = {}
+        self._outboxes: dict[str, Outbox] = {}
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
         started = time.perf_counter()
-        self._engine: AsyncLLM = AsyncLLM.from_engine_args(
-            build_engine_args(self._spec),
-            stat_loggers=[
-                _stat_logger_factory(self._latest),
-                replica_stat_logger(self._spec.name, self._spec.role),
-            ],
-        )
+        gpu_ids = self._gpu_ids()
+        with _environment(self._process_env(gpu_ids)):
+            self._engine: AsyncLLM = AsyncLLM.from_engine_args(
+                build_engine_args(self._spec),
+                stat_loggers=[
+                    _stat_logger_factory(self._latest),
+                    replica_stat_logger(self._spec.name, self._spec.role),
+                ],
+            )
         # After the engine: its processes exist now, and a failed start samples nothing.
-        self._sampler = start_replica_sampler(self._spec.name, self._spec.role)
+        # An engine that shares its host process samples its own engine core alone.
+        root_pid = os.getpid() if self._spec.device_offset is None else self._engine_core_pid()
+        self._sampler = start_replica_sampler(self._spec.name, self._spec.role, gpu_ids, root_pid)
         # vLLM refuses a priority other than 0 unless it schedules by priority.
         self._schedules_by_priority = self._engine.vllm_config.scheduler_config.policy == "priority"
         self._kv_consumer = consumer_id(self._engine.vllm_config)  # reported with every stats
@@ -193,6 +206,26 @@ class EngineHost:
             self._spec.role,
             time.perf_counter() - started,
         )
+
+    def _gpu_ids(self) -> list[int]:
+        if self._spec.accelerator != "gpu":
+            return []
+        host_ids = [int(i) for i in ray.get_gpu_ids()]
+        offset = self._spec.device_offset
+        if offset is None:
+            return host_ids
+        return host_ids[offset : offset + self._spec.pool.ranks_per_replica]
+
+    def _process_env(self, gpu_ids: list[int]) -> dict[str, str]:
+        env = dict(self._spec.process_env)
+        if self._spec.device_offset is not None and gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        return env
+
+    def _engine_core_pid(self) -> int:
+        manager = getattr(self._engine.engine_core.resources, "engine_manager", None)
+        processes = getattr(manager, "processes", None) or []
+        return processes[0].pid if processes else os.getpid()
 
     async def submit(self, request: GenerateRequest) -> None:
         """Start a request; its deltas go out on the subscriber's ``deltas`` stream."""
@@ -222,10 +255,14 @@ class EngineHost:
         outbox = self._outbox(subscriber)
         try:
             while True:
-                batch = [await outbox.get()]
+                items = [await outbox.get()]
                 while not outbox.empty():
-                    batch.append(outbox.get_nowait())
-                yield batch
+                    items.append(outbox.get_nowait())
+                batch = [item for item in items if item is not None]
+                if batch:
+                    yield batch
+                if len(batch) < len(items):
+                    return  # close_streams: this host is being replaced
         finally:
             # The router process is gone (or resubscribes): nobody will read these.
             for request_id, (owner, task) in list(self._running.items()):
@@ -234,10 +271,20 @@ class EngineHost:
                     logger.info("aborted %s: its router stopped listening", request_id)
             self._outboxes.pop(subscriber, None)
 
-    def _outbox(self, subscriber: str) -> asyncio.Queue[tuple[str, Any]]:
+    def close_streams(self) -> None:
+        """End every ``deltas`` stream (after what is queued), so subscribers move on."""
+        for outbox in self._outboxes.values():
+            outbox.put_nowait(None)
+
+    @property
+    def dead(self) -> bool:
+        """The engine failed for good (a process of it died); only a new host serves."""
+        return self._engine.errored
+
+    def _outbox(self, subscriber: str) -> Outbox:
         return self._outboxes.setdefault(subscriber, asyncio.Queue())
 
-    async def _run(self, request: GenerateRequest, outbox: asyncio.Queue[tuple[str, Any]]) -> None:
+    async def _run(self, request: GenerateRequest, outbox: Outbox) -> None:
         from vllm.inputs import TokensPrompt
 
         params = request.sampling_params
@@ -293,6 +340,25 @@ class EngineHost:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in os.environ while the engine's processes are spawned; restored after.
+
+    vLLM's engine processes read their core binding and KV size from the environment
+    they inherit; the front end reads vllm.envs lazily, so nothing keeps the values.
+    """
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @serve.deployment(max_ongoing_requests=4096, health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S)

@@ -29,6 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 ENGINE_PROCESS_MARKERS = ("VLLM::", "EngineCore")
 APP_NAME = "splitserve"  # the application name in every YAML under deployments/
+# Set in every engine process's environment to its replica's name (engine-0, prefill-0).
+ENGINE_NAME_ENV = "SPLITSERVE_ENGINE"
 DEFAULT_PORT = 8000
 # Serve's proxy moves this far above the port the router serves on (see cluster_env).
 PROXY_PORT_OFFSET = 1
@@ -128,6 +130,19 @@ def app_engine_pids(app_name: str = APP_NAME) -> set[int]:
     """Engine processes started by the Serve replicas of one application."""
     replica_prefix = f"ray::ServeReplica:{app_name}:"
     return _engines_below(lambda pid, cmdline: cmdline.startswith(replica_prefix))
+
+
+def replica_engine_pids(replica: str) -> set[int]:
+    """The processes of one engine replica (``prefill-0``), wherever it is hosted: each
+    carries its replica's name in its environment (ENGINE_NAME_ENV)."""
+    marker = f"{ENGINE_NAME_ENV}={replica}".encode()
+    found = set()
+    for pid, cmdline in _processes().items():
+        if _is_engine(cmdline):
+            with contextlib.suppress(OSError):
+                if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.add(pid)
+    return found
 
 
 def descendant_engine_pids(root: int) -> set[int]:

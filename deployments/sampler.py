@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -283,13 +282,13 @@ class UtilizationSampler:
             self._stop.wait(delay)
 
 
-def start_replica_sampler(replica: str, role: str) -> UtilizationSampler | None:
-    """Start sampling this replica's GPUs (or engine CPU); None if metrics are unavailable."""
-    import ray
-
+def start_replica_sampler(
+    replica: str, role: str, gpu_indices: Sequence[int], root_pid: int
+) -> UtilizationSampler | None:
+    """Start sampling one engine's GPUs, or the CPU of ``root_pid`` and the engine
+    processes below it; None if metrics are unavailable."""
     try:
-        gpu_indices = [int(i) for i in ray.get_gpu_ids()]
-        source = choose_source(gpu_indices, os.getpid())
+        source = choose_source(gpu_indices, root_pid)
         sampler = UtilizationSampler(source, RayMetricsSink(replica, role)).start()
     except Exception:  # metrics must never stop an engine from serving
         logger.warning("utilization sampler not started for %s", replica, exc_info=True)

@@ -75,28 +75,81 @@ class ServeEngineLink:
 
 
 class LocalEngineLink:
-    """An engine host in this process: the same calls, without Ray in between."""
+    """An engine host in this process: the same calls, without Ray in between.
 
-    def __init__(self, host: EngineHost) -> None:
-        self._host = host
+    It also does what Serve does for an engine replica: an engine that dies is replaced
+    by a new host, started on a worker thread so the router keeps serving the other
+    engines meanwhile. Until then, calls fail as a dead replica's would.
+    """
+
+    def __init__(
+        self, name: str, start_host: Callable[[], EngineHost], restart_attempts: int
+    ) -> None:
+        self._name = name
+        self._start_host = start_host
+        self._restart_attempts = restart_attempts
+        self._host: EngineHost | None = start_host()
+        self._restarting: asyncio.Task[None] | None = None
+        self._failed_restarts = 0
         self._aborts: set[asyncio.Task[None]] = set()
 
+    @property
+    def host(self) -> EngineHost | None:
+        return self._host
+
+    @property
+    def gave_up(self) -> bool:
+        """Its engine could not be restarted in this process: the process must go."""
+        return self._failed_restarts >= self._restart_attempts
+
     async def submit(self, request: GenerateRequest) -> None:
-        await self._host.submit(request)
+        await self._live_host().submit(request)
 
     def abort(self, request_id: str) -> None:
+        if self._host is None:
+            return  # the host is gone, and its requests with it
         task = asyncio.get_running_loop().create_task(self._host.abort(request_id))
         self._aborts.add(task)  # the loop keeps only a weak reference to a task
         task.add_done_callback(self._aborts.discard)
 
     def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
-        return self._host.deltas(subscriber)
+        return self._live_host().deltas(subscriber)
 
     async def stats(self) -> EngineStats:
-        return self._host.stats()
+        return self._live_host().stats()
 
     async def check_health(self) -> None:
-        await self._host.check_health()
+        await self._live_host().check_health()
+
+    def shutdown(self) -> None:
+        if self._restarting is not None:
+            self._restarting.cancel()
+        if self._host is not None:
+            self._host.shutdown()
+
+    def _live_host(self) -> EngineHost:
+        """The host, if its engine lives; else start replacing it and fail the call."""
+        host = self._host
+        if host is not None and not host.dead:
+            return host
+        if self._restarting is None and not self.gave_up:
+            self._restarting = asyncio.get_running_loop().create_task(self._restart())
+        raise EngineFailed(f"the engine of {self._name} died; a new one is starting")
+
+    async def _restart(self) -> None:
+        dead, self._host = self._host, None
+        try:
+            if dead is not None:
+                logger.warning("engine %s died; starting a new one", self._name)
+                dead.close_streams()  # subscribers resubscribe, to the new host
+                await asyncio.to_thread(dead.shutdown)
+            self._host = await asyncio.to_thread(self._start_host)
+            self._failed_restarts = 0
+        except Exception:
+            self._failed_restarts += 1
+            logger.exception("engine %s did not start again", self._name)
+        finally:
+            self._restarting = None
 
 
 class EngineClient:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -30,7 +31,13 @@ from deployments.model_source import resolve_model
 from deployments.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVTransferCollector, release_handle, shutdown_kv_directory
 from router.dispatch import Dispatch, Dispatcher, Plan
-from router.engine_client import EngineClient, EngineLink, LocalEngineLink, ServeEngineLink
+from router.engine_client import (
+    EngineClient,
+    EngineFailed,
+    EngineLink,
+    LocalEngineLink,
+    ServeEngineLink,
+)
 from router.engine_state import EngineStatePoller
 from router.errors import OpenAIError, bad_request
 from router.metrics import RouterMetrics
@@ -79,14 +86,16 @@ class Router:
         self._prompts = PromptBuilder(tokenizer, self._config.model.max_model_len, vocab_size)
         submit_timeout_s = self._config.router.submit_timeout_s
         qos = self._config.qos
-        self._local_engines = [EngineHost(spec) for spec in (local_engines or {}).values()]
+        # One after another: each engine's processes inherit its environment at spawn.
+        restarts = self._config.router.engine_restart_attempts
+        self._local_engines = [
+            LocalEngineLink(name, functools.partial(EngineHost, spec), restarts)
+            for name, spec in (local_engines or {}).items()
+        ]
         links: dict[str, EngineLink] = {
             name: ServeEngineLink(handle) for name, handle in engines.items()
         }
-        links.update(
-            (name, LocalEngineLink(host))
-            for name, host in zip(local_engines or {}, self._local_engines, strict=True)
-        )
+        links.update(zip(local_engines or {}, self._local_engines, strict=True))
         self._replicas = [
             EngineClient(
                 name,
@@ -326,14 +335,18 @@ class Router:
             )
 
     async def check_health(self) -> None:
-        # Serve restarts this replica when this raises; an engine in this process that
-        # died takes its router with it, as an engine replica's health check would.
-        for host in self._local_engines:
-            await host.check_health()
+        # Serve restarts this replica when this raises. An engine in this process that
+        # dies is restarted here (LocalEngineLink) while the others serve; only one that
+        # will not start again takes its router, and so every engine, with it.
+        for link in self._local_engines:
+            with contextlib.suppress(EngineFailed):
+                await link.check_health()  # a dead engine starts its own replacement
+            if link.gave_up:
+                raise RuntimeError("an engine of this router could not be restarted")
 
     def __del__(self) -> None:
-        for host in getattr(self, "_local_engines", ()):
-            host.shutdown()
+        for link in getattr(self, "_local_engines", ()):
+            link.shutdown()
         # The KV directory is a detached actor: it goes with the application.
         if getattr(self, "_kv_namespace", None) is not None:
             with contextlib.suppress(Exception):

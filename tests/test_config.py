@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.app import engine_env, engine_names
+from deployments.app import engine_names, engine_process_env
 from deployments.config import AppConfig, ConfigError, load_app_config, parse_app_config
 
 DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
@@ -24,7 +24,9 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
     config = load_app_config(DEPLOYMENTS / "dp.yaml")
     names = [name for name, _ in engine_names(config)]
     assert names == ["engine-0", "engine-1"]
-    binds = [engine_env(config, config.pools[0], i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)]
+    binds = [
+        engine_process_env(config, config.pools[0], i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)
+    ]
     assert binds == ["0", "1"]
 
 
@@ -115,10 +117,6 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
             {"strategy": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
             "qos.ttft_slo_s: Input should be greater than 0",
         ),
-        (
-            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"engine_in_router": True}},
-            "engine_in_router: true needs exactly one engine replica, but this application has 2",
-        ),
     ],
 )
 def test_bad_config_names_the_field(args: dict, message: str) -> None:
@@ -147,15 +145,17 @@ def test_pd_always_is_pd_without_the_policies() -> None:
         ("single", "auto", True),
         ("tp", "auto", True),
         ("pp", "auto", True),
-        ("dp", "auto", False),
-        ("pd", "auto", False),
+        ("dp", "auto", True),
+        ("pd", "auto", True),
+        ("dp", False, False),
+        ("pd", False, False),
         ("single", False, False),
-        ("single", True, True),
+        ("dp", True, True),
     ],
 )
-def test_a_lone_engine_is_hosted_by_the_router(
+def test_the_router_hosts_engines_unless_told_not_to(
     name: str, setting: str | bool, in_router: bool
 ) -> None:
     args = load_app_config(DEPLOYMENTS / f"{name}.yaml").model_dump()
     args["router"]["engine_in_router"] = setting
-    assert parse_app_config(args).hosts_engine_in_router is in_router
+    assert parse_app_config(args).hosts_engines_in_router is in_router

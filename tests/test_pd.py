@@ -8,6 +8,7 @@ store nor the engines hold anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -21,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.launcher import RunningApp, serve_run
+from deployments.launcher import RunningApp, replica_engine_pids, serve_run
 
 pytestmark = pytest.mark.serving
 
@@ -182,6 +183,8 @@ def test_requests_complete_when_the_prefill_replica_dies(pd_app: RunningApp) -> 
         results.append(len(token_ids))
 
     threads = [threading.Thread(target=one, args=(PROMPTS[i % 12],)) for i in range(16)]
+    decode_pids = replica_engine_pids("decode-0")
+    dead = replica_engine_pids("prefill-0")
     for thread in threads[:8]:
         thread.start()
     _kill_replica("prefill-0")
@@ -192,16 +195,27 @@ def test_requests_complete_when_the_prefill_replica_dies(pd_app: RunningApp) -> 
         thread.join(timeout=180)
     assert results == [MAX_TOKENS] * 16
     assert _metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="local") >= 1
+    # The router replaced the prefill engine alone: the decode engine never stopped.
+    deadline = time.monotonic() + 180
+    while not (replica_engine_pids("prefill-0") - dead):
+        assert time.monotonic() < deadline, "no new prefill engine"
+        time.sleep(1)
+    assert replica_engine_pids("decode-0") == decode_pids
+    _wait_healthy(pd_app.base_url)
+
+
+def _wait_healthy(base_url: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{base_url}/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the application did not become healthy again"
+        time.sleep(1)
 
 
 def _kill_replica(name: str) -> None:
-    marker = f"ray::ServeReplica:splitserve:{name}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "cmdline").read_bytes().startswith(marker):
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    return
-            except OSError:
-                continue
-    pytest.fail(f"no replica process for {name}")
+    """Kill one engine's processes; the router hosts it, and must restart it alone."""
+    pids = replica_engine_pids(name)
+    if not pids:
+        pytest.fail(f"no engine process for {name}")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

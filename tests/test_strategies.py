@@ -140,7 +140,7 @@ def test_chat_stream(app: RunningApp, client: openai.OpenAI, name: str) -> None:
 
 
 def test_engines_run_where_the_strategy_puts_them(app: RunningApp) -> None:
-    """One engine (single, tp, pp) runs in the router's process; DP's in their replicas."""
+    """Every engine's front end runs in the router's process, DP's two as well."""
     owners = set()
     for pid in app_engine_pids():
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -149,8 +149,7 @@ def test_engines_run_where_the_strategy_puts_them(app: RunningApp) -> None:
                 if found:
                     owners.add(found.group(1))
                     break
-    expected = {"engine-0", "engine-1"} if app.config_path.stem == "dp" else {"Router"}
-    assert owners == expected
+    assert owners == {"Router"}
 
 
 def test_replicas_share_requests_evenly(app: RunningApp) -> None:

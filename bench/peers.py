@@ -1,0 +1,245 @@
+"""Our shapes beside plain peers, on the same cores, under one client (benchmark, not a test).
+
+Servers, one at a time, each driven by vLLM's own benchmark client (random prompts,
+ignore_eos, Poisson arrivals, everything at Ray's worker niceness 15):
+  bare        one bare vLLM OpenAI server (the peer of single)
+  vllm-router two bare vLLM servers, one core each, behind `vllm-router --policy
+              round_robin` from PyPI, in a virtualenv of its own (the peer of dp)
+  single, dp, pd_always, pd   our YAMLs as `python -m deployments.serve NAME` serves them
+  dp_via_ray  dp.yaml with router.engine_in_router: false (each engine its own replica)
+Cells: 512->64 at 4 req/s (the issue's), decode-heavy 128->512, prefill-heavy 2048->32.
+Prints TTFT p50/p99, ITL mean/p99 and req/s per server and cell, with each row's ratio
+to its peer (single: bare; dp: vllm-router; pd_always and pd: dp), checks the targets of
+docs/DECISIONS.md and saves JSON.
+
+    python bench/peers.py [--servers bare,vllm-router,single,dp,pd_always,pd]
+        [--cells general,decode,prefill] [--num-prompts 100] [--out results/peers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from overhead import (
+    background,
+    bare_vllm,
+    engines_apart_url,
+    run_client,
+    serve_run_url,
+    wait_health,
+)
+from rich.console import Console
+from rich.table import Table
+
+from deployments.launcher import RAY_WORKER_NICENESS, REPO_ROOT, niced_like_ray_workers
+
+console = Console(width=160)  # the table stays readable in a log file
+VLLM_ROUTER_VERSION = "0.1.17"
+VLLM_ROUTER_PORT = 8100
+BARE_WORKER_PORTS = (8101, 8102)
+PEER_VENV = REPO_ROOT / ".splitserve-cache" / f"vllm-router-{VLLM_ROUTER_VERSION}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    input_len: int
+    output_len: int
+    request_rate: float
+
+
+CELLS = {
+    "general": Cell("512->64", 512, 64, 4.0),
+    "decode": Cell("decode-heavy 128->512", 128, 512, 1.0),
+    "prefill": Cell("prefill-heavy 2048->32", 2048, 32, 2.0),
+}
+# Which row each row is measured against, and the targets (ratio ceilings) it must meet.
+PEER_OF = {
+    "single": "bare",
+    "dp": "vllm-router",
+    "dp_via_ray": "vllm-router",
+    "pd_always": "dp",
+    "pd": "dp",
+}
+TARGETS: dict[tuple[str, str], dict[str, float]] = {
+    ("dp", "general"): {"ttft_p50_ms": 1.10, "itl_mean_ms": 1.10, "itl_p99_ms": 1.5},
+    ("pd_always", "prefill"): {"ttft_p50_ms": 1.5},
+    ("pd_always", "decode"): {"itl_mean_ms": 1.10},
+    ("single", "general"): {"ttft_p50_ms": 1.25, "itl_mean_ms": 1.10},
+}
+
+
+def vllm_router_binary() -> Path:
+    """vllm-router from PyPI in a virtualenv of its own, so its pins never touch ours."""
+    binary = PEER_VENV / "bin" / "vllm-router"
+    if not binary.exists():
+        console.print(f"installing vllm-router {VLLM_ROUTER_VERSION} into {PEER_VENV}")
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
+        pip = [str(PEER_VENV / "bin" / "pip"), "install", "-q"]
+        subprocess.run([*pip, f"vllm-router=={VLLM_ROUTER_VERSION}"], check=True)
+    return binary
+
+
+@contextlib.contextmanager
+def vllm_router_over_bare_servers() -> Iterator[str]:
+    """Two bare vLLM servers bound one core each, vllm-router round-robin in front."""
+    with contextlib.ExitStack() as stack:
+        urls = [
+            stack.enter_context(
+                bare_vllm(port, {"VLLM_CPU_OMP_THREADS_BIND": str(core)}, f"bare-vllm-{core}")
+            )
+            for core, port in enumerate(BARE_WORKER_PORTS)
+        ]
+        command = [
+            str(vllm_router_binary()), "--host", "127.0.0.1", "--port", str(VLLM_ROUTER_PORT),
+            "--policy", "round_robin", "--worker-urls", *urls,
+        ]  # fmt: skip
+        router = stack.enter_context(
+            background(command, "vllm-router", niceness=RAY_WORKER_NICENESS)
+        )
+        base_url = f"http://127.0.0.1:{VLLM_ROUTER_PORT}"
+        wait_health(router, f"{base_url}/v1/models")
+        yield base_url
+
+
+def ours(name: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
+    return lambda: serve_run_url(REPO_ROOT / "deployments" / f"{name}.yaml")
+
+
+SERVERS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
+    "bare": bare_vllm,
+    "vllm-router": vllm_router_over_bare_servers,
+    "single": ours("single"),
+    "dp": ours("dp"),
+    "pd_always": ours("pd_always"),
+    "pd": ours("pd"),
+    # The layout before the engines moved into the router: each behind a Ray hop.
+    "dp_via_ray": lambda: engines_apart_url(REPO_ROOT / "deployments" / "dp.yaml"),
+}
+
+
+def _warm_up(base_url: str) -> None:
+    """A few requests first: the first one through a fresh server pays its set-up."""
+    body = {"model": "splitserve-tiny-llama", "prompt": [1, 2, 3], "max_tokens": 4}
+    for _ in range(4):
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
+
+
+def measure(servers: list[str], cells: list[str], num_prompts: int) -> dict[str, Any]:
+    results: dict[str, dict[str, Any]] = {}
+    for server in servers:
+        console.print(f"[bold]{server}[/]: starting")
+        with SERVERS[server]() as base_url, niced_like_ray_workers():
+            _warm_up(base_url)
+            for cell_key in cells:
+                cell = CELLS[cell_key]
+                started = time.monotonic()
+                row = run_client(
+                    base_url, cell.request_rate, num_prompts, cell.input_len, cell.output_len
+                )
+                results.setdefault(server, {})[cell_key] = row
+                console.print(
+                    f"  {cell.name}: TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL mean"
+                    f" {row['itl_mean_ms']:.2f} ms ({time.monotonic() - started:.0f} s)"
+                )
+    return results
+
+
+def ratios(results: dict[str, Any], server: str, cell: str) -> dict[str, float] | None:
+    peer = PEER_OF.get(server)
+    if peer is None or cell not in results.get(peer, {}):
+        return None
+    row, base = results[server][cell], results[peer][cell]
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "itl_p99_ms")
+    return {key: row[key] / base[key] for key in keys}
+
+
+def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
+    found = []
+    for (server, cell), limits in TARGETS.items():
+        measured = ratios(results, server, cell) if server in results else None
+        if measured is None:
+            continue
+        for key, limit in limits.items():
+            found.append(
+                {"server": server, "cell": cell, "figure": key, "ratio": measured[key],
+                 "limit": limit, "met": measured[key] <= limit}
+            )  # fmt: skip
+    return found
+
+
+def print_table(results: dict[str, Any]) -> None:
+    table = Table(title="Peers and our shapes (vLLM's benchmark client, niceness 15)")
+    for column in ("server", "cell", "req/s", "TTFT p50", "TTFT p99", "ITL mean", "ITL p99"):
+        table.add_column(column, justify="left" if column in ("server", "cell") else "right")
+    table.add_column("vs peer (TTFT p50 / ITL mean / ITL p99)")
+    for server, cells in results.items():
+        for cell, row in cells.items():
+            measured = ratios(results, server, cell)
+            versus = (
+                f"{PEER_OF[server]}: {measured['ttft_p50_ms']:.2f}x / "
+                f"{measured['itl_mean_ms']:.2f}x / {measured['itl_p99_ms']:.2f}x"
+                if measured
+                else ""
+            )
+            table.add_row(
+                server,
+                CELLS[cell].name,
+                f"{row['request_throughput']:.2f}",
+                f"{row['ttft_p50_ms']:.1f} ms",
+                f"{row['ttft_p99_ms']:.1f} ms",
+                f"{row['itl_mean_ms']:.2f} ms",
+                f"{row['itl_p99_ms']:.2f} ms",
+                versus,
+            )
+    console.print(table)
+    for verdict in verdicts(results):
+        mark = "met" if verdict["met"] else "[red]missed[/]"
+        console.print(
+            f"target {verdict['server']} {verdict['cell']} {verdict['figure']}:"
+            f" {verdict['ratio']:.2f}x (limit {verdict['limit']}x) {mark}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--cells", default=",".join(CELLS))
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "peers.json")
+    args = parser.parse_args()
+    servers, cells = args.servers.split(","), args.cells.split(",")
+    for name in servers:
+        if name not in SERVERS:
+            parser.error(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
+    for name in cells:
+        if name not in CELLS:
+            parser.error(f"unknown cell {name!r}; choose from {', '.join(CELLS)}")
+    results = measure(servers, cells, args.num_prompts)
+    print_table(results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "cells": {key: asdict(CELLS[key]) for key in cells},
+        "num_prompts": args.num_prompts,
+        "results": results,
+        "targets": verdicts(results),
+    }
+    args.out.write_text(json.dumps(document, indent=2))
+    console.print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
