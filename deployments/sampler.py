@@ -129,15 +129,18 @@ class EngineCpuSource:
 
 
 def engine_processes(root: psutil.Process) -> dict[str, psutil.Process]:
-    """The replica itself and the vLLM processes below it, by a name stable across ticks."""
-    found = {REPLICA_PROCESS: root}
+    """The root (a replica, or an engine core whose host is shared) and the vLLM
+    processes below it, by a name stable across ticks."""
+    found: dict[str, psutil.Process] = {}
     with contextlib.suppress(psutil.Error):
-        for child in root.children(recursive=True):
+        for process in (root, *root.children(recursive=True)):
             with contextlib.suppress(psutil.Error):
-                title = " ".join(child.cmdline())
+                title = " ".join(process.cmdline())
                 if title.startswith(ENGINE_TITLE_PREFIX):
                     name = title.removeprefix(ENGINE_TITLE_PREFIX).split()[0]
-                    found[name if name not in found else f"{name}-{child.pid}"] = child
+                    found[name if name not in found else f"{name}-{process.pid}"] = process
+                elif process is root:
+                    found[REPLICA_PROCESS] = root
     return found
 
 
