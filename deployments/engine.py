@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.engine")
 # vLLM's names for where a prompt token's KV came from (PromptTokenStats.ALL_SOURCES).
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+_SPAWN_LOCK = threading.Lock()
 # One subscriber's queue of (request id, delta); None ends its stream.
 Outbox = asyncio.Queue[tuple[str, Any] | None]
 # How often Serve asks whatever process hosts an engine whether that engine is alive.
@@ -185,7 +187,9 @@ class EngineHost:
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
         started = time.perf_counter()
         gpu_ids = self._gpu_ids()
-        with _environment(self._process_env(gpu_ids)):
+        # One spawn at a time per process: restarts run on worker threads, and each
+        # engine's processes must inherit its own environment, not a neighbour's.
+        with _SPAWN_LOCK, _environment(self._process_env(gpu_ids)):
             self._engine: AsyncLLM = AsyncLLM.from_engine_args(
                 build_engine_args(self._spec),
                 stat_loggers=[
