@@ -36,12 +36,13 @@ SERVE_REPLICA_ENV = {
 }
 
 
-def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig]]:
-    """Stable replica names: ``engine-0``, ``engine-1`` or ``prefill-0``, ``decode-0``."""
+def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig, int]]:
+    """Stable replica names: ``engine-0``, ``engine-1`` or ``prefill-0``, ``decode-0``,
+    each with its pool and its index there (which of the pool's cpu_binds)."""
     names = []
     for pool in config.pools:
         prefix = "engine" if pool.role == "mixed" else pool.role
-        names.extend((f"{prefix}-{index}", pool) for index in range(pool.replicas))
+        names.extend((f"{prefix}-{index}", pool, index) for index in range(pool.replicas))
     return names
 
 
@@ -106,23 +107,12 @@ def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] |
     return kv_transfer_config(roles[pool.role], **config.kv_transfer.model_dump())
 
 
-def engines_with_index(config: AppConfig) -> list[tuple[str, PoolConfig, int]]:
-    """Every engine replica with its index in its pool (which of the pool's cpu_binds)."""
-    found = []
-    index_in_pool: dict[str, int] = {}
-    for name, pool in engine_names(config):
-        index = index_in_pool.get(pool.role, 0)
-        index_in_pool[pool.role] = index + 1
-        found.append((name, pool, index))
-    return found
-
-
 def build_app_from_config(config: AppConfig) -> Application:
     if config.hosts_engines_in_router:
         return _router_hosting_engines(config)
     engines: dict[str, Application] = {}
     roles: dict[str, str] = {}
-    for name, pool, index in engines_with_index(config):
+    for name, pool, index in engine_names(config):
         engines[name] = build_engine(config, name, pool, index)
         roles[name] = pool.role
     router = Router.options(
@@ -142,7 +132,7 @@ def _router_hosting_engines(config: AppConfig) -> Application:
     roles: dict[str, str] = {}
     shared = config.engine_replicas > 1
     devices = 0
-    for name, pool, index in engines_with_index(config):
+    for name, pool, index in engine_names(config):
         offset = devices if shared else None
         specs[name] = engine_spec(config, name, pool, index, offset).model_dump()
         roles[name] = pool.role

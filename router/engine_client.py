@@ -94,10 +94,6 @@ class LocalEngineLink:
         self._aborts: set[asyncio.Task[None]] = set()
 
     @property
-    def host(self) -> EngineHost | None:
-        return self._host
-
-    @property
     def gave_up(self) -> bool:
         """Its engine could not be restarted in this process: the process must go."""
         return self._failed_restarts >= self._restart_attempts

@@ -22,7 +22,7 @@ def test_shipped_configs_are_valid(name: str) -> None:
 
 def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
     config = load_app_config(DEPLOYMENTS / "dp.yaml")
-    names = [name for name, _ in engine_names(config)]
+    names = [name for name, _, _ in engine_names(config)]
     assert names == ["engine-0", "engine-1"]
     binds = [
         engine_process_env(config, config.pools[0], i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)
