@@ -76,6 +76,7 @@ def engine_spec(
         kv_transfer=_kv_transfer_config(config, pool),
         process_env={ENGINE_NAME_ENV: name, **engine_process_env(config, pool, replica_index)},
         device_offset=device_offset,
+        backend=config.engine,
     )
 
 

@@ -96,6 +96,22 @@ class ResourcesConfig(StrictModel):
     engine_num_cpus: float = Field(0.1, ge=0)
 
 
+EngineBackend = Literal["vllm", "synthetic"]
+
+
+class EngineBackendConfig(StrictModel):
+    """What runs behind each engine replica: vLLM, or a token generator for benchmarks."""
+
+    backend: EngineBackend = Field(
+        "vllm",
+        description="vllm, or synthetic: no model, every running request gets one token per"
+        " step, to measure the router's relay capacity (bench/relay_capacity.py).",
+    )
+    step_interval_s: float = Field(
+        0.0, ge=0, description="synthetic only: pause between steps; 0 runs them back to back."
+    )
+
+
 class RouterConfig(StrictModel):
     replica_choice: ReplicaChoiceName | dict[EngineRole, ReplicaChoiceName] = Field(
         "round_robin",
@@ -137,6 +153,7 @@ class AppConfig(StrictModel):
     model: ModelConfig = ModelConfig()
     pools: list[PoolConfig] = Field(min_length=1)
     router: RouterConfig = RouterConfig()
+    engine: EngineBackendConfig = EngineBackendConfig()
     resources: ResourcesConfig = ResourcesConfig()
     kv_transfer: ConnectorSettings = Field(
         default_factory=ConnectorSettings,
@@ -149,6 +166,20 @@ class AppConfig(StrictModel):
         description="PD only: where each prompt is prefilled (always, never, conditional).",
     )
     qos: QoSConfig = QoSConfig()
+
+    @model_validator(mode="after")
+    def _synthetic_engines_in_router(self) -> AppConfig:
+        if self.engine.backend != "synthetic":
+            return self
+        if self.strategy not in ("single", "dp"):
+            raise ValueError(
+                f"engine.backend 'synthetic' serves strategies single and dp, not {self.strategy!r}"
+            )
+        if not self.hosts_engines_in_router:
+            raise ValueError(
+                "engine.backend 'synthetic' needs router.engine_in_router true or auto"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pools_fit_strategy(self) -> AppConfig:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
-from deployments.config import ModelConfig, PoolConfig
+from deployments.config import EngineBackend, EngineBackendConfig, ModelConfig, PoolConfig
 from deployments.engine_metrics import replica_stat_logger
 from deployments.model_source import resolve_model
 from deployments.protocol import (
@@ -68,6 +69,19 @@ class EngineSpec(BaseModel):
     # GPU only, for engines that share a host process: the first of this engine's GPUs
     # among the host's (ray.get_gpu_ids()); None when the engine has the host's GPUs alone.
     device_offset: int | None = None
+    backend: EngineBackendConfig = EngineBackendConfig()
+
+
+# Which class hosts an engine of each backend, imported only when one is started.
+ENGINE_HOSTS: dict[EngineBackend, str] = {
+    "vllm": "deployments.engine:EngineHost",
+    "synthetic": "deployments.synthetic_engine:SyntheticEngineHost",
+}
+
+
+def engine_host_class(backend: EngineBackend) -> type[Any]:
+    module, _, name = ENGINE_HOSTS[backend].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class _LatestSchedulerStats:
@@ -168,6 +182,41 @@ def _chunk_of(output: Any) -> GenerateChunk:
     )
 
 
+class DeltaStreams:
+    """Each subscriber's outbox of (request id, delta), read as one stream of batches."""
+
+    def __init__(self) -> None:
+        self._outboxes: dict[str, Outbox] = {}
+
+    def outbox(self, subscriber: str) -> Outbox:
+        return self._outboxes.setdefault(subscriber, asyncio.Queue())
+
+    async def stream(
+        self, subscriber: str, on_gone: Callable[[str], None]
+    ) -> AsyncIterator[DeltaBatch]:
+        """Every delta ready since the last item, until ``close_all``; ``on_gone`` runs
+        when the subscriber stops reading, for the requests it left behind."""
+        outbox = self.outbox(subscriber)
+        try:
+            while True:
+                items = [await outbox.get()]
+                while not outbox.empty():
+                    items.append(outbox.get_nowait())
+                batch = [item for item in items if item is not None]
+                if batch:
+                    yield batch
+                if len(batch) < len(items):
+                    return  # close_all: the host is being replaced
+        finally:
+            on_gone(subscriber)
+            self._outboxes.pop(subscriber, None)
+
+    def close_all(self) -> None:
+        """End every stream after what is queued, so subscribers move on."""
+        for outbox in self._outboxes.values():
+            outbox.put_nowait(None)
+
+
 class EngineHost:
     """One AsyncLLM and its engine processes, in whichever process constructs it.
 
@@ -183,7 +232,7 @@ class EngineHost:
         # joins this cluster itself, by the address it inherits from here.
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         self._latest = _LatestSchedulerStats()
-        self._outboxes: dict[str, Outbox] = {}
+        self._streams = DeltaStreams()
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
         started = time.perf_counter()
         gpu_ids = self._gpu_ids()
@@ -239,7 +288,7 @@ class EngineHost:
             # Refuse KV from an engine with another layout now, with the fields that
             # differ, instead of letting the connector fall back silently.
             check_handle_compatible(request.kv_transfer_params, self._engine.vllm_config)
-        outbox = self._outbox(request.subscriber)
+        outbox = self._streams.outbox(request.subscriber)
         task = asyncio.get_running_loop().create_task(self._run(request, outbox))
         self._running[request.request_id] = (request.subscriber, task)
         task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
@@ -250,43 +299,29 @@ class EngineHost:
         if entry is not None:
             entry[1].cancel()
 
-    async def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
         """One long-lived stream per router process, carrying every request it submitted.
 
         Each item holds all deltas ready since the previous one, so a Ray message
         carries one engine step of many requests instead of one token of one request.
         """
-        outbox = self._outbox(subscriber)
-        try:
-            while True:
-                items = [await outbox.get()]
-                while not outbox.empty():
-                    items.append(outbox.get_nowait())
-                batch = [item for item in items if item is not None]
-                if batch:
-                    yield batch
-                if len(batch) < len(items):
-                    return  # close_streams: this host is being replaced
-        finally:
-            # The router process is gone (or resubscribes): nobody will read these.
-            for request_id, (owner, task) in list(self._running.items()):
-                if owner == subscriber:
-                    task.cancel()
-                    logger.info("aborted %s: its router stopped listening", request_id)
-            self._outboxes.pop(subscriber, None)
+        return self._streams.stream(subscriber, self._subscriber_gone)
+
+    def _subscriber_gone(self, subscriber: str) -> None:
+        # The router process is gone (or resubscribes): nobody will read these.
+        for request_id, (owner, task) in list(self._running.items()):
+            if owner == subscriber:
+                task.cancel()
+                logger.info("aborted %s: its router stopped listening", request_id)
 
     def close_streams(self) -> None:
         """End every ``deltas`` stream (after what is queued), so subscribers move on."""
-        for outbox in self._outboxes.values():
-            outbox.put_nowait(None)
+        self._streams.close_all()
 
     @property
     def dead(self) -> bool:
         """The engine failed for good (a process of it died); only a new host serves."""
         return self._engine.errored
-
-    def _outbox(self, subscriber: str) -> Outbox:
-        return self._outboxes.setdefault(subscriber, asyncio.Queue())
 
     async def _run(self, request: GenerateRequest, outbox: Outbox) -> None:
         from vllm.inputs import TokensPrompt

@@ -117,6 +117,27 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
             {"strategy": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
             "qos.ttft_slo_s: Input should be greater than 0",
         ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "engine": {"backend": "synthetic"},
+            },
+            "engine.backend 'synthetic' serves strategies single and dp, not 'pd'",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2}],
+                "engine": {"backend": "synthetic"},
+                "router": {"engine_in_router": False},
+            },
+            "engine.backend 'synthetic' needs router.engine_in_router true or auto",
+        ),
+        (
+            {"strategy": "single", "pools": [{}], "engine": {"backend": "fake"}},
+            "engine.backend: Input should be 'vllm' or 'synthetic'",
+        ),
     ],
 )
 def test_bad_config_names_the_field(args: dict, message: str) -> None:
