@@ -32,17 +32,33 @@ APP_NAME = "splitserve"  # the application name in every YAML under deployments/
 # Set in every engine process's environment to its replica's name (engine-0, prefill-0).
 ENGINE_NAME_ENV = "SPLITSERVE_ENGINE"
 DEFAULT_PORT = 8000
-# Serve's proxy moves this far above the port the router serves on (see cluster_env).
-PROXY_PORT_OFFSET = 1
+ROUTER_DEPLOYMENT = "Router"
 
 
-def cluster_env(port: int = DEFAULT_PORT) -> dict[str, str]:
+def router_replicas(path: Path) -> int:
+    """How many router replicas a Serve YAML asks for (``deployments: [{name: Router,
+    num_replicas: N}]``); each one serves a port of its own under direct ingress."""
+    document = yaml.safe_load(path.read_text()) or {}
+    for application in document.get("applications") or []:
+        for deployment in application.get("deployments") or []:
+            if deployment.get("name") == ROUTER_DEPLOYMENT:
+                return int(deployment.get("num_replicas", 1))
+    return 1
+
+
+def proxy_port(port: int, ingress_replicas: int = 1) -> int:
+    """Where Serve's proxy listens: just above the routers' ports (see cluster_env)."""
+    return port + ingress_replicas
+
+
+def cluster_env(port: int = DEFAULT_PORT, ingress_replicas: int = 1) -> dict[str, str]:
     """Environment for a Ray cluster that serves us, read only where the cluster starts.
 
     Serve's direct ingress: the router replica serves HTTP on ``port`` itself, so a
     token crosses no Serve proxy (bench/overhead.py, docs/DECISIONS.md). Replica ports
-    come from a range; a range of one makes it ``port``. Serve holds a released port
-    back and drains an ingress replica for the load balancers in front of a cluster;
+    come from a range; a range of one makes it ``port`` (``ingress_replicas`` routers
+    take ``port`` onwards, one port each, for a load balancer in front). Serve holds a
+    released port back and drains an ingress replica for the load balancers in front of a cluster;
     with none here, both are short, so a restarted application gets its port at once.
     Serve's proxy still starts on the head node and must leave ``port`` (see
     ``direct_ingress_config``).
@@ -50,7 +66,7 @@ def cluster_env(port: int = DEFAULT_PORT) -> dict[str, str]:
     return {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + ingress_replicas),  # exclusive
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
     }
@@ -64,7 +80,7 @@ def direct_ingress_config(path: Path, port: int = DEFAULT_PORT) -> Path:
     """
     config = yaml.safe_load(path.read_text())
     http_options = config.setdefault("http_options", {})
-    http_options["port"] = port + PROXY_PORT_OFFSET
+    http_options["port"] = proxy_port(port, router_replicas(path))
     folder = Path(tempfile.gettempdir()) / f"splitserve-{os.getuid()}"
     folder.mkdir(exist_ok=True)
     copy = folder / f"{path.stem}.direct-ingress-{port}.yaml"
@@ -99,7 +115,7 @@ def wait_until_bindable(port: int, timeout_s: float = TIME_WAIT_S) -> None:
 def serve_command(path: Path, port: int = DEFAULT_PORT) -> tuple[list[str], dict[str, str]]:
     """``serve run`` of a config with direct ingress on ``port``: argv and environment."""
     argv = [_serve_cli(), "run", str(direct_ingress_config(path, port))]
-    return argv, cluster_env(port) | dict(os.environ)
+    return argv, cluster_env(port, router_replicas(path)) | dict(os.environ)
 
 
 class LaunchError(RuntimeError):
@@ -111,6 +127,9 @@ class RunningApp:
     base_url: str
     config_path: Path
     log_path: Path
+    # One per router replica (direct ingress); base_url is the first.
+    router_urls: tuple[str, ...] = ()
+    proxy_url: str | None = None
 
 
 def config_path(name_or_path: str) -> Path:
@@ -233,13 +252,14 @@ def serve_run(
             stdin=subprocess.DEVNULL,
             preexec_fn=default_sigint,
         )
-    base_url = f"http://127.0.0.1:{port}"
+    replicas = router_replicas(path) if direct_ingress else 1
+    router_urls = tuple(f"http://127.0.0.1:{port + index}" for index in range(replicas))
     engines: set[int] = set()
     try:
-        proxy_url = f"http://127.0.0.1:{port + PROXY_PORT_OFFSET}" if direct_ingress else None
-        _wait_ready(process, base_url, log_path, ready_timeout_s, proxy_url)
+        proxy_url = f"http://127.0.0.1:{proxy_port(port, replicas)}" if direct_ingress else None
+        _wait_ready(process, router_urls, log_path, ready_timeout_s, proxy_url)
         engines = app_engine_pids()
-        yield RunningApp(base_url=base_url, config_path=path, log_path=log_path)
+        yield RunningApp(router_urls[0], path, log_path, router_urls, proxy_url)
     finally:
         # Restarted replicas may have started new engines since the app came up.
         engines |= app_engine_pids()
@@ -295,16 +315,17 @@ def _serve_cli() -> str:
 
 def _wait_ready(
     process: subprocess.Popen[bytes],
-    base_url: str,
+    router_urls: tuple[str, ...],
     log_path: Path,
     timeout_s: float,
     proxy_url: str | None = None,
 ) -> None:
     deadline = time.monotonic() + timeout_s
+    base_url = router_urls[0]
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise LaunchError(f"serve run exited with {process.returncode}:\n{_tail(log_path)}")
-        if _healthy(base_url):
+        if all(_healthy(url) for url in router_urls):
             return
         # Asked again after the proxy: the router may have come up between the two.
         if proxy_url is not None and _healthy(proxy_url) and not _healthy(base_url):

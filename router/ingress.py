@@ -76,7 +76,7 @@ class Router:
         engines this process hosts itself (see deployments/app.py)."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from deployments.engine import EngineHost
+        from deployments.engine import engine_host_class
 
         self._config = AppConfig.model_validate(config)
         model = resolve_model(self._config.model)
@@ -88,8 +88,9 @@ class Router:
         qos = self._config.qos
         # One after another: each engine's processes inherit its environment at spawn.
         restarts = self._config.router.engine_restart_attempts
+        host_class = engine_host_class(self._config.engine.backend)
         self._local_engines = [
-            LocalEngineLink(name, functools.partial(EngineHost, spec), restarts)
+            LocalEngineLink(name, functools.partial(host_class, spec), restarts)
             for name, spec in (local_engines or {}).items()
         ]
         links: dict[str, EngineLink] = {
@@ -152,6 +153,8 @@ class Router:
         status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
         body = {
             "status": "ok" if healthy else "degraded",
+            # Which router replica answered: an application may run several.
+            "router": serve.get_replica_context().replica_id.unique_id,
             "replicas": {r.name: state for r, state in zip(self._replicas, states, strict=True)},
         }
         return JSONResponse(body, status_code=int(status))

@@ -12,6 +12,7 @@ from deployments.launcher import (
     LaunchError,
     cluster_env,
     direct_ingress_config,
+    router_replicas,
     wait_until_bindable,
 )
 from tests.local_ports import free_port
@@ -35,6 +36,19 @@ def test_cluster_env_gives_the_router_exactly_its_port() -> None:
         env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"],
         env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"],
     ) == ("8100", "8101")
+
+
+def test_router_replicas_take_consecutive_ports_and_the_proxy_the_next(tmp_path: Path) -> None:
+    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
+    document["applications"][0]["deployments"] = [{"name": "Router", "num_replicas": 3}]
+    path = tmp_path / "dp-three-routers.yaml"
+    path.write_text(yaml.safe_dump(document))
+    assert router_replicas(path) == 3
+    assert router_replicas(DEPLOYMENTS / "dp.yaml") == 1
+    env = cluster_env(8100, 3)
+    assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8103"
+    copy = yaml.safe_load(direct_ingress_config(path, 8100).read_text())
+    assert copy["http_options"]["port"] == 8103
 
 
 def test_waits_for_a_taken_port_and_gives_up_with_its_name() -> None:

@@ -1,0 +1,87 @@
+"""Several router replicas (a Serve num_replicas override), each with engines of its own.
+
+Synthetic engines (no model) keep this quick; the path from HTTP to the engine link is
+the one vLLM engines take. Each router serves its own port by direct ingress and Serve's
+proxy spreads over both, so the Ray cluster is this test's own: the session's cluster
+gives direct ingress a single port.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from deployments.launcher import ROUTER_DEPLOYMENT, serve_run
+from deployments.tiny_model import EMBEDDED_MODEL_NAME
+
+pytestmark = pytest.mark.serving
+
+DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
+ROUTERS = 2
+
+
+def _free_port_run(length: int) -> int:
+    """The first of ``length`` consecutive ports nobody listens on or holds."""
+    for base in range(18_000, 20_000, 10):
+        sockets = []
+        try:
+            for port in range(base, base + length):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.fixture(scope="module")
+def two_routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
+    application = document["applications"][0]
+    application["args"]["engine"] = {"backend": "synthetic"}
+    application["args"]["pools"] = [{"role": "mixed", "replicas": 2}]
+    application["deployments"] = [{"name": ROUTER_DEPLOYMENT, "num_replicas": ROUTERS}]
+    folder = tmp_path_factory.mktemp("routers")
+    path = folder / "dp-two-routers.yaml"
+    path.write_text(yaml.safe_dump(document))
+    port = _free_port_run(ROUTERS + 1)
+    # "local": a cluster of this test's own, started by serve run and gone with it.
+    with serve_run(str(path), ray_address="local", port=port, log_dir=folder) as app:
+        yield app
+
+
+def _stream(url: str, max_tokens: int) -> tuple[int, str | None]:
+    body = {"model": EMBEDDED_MODEL_NAME, "prompt": "hi", "max_tokens": max_tokens, "stream": True}
+    tokens, finish = 0, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                tokens += len(choice["text"])
+                finish = choice.get("finish_reason") or finish
+    return tokens, finish
+
+
+def test_each_router_replica_answers_on_its_own_port(two_routers) -> None:
+    routers = {httpx.get(f"{url}/health").json()["router"] for url in two_routers.router_urls}
+    assert len(two_routers.router_urls) == ROUTERS
+    assert len(routers) == ROUTERS
+    for url in two_routers.router_urls:
+        assert _stream(url, 40) == (40, "length")
+
+
+def test_serves_proxy_spreads_over_the_router_replicas(two_routers) -> None:
+    seen = {httpx.get(f"{two_routers.proxy_url}/health").json()["router"] for _ in range(30)}
+    assert len(seen) == ROUTERS
+    assert _stream(two_routers.proxy_url, 25) == (25, "length")
