@@ -67,7 +67,7 @@ PROCESS_ROLES = {
 }
 
 
-def _cpu_seconds() -> dict[str, float]:
+def cpu_seconds_by_role() -> dict[str, float]:
     """CPU seconds so far of each serving process, summed by role."""
     ticks = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
@@ -106,9 +106,9 @@ def run_client(
             "--seed", "0", "--disable-tqdm", "--save-detailed",
         ]
     )  # fmt: skip
-    cpu_before, started = _cpu_seconds(), time.monotonic()
+    cpu_before, started = cpu_seconds_by_role(), time.monotonic()
     result = main(client_args)
-    wall_s, cpu_after = time.monotonic() - started, _cpu_seconds()
+    wall_s, cpu_after = time.monotonic() - started, cpu_seconds_by_role()
     ttfts = np.array([t for t in result["ttfts"] if t]) * 1000
     itls = np.array([gap for gaps in result["itls"] for gap in gaps]) * 1000
     return {

@@ -7,13 +7,15 @@ ignore_eos, Poisson arrivals, everything at Ray's worker niceness 15):
               round_robin` from PyPI, in a virtualenv of its own (the peer of dp)
   single, dp, pd_always, pd   our YAMLs as `python -m deployments.serve NAME` serves them
   dp_via_ray  dp.yaml with router.engine_in_router: false (each engine its own replica)
+  vllm-router_beside_ray  the peer again, with dp.yaml's Ray cluster idle beside it
 Cells: 512->64 at 4 req/s (the issue's), decode-heavy 128->512, prefill-heavy 2048->32.
 Prints TTFT p50/p99, ITL mean/p99 and req/s per server and cell, with each row's ratio
 to its peer (single: bare; dp: vllm-router; pd_always and pd: dp), checks the targets of
 docs/DECISIONS.md and saves JSON.
 
     python bench/peers.py [--servers bare,vllm-router,single,dp,pd_always,pd]
-        [--cells general,decode,prefill] [--num-prompts 100] [--out results/peers.json]
+        [--cells general,decode,prefill] [--num-prompts 100] [--repeat 1]
+        [--out results/peers.json]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from overhead import (
     background,
     bare_vllm,
@@ -68,6 +71,7 @@ PEER_OF = {
     "single": "bare",
     "dp": "vllm-router",
     "dp_via_ray": "vllm-router",
+    "vllm-router_beside_ray": "vllm-router",
     "pd_always": "dp",
     "pd": "dp",
 }
@@ -112,6 +116,16 @@ def vllm_router_over_bare_servers() -> Iterator[str]:
         yield base_url
 
 
+@contextlib.contextmanager
+def vllm_router_beside_idle_ray() -> Iterator[str]:
+    """The peer while dp.yaml's Ray cluster idles beside it: what Ray's own processes
+    (GCS, raylet, dashboard, Serve's controller and proxy, idle engines) take from two
+    cores, charged to the peer instead of to us."""
+    idle = serve_run_url(REPO_ROOT / "deployments" / "dp.yaml")
+    with idle, vllm_router_over_bare_servers() as url:
+        yield url
+
+
 def ours(name: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
     return lambda: serve_run_url(REPO_ROOT / "deployments" / f"{name}.yaml")
 
@@ -119,6 +133,7 @@ def ours(name: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
 SERVERS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
     "bare": bare_vllm,
     "vllm-router": vllm_router_over_bare_servers,
+    "vllm-router_beside_ray": vllm_router_beside_idle_ray,
     "single": ours("single"),
     "dp": ours("dp"),
     "pd_always": ours("pd_always"),
@@ -136,7 +151,18 @@ def _warm_up(base_url: str) -> None:
             httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
 
 
-def measure(servers: list[str], cells: list[str], num_prompts: int) -> dict[str, Any]:
+FIGURES = ("request_throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "itl_p99_ms")
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over repeated runs of one cell, with the runs kept beside."""
+    row = {key: float(np.median([run[key] for run in runs])) for key in FIGURES}
+    return {**row, "runs": runs}
+
+
+def measure(
+    servers: list[str], cells: list[str], num_prompts: int, repeat: int = 1
+) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     for server in servers:
         console.print(f"[bold]{server}[/]: starting")
@@ -145,9 +171,15 @@ def measure(servers: list[str], cells: list[str], num_prompts: int) -> dict[str,
             for cell_key in cells:
                 cell = CELLS[cell_key]
                 started = time.monotonic()
-                row = run_client(
-                    base_url, cell.request_rate, num_prompts, cell.input_len, cell.output_len
-                )
+                row = median_run(
+                    [
+                        run_client(
+                            base_url, cell.request_rate, num_prompts, cell.input_len,
+                            cell.output_len,
+                        )
+                        for _ in range(repeat)
+                    ]
+                )  # fmt: skip
                 results.setdefault(server, {})[cell_key] = row
                 console.print(
                     f"  {cell.name}: TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL mean"
@@ -219,6 +251,9 @@ def main() -> None:
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--cells", default=",".join(CELLS))
     parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="client runs per cell; figures are medians"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "peers.json")
     args = parser.parse_args()
     servers, cells = args.servers.split(","), args.cells.split(",")
@@ -228,12 +263,13 @@ def main() -> None:
     for name in cells:
         if name not in CELLS:
             parser.error(f"unknown cell {name!r}; choose from {', '.join(CELLS)}")
-    results = measure(servers, cells, args.num_prompts)
+    results = measure(servers, cells, args.num_prompts, args.repeat)
     print_table(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "cells": {key: asdict(CELLS[key]) for key in cells},
         "num_prompts": args.num_prompts,
+        "repeat": args.repeat,
         "results": results,
         "targets": verdicts(results),
     }

@@ -1,0 +1,211 @@
+"""How many streamed tokens per second our router relays to clients (benchmark, not a test).
+
+The engines are ``engine.backend: synthetic``: no model, every running request gets a
+token per step, steps back to back, so the router (request parsing, the engine link,
+the delta demultiplexer, the SSE writer, its metrics) is what limits. For each count of
+router replicas R (a Serve ``num_replicas`` override of the Router deployment; each
+replica hosts its own engines and serves a port of its own by direct ingress), the
+client keeps ``--streams`` completions of ``--max-tokens`` tokens open, spread over the
+routers' ports as a load balancer would, for ``--duration-s`` seconds, from
+``--client-processes`` processes at Ray's worker niceness. On a two-core box the client
+shares the cores with the routers: the figure is a floor, and the client's own share is
+printed beside it.
+
+    python bench/relay_capacity.py [--router-replicas 1,2] [--engines 2] [--streams 64]
+        [--max-tokens 512] [--duration-s 20] [--client-processes 1]
+        [--out results/relay_capacity.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from overhead import cpu_seconds_by_role
+from rich.console import Console
+from rich.table import Table
+
+from deployments.launcher import (
+    RAY_WORKER_NICENESS,
+    REPO_ROOT,
+    ROUTER_DEPLOYMENT,
+    serve_run,
+)
+from deployments.tiny_model import EMBEDDED_MODEL_NAME
+
+console = Console(width=140)
+DP_YAML = REPO_ROOT / "deployments" / "dp.yaml"
+SSE_EVENT = b"data: "
+SSE_DONE = b"data: [DONE]"
+USAGE_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+
+
+@dataclass(frozen=True)
+class Load:
+    streams: int
+    max_tokens: int
+    duration_s: float
+
+
+def synthetic_app(router_replicas: int, engines: int) -> dict[str, Any]:
+    """dp.yaml with synthetic engines and ``router_replicas`` routers."""
+    document = yaml.safe_load(DP_YAML.read_text())
+    application = document["applications"][0]
+    args = application["args"]
+    args["engine"] = {"backend": "synthetic"}
+    args["pools"] = [{"role": "mixed", "replicas": engines}]
+    application["deployments"] = [{"name": ROUTER_DEPLOYMENT, "num_replicas": router_replicas}]
+    return document
+
+
+@contextlib.contextmanager
+def serving(router_replicas: int, engines: int) -> Iterator[tuple[str, ...]]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"relay-{router_replicas}.yaml"
+        path.write_text(yaml.safe_dump(synthetic_app(router_replicas, engines), sort_keys=False))
+        with serve_run(str(path)) as app:
+            yield app.router_urls
+
+
+async def _one_stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[int, int]:
+    """Tokens (from the usage event) and SSE events of one streamed completion.
+
+    A router that falls behind an engine sends several tokens in one event, as vLLM's
+    server does, so events undercount tokens; the bytes are not parsed beyond that.
+    """
+    body = {
+        "model": EMBEDDED_MODEL_NAME,
+        "prompt": "relay",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events, tail = 0, b""
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for chunk in response.aiter_raw():
+            events += chunk.count(SSE_EVENT) - chunk.count(SSE_DONE)
+            tail = (tail + chunk)[-512:]
+    found = USAGE_TOKENS.search(tail)
+    return (int(found.group(1)) if found else 0), events
+
+
+async def _client(urls: list[str], load: Load, first_stream: int) -> dict[str, int]:
+    tokens = events = requests = errors = 0
+    deadline = time.monotonic() + load.duration_s
+    limits = httpx.Limits(max_connections=load.streams, max_keepalive_connections=load.streams)
+
+    async def keep_streaming(index: int) -> None:
+        nonlocal tokens, events, requests, errors
+        url = urls[index % len(urls)]
+        while time.monotonic() < deadline:
+            try:
+                got, sent = await _one_stream(client, url, load.max_tokens)
+                tokens, events, requests = tokens + got, events + sent, requests + 1
+            except httpx.HTTPError:
+                errors += 1
+
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        await asyncio.gather(*(keep_streaming(first_stream + i) for i in range(load.streams)))
+    return {"tokens": tokens, "events": events, "requests": requests, "errors": errors}
+
+
+def _client_process(urls: list[str], load: Load, first_stream: int) -> dict[str, int]:
+    os.setpriority(os.PRIO_PROCESS, 0, RAY_WORKER_NICENESS)
+    return asyncio.run(_client(urls, load, first_stream))
+
+
+def measure(urls: tuple[str, ...], load: Load, client_processes: int) -> dict[str, Any]:
+    per_process = Load(load.streams // client_processes, load.max_tokens, load.duration_s)
+    before, started = cpu_seconds_by_role(), time.monotonic()
+    with multiprocessing.get_context("spawn").Pool(client_processes) as pool:
+        parts = pool.starmap(
+            _client_process,
+            [(list(urls), per_process, i * per_process.streams) for i in range(client_processes)],
+        )
+    wall_s, after = time.monotonic() - started, cpu_seconds_by_role()
+    counted = ("tokens", "events", "requests", "errors")
+    totals = {key: sum(part[key] for part in parts) for key in counted}
+    return {
+        **totals,
+        "wall_s": wall_s,
+        "tokens_per_s": totals["tokens"] / wall_s,
+        "requests_per_s": totals["requests"] / wall_s,
+        "cpu_share": {
+            role: round((seconds - before.get(role, 0.0)) / wall_s, 3)
+            for role, seconds in sorted(after.items())
+        },
+    }
+
+
+def print_table(rows: dict[int, dict[str, Any]], load: Load) -> None:
+    table = Table(
+        title=f"Router relay capacity: synthetic engines, {load.streams} streams of"
+        f" {load.max_tokens} tokens, {load.duration_s:.0f} s, client at niceness 15"
+    )
+    columns = ("routers", "tokens/s", "tokens/event", "requests/s", "errors", "router CPU")
+    for column in (*columns, "client CPU"):
+        table.add_column(column, justify="right")
+    for replicas, row in rows.items():
+        share = row["cpu_share"]
+        table.add_row(
+            str(replicas),
+            f"{row['tokens_per_s']:,.0f}",
+            f"{row['tokens'] / max(row['events'], 1):.1f}",
+            f"{row['requests_per_s']:.1f}",
+            str(row["errors"]),
+            f"{share.get('router', 0.0):.2f} cores",
+            f"{row['client_cpu_share']:.2f} cores",
+        )
+    console.print(table)
+
+
+def _own_cpu_seconds() -> float:
+    usage = os.times()
+    return usage.children_user + usage.children_system
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--router-replicas", default="1,2")
+    parser.add_argument("--engines", type=int, default=2, help="synthetic engines per router")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--duration-s", type=float, default=20.0)
+    parser.add_argument("--client-processes", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "relay_capacity.json")
+    args = parser.parse_args()
+    load = Load(args.streams, args.max_tokens, args.duration_s)
+    rows: dict[int, dict[str, Any]] = {}
+    for replicas in (int(part) for part in args.router_replicas.split(",")):
+        console.print(f"[bold]{replicas} router replica(s)[/]: starting")
+        with serving(replicas, args.engines) as urls:
+            client_before = _own_cpu_seconds()
+            row = measure(urls, load, args.client_processes)
+            row["client_cpu_share"] = (_own_cpu_seconds() - client_before) / row["wall_s"]
+            rows[replicas] = row
+            console.print(f"  {row['tokens_per_s']:,.0f} tokens/s, {row['errors']} errors")
+    print_table(rows, load)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    document = {"load": asdict(load), "engines_per_router": args.engines, "results": rows}
+    args.out.write_text(json.dumps(document, indent=2))
+    console.print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
