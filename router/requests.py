@@ -31,6 +31,13 @@ _UNSUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("prompt_logprobs", lambda v: v is not None, "prompt_logprobs are not supported"),
     ("prompt_embeds", lambda v: v is not None, "prompt_embeds are not supported"),
     ("tools", bool, "tool calling is not supported"),
+    # The router's own hand-over between prefill and decode engines: a client's would
+    # reach the decode engine's KV connector unchecked.
+    (
+        "kv_transfer_params",
+        lambda v: v is not None,
+        "set by the router for prefill/decode hand-over, not by clients",
+    ),
 ]
 
 

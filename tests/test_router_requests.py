@@ -62,6 +62,7 @@ def test_max_tokens_defaults_to_the_room_left(prompts: PromptBuilder) -> None:
         ({"prompt": "a", "logprobs": 1}, "logprobs"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "a", "top_p": 0}, "top_p"),
+        ({"prompt": "a", "kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
     ],
 )
 def test_refusals_name_the_parameter(
