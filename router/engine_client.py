@@ -185,6 +185,14 @@ class EngineClient:
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen())
 
+    async def stop(self) -> None:
+        """Stop listening to the engine's deltas (the router is going away)."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
     async def generate(
         self,
         request: GenerateRequest,

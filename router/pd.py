@@ -76,9 +76,10 @@ class PrefillDecodeFlow:
             self._release(handle)
             yield first
             return
-        yield dataclasses.replace(first, finish_reason=None, stop_reason=None)
         consumed = False
         try:
+            # Inside the try: a client that leaves at the first token must free the KV too.
+            yield dataclasses.replace(first, finish_reason=None, stop_reason=None)
             decode_request = _decode_request(request, first, handle)
             async for chunk in decode.generate(decode_request, prefill_tokens=0):
                 consumed = True

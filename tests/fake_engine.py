@@ -1,0 +1,81 @@
+"""A scriptable EngineLink: the router's side of an engine without Ray or vLLM.
+
+It answers each submitted request with ``max_tokens`` tokens on its subscriber's delta
+stream, as an engine host would; a prefill request (``do_remote_decode``) gets a KV
+handle with its last delta, as the object-store connector's would. ``fail`` makes it
+end requests with a GenerateFailure instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deployments.engine import DeltaStreams
+from deployments.protocol import (
+    DeltaBatch,
+    EngineRole,
+    EngineStats,
+    GenerateChunk,
+    GenerateFailure,
+    GenerateRequest,
+)
+
+FIRST_TOKEN = 100
+
+
+class FakeEngineLink:
+    def __init__(self, name: str, role: EngineRole, consumer: str | None = None) -> None:
+        self.name = name
+        self.role = role
+        self.consumer = consumer
+        self.fail = False
+        self.submitted: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self._streams = DeltaStreams()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def submit(self, request: GenerateRequest) -> None:
+        self.submitted.append(request)
+        task = asyncio.get_running_loop().create_task(self._answer(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        return self._streams.stream(subscriber, lambda _: None)
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(replica=self.name, role=self.role, kv_consumer=self.consumer)
+
+    async def check_health(self) -> None:
+        return None
+
+    async def _answer(self, request: GenerateRequest) -> None:
+        outbox = self._streams.outbox(request.subscriber)
+        await asyncio.sleep(0)
+        if self.fail:
+            outbox.put_nowait((request.request_id, GenerateFailure(f"{self.name} failed")))
+            return
+        params = request.sampling_params
+        prefill = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        for index in range(params.max_tokens):
+            last = index == params.max_tokens - 1
+            handle = {"transfer_id": f"kv-{request.request_id}"} if prefill and last else None
+            chunk = GenerateChunk(
+                token_ids=[FIRST_TOKEN + len(request.prompt_token_ids) + index],
+                text="x",
+                finish_reason="length" if last else None,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                kv_transfer_params=handle,
+            )
+            outbox.put_nowait((request.request_id, chunk))
+            await asyncio.sleep(0)
+
+
+def handle_of(link: FakeEngineLink) -> dict[str, Any]:
+    """The KV handle this prefill link gave its last request."""
+    return {"transfer_id": f"kv-{link.submitted[-1].request_id}"}
