@@ -7,7 +7,7 @@ EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-fast lint
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ test: setup
 	# The dashboard tests run a real Prometheus: Debian's package, installed if missing.
 	$(VENV)/bin/python -m dashboards.prometheus --install-only
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Everything that needs no Ray cluster and no vLLM engine (the PD flow against fake
+# engine links, policies, configs, the load generator's parts): about a minute.
+test-fast: setup
+	$(VENV)/bin/python -m pytest -m "not serving" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
