@@ -504,8 +504,11 @@ def templating() -> dict[str, Any]:
                 "refresh": 1,
             },
             _variable("run", "load generator run", "label_values(loadgen_requests_total, run)"),
+            # A histogram has no series under its bare name: its _count has them all.
             _variable(
-                "mode", "router mode", "label_values(splitserve_e2e_request_latency_seconds, mode)"
+                "mode",
+                "router mode",
+                "label_values(splitserve_e2e_request_latency_seconds_count, mode)",
             ),
             _variable(
                 "replica", "engine replica", "label_values(vllm:num_requests_running, replica)"

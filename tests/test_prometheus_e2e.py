@@ -178,6 +178,28 @@ def test_every_dashboard_query_returns_data(settled: list[tuple[str, str]]) -> N
     )
 
 
+VARIABLE_QUERY = re.compile(r"label_values\((?P<metric>[^,]+),\s*(?P<label>\w+)\)")
+
+
+def test_every_template_variable_has_values(stack: tuple, settled: list) -> None:
+    """Grafana fills each dropdown with label_values(metric, label): ask Prometheus alike."""
+    _, prometheus, _ = stack
+    empty = []
+    for variable in build_dashboard()["templating"]["list"]:
+        found = VARIABLE_QUERY.fullmatch(str(variable.get("definition", "")))
+        if found is None:
+            continue
+        response = httpx.get(
+            f"{prometheus.url}/api/v1/label/{found['label']}/values",
+            params={"match[]": found["metric"]},
+            timeout=10,
+        )
+        response.raise_for_status()
+        if not response.json()["data"]:
+            empty.append(f"${variable['name']}: {variable['definition']}")
+    assert not empty, "template variables with no values:\n" + "\n".join(empty)
+
+
 def _scraped_names(prometheus: RunningPrometheus) -> set[str]:
     response = httpx.get(f"{prometheus.url}/api/v1/label/__name__/values", timeout=10)
     response.raise_for_status()
