@@ -287,6 +287,37 @@ def load_app_config(path: Path | str, app_index: int = 0) -> AppConfig:
     return parse_app_config(args, origin=f"{path}: applications[{app_index}].args")
 
 
+# Names of the Serve deployments that host engines when they run apart from the router.
+ENGINE_DEPLOYMENT_PREFIXES = ("engine-", "prefill-", "decode-")
+# Serve settings that would give an engine deployment more (or fewer) than one replica.
+REPLICA_COUNT_OVERRIDES = ("num_replicas", "autoscaling_config", "max_replicas_per_node")
+
+
+def refuse_engine_overrides(path: Path | str) -> None:
+    """Refuse a Serve YAML that scales an engine deployment by Serve's own overrides.
+
+    The router addresses each engine deployment by name and holds one long-lived delta
+    stream to it: a second replica behind that name would take submits whose deltas
+    travel on the other replica's stream. Engine counts belong in ``pools[].replicas``.
+    """
+    document = yaml.safe_load(Path(path).read_text()) or {}
+    problems = []
+    for index, application in enumerate(document.get("applications") or []):
+        for deployment in application.get("deployments") or []:
+            name = str(deployment.get("name", ""))
+            if not name.startswith(ENGINE_DEPLOYMENT_PREFIXES):
+                continue
+            for key in REPLICA_COUNT_OVERRIDES:
+                if key in deployment:
+                    problems.append(
+                        f"  - applications[{index}].deployments[{name}].{key}: engine"
+                        " deployments are scaled by args.pools[].replicas (each engine"
+                        " replica is its own deployment), not by Serve overrides"
+                    )
+    if problems:
+        raise ConfigError("\n".join([f"invalid splitserve config in {path}:", *problems]))
+
+
 def _describe(error: ValidationError, origin: str) -> str:
     lines = [f"invalid splitserve config in {origin}:"]
     for problem in error.errors():

@@ -404,5 +404,17 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 class EngineReplica(EngineHost):
     """A Serve replica that owns one engine host: the router reaches it through Ray."""
 
+    def __init__(self, spec: dict[str, Any]) -> None:
+        # A plain `serve run` applies a YAML's deployment overrides without our launcher,
+        # which refuses them: a second replica under one engine name would split submits
+        # from the router's one delta stream.
+        replicas = serve.get_replica_context().world_size
+        if replicas != 1:
+            raise ValueError(
+                f"engine deployment {spec.get('name')!r} has {replicas} Serve replicas;"
+                " scale engines by args.pools[].replicas, not by Serve overrides"
+            )
+        super().__init__(spec)
+
     def __del__(self) -> None:
         self.shutdown()

@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from deployments.config import refuse_engine_overrides
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 ENGINE_PROCESS_MARKERS = ("VLLM::", "EngineCore")
@@ -114,6 +116,7 @@ def wait_until_bindable(port: int, timeout_s: float = TIME_WAIT_S) -> None:
 
 def serve_command(path: Path, port: int = DEFAULT_PORT) -> tuple[list[str], dict[str, str]]:
     """``serve run`` of a config with direct ingress on ``port``: argv and environment."""
+    refuse_engine_overrides(path)
     argv = [_serve_cli(), "run", str(direct_ingress_config(path, port))]
     return argv, cluster_env(port, router_replicas(path)) | dict(os.environ)
 
@@ -239,6 +242,7 @@ def serve_run(
     if direct_ingress:
         argv, env = serve_command(path, port)
     else:
+        refuse_engine_overrides(path)
         argv, env = [_serve_cli(), "run", str(path)], dict(os.environ)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address

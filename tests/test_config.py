@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from deployments.app import engine_names, engine_process_env
-from deployments.config import AppConfig, ConfigError, load_app_config, parse_app_config
+from deployments.config import (
+    AppConfig,
+    ConfigError,
+    load_app_config,
+    parse_app_config,
+    refuse_engine_overrides,
+)
 
 DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 
@@ -180,3 +187,22 @@ def test_the_router_hosts_engines_unless_told_not_to(
     args = load_app_config(DEPLOYMENTS / f"{name}.yaml").model_dump()
     args["router"]["engine_in_router"] = setting
     assert parse_app_config(args).hosts_engines_in_router is in_router
+
+
+@pytest.mark.parametrize("override", [{"num_replicas": 2}, {"autoscaling_config": {}}])
+def test_serve_overrides_of_an_engine_deployment_are_refused(
+    tmp_path: Path, override: dict
+) -> None:
+    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
+    document["applications"][0]["deployments"] = [
+        {"name": "Router", "num_replicas": 2},  # routers may be scaled
+        {"name": "engine-0", **override},
+    ]
+    path = tmp_path / "dp-scaled-engine.yaml"
+    path.write_text(yaml.safe_dump(document))
+    with pytest.raises(ConfigError) as raised:
+        refuse_engine_overrides(path)
+    assert "deployments[engine-0]" in str(raised.value)
+    assert "args.pools[].replicas" in str(raised.value)
+    for name in ("single", "dp", "pd"):
+        refuse_engine_overrides(DEPLOYMENTS / f"{name}.yaml")  # the shipped ones pass
