@@ -54,6 +54,7 @@ from loadgen.sweep import (
     SweepConfig,
     run_sweep,
 )
+from loadgen.vllm_result import write_vllm_result
 from loadgen.workloads import load_trace
 
 SUBCOMMANDS = ("run", "sweep", "demo", "fake-server", "trace-stats", "report")
@@ -132,8 +133,12 @@ def _add_workload_options(parser: argparse.ArgumentParser, single: bool = True) 
             choices=WORKLOAD_NAMES,
             help="default: general, or T-burst-replay with --trace",
         )
-        group.add_argument("--input-len", type=int, help="custom workload: prompt tokens")
-        group.add_argument("--output-len", type=int, help="custom workload: output tokens")
+        group.add_argument(
+            "--input-len", "--random-input-len", type=int, help="custom workload: prompt tokens"
+        )
+        group.add_argument(
+            "--output-len", "--random-output-len", type=int, help="custom workload: output tokens"
+        )
         group.add_argument(
             "--spread",
             type=float,
@@ -174,6 +179,7 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     group = parser.add_argument_group("load")
     group.add_argument(
         "--qps",
+        "--request-rate",
         type=_float_list,
         default=_float_list(qps_default),
         help=f"request rates, comma-separated; inf = unlimited (default {qps_default})",
@@ -193,6 +199,7 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     group.add_argument(
         "--num-requests",
+        "--num-prompts",
         type=int,
         default=STUDY_REQUESTS_PER_CELL,
         help="measured requests per run (the study: 200)",
@@ -233,7 +240,9 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
         default=0.5,
         help="seconds between /metrics samples during a run",
     )
-    group.add_argument("--out", type=Path, help="output folder (default results/loadgen/<time>)")
+    group.add_argument(
+        "--out", "--result-dir", type=Path, help="output folder (default results/loadgen/<time>)"
+    )
     group.add_argument("--run-name", help="name of the run's files (one QPS only)")
     group.add_argument("--no-progress", action="store_true", help="no live progress display")
     group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -449,6 +458,7 @@ def command_run(argv: list[str], console: Console) -> int:
     print_run_table(console, results)
     for result in results:
         console.print(f"records: {write_run_json(result, out)}")
+        console.print(f"vLLM-format result: {write_vllm_result(result, out)}")
         if not args.no_plots:
             console.print(f"plot: {plot_run(result, out / f'{result.run_id}.png')}")
     console.print(

@@ -27,6 +27,7 @@ from loadgen.launcher import (
 )
 from loadgen.report import plot_run, print_run_table, summary_row, write_run_json, write_summary_csv
 from loadgen.runner import execute_run
+from loadgen.vllm_result import write_vllm_result
 
 DEMO_CONFIG = "pd"
 DEMO_REQUESTS = 60
@@ -75,6 +76,7 @@ def run_demo(options: DemoOptions, console: Console) -> Path:
         console.print("stopping the application and its engines...")
     print_run_table(console, [result])
     json_path = write_run_json(result, options.out_dir)
+    write_vllm_result(result, options.out_dir)
     write_summary_csv([summary_row(result)], options.out_dir / "summary.csv")
     plot_path = plot_run(result, options.out_dir / f"{result.run_id}.png")
     console.print(f"every request: {json_path}")

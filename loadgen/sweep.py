@@ -47,6 +47,7 @@ from loadgen.report import (
     write_sweep_markdown,
 )
 from loadgen.runner import RunError, RunResult, execute_run
+from loadgen.vllm_result import write_vllm_result
 from loadgen.workloads import load_trace
 
 STUDY_MODES = ("tp", "pp", "dp", "pd_always")
@@ -206,6 +207,7 @@ def figure_qps(sweep: SweepConfig) -> str:
 
 def _save_cell(run: RunResult, runs_dir: Path, plot: bool) -> None:
     write_run_json(run, runs_dir)
+    write_vllm_result(run, runs_dir)
     if plot:
         plot_run(run, runs_dir / f"{run.run_id}.png")
 

@@ -65,13 +65,38 @@ def test_run_writes_json_csv_and_plots(server: str, tmp_path: Path) -> None:
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
         "fake-custom-64x8-qps40.json", "fake-custom-64x8-qps40.png",
-        "fake-custom-64x8-qpsinf.json", "fake-custom-64x8-qpsinf.png", "summary.csv",
+        "fake-custom-64x8-qps40.vllm.json",
+        "fake-custom-64x8-qpsinf.json", "fake-custom-64x8-qpsinf.png",
+        "fake-custom-64x8-qpsinf.vllm.json", "summary.csv",
     ]  # fmt: skip
     rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
     assert [row["qps"] for row in rows] == ["40", "inf"]
     assert all(row["completed"] == "12" for row in rows)
     document = json.loads((tmp_path / "fake-custom-64x8-qps40.json").read_text())
     assert sum(not r["warmup"] for r in document["requests"]) == 12
+
+
+def test_vllm_bench_flag_names_and_result_shape(server: str, tmp_path: Path) -> None:
+    """`vllm bench serve`'s flags work as they are, and its --save-result keys come out."""
+    result = loadgen(
+        "--base-url", server, "--random-input-len", "32", "--random-output-len", "6",
+        "--request-rate", "50", "--num-prompts", "10", "--result-dir", str(tmp_path),
+        "--no-progress", "--no-plots",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    ours = json.loads((tmp_path / "fake-custom-32x6-qps50.json").read_text())
+    theirs = json.loads((tmp_path / "fake-custom-32x6-qps50.vllm.json").read_text())
+    assert theirs["num_prompts"] == 10 and theirs["completed"] == 10
+    assert theirs["request_rate"] == 50 and theirs["total_output_tokens"] == 60
+    assert len(theirs["ttfts"]) == len(theirs["itls"]) == 10
+    assert all(len(gaps) == 5 for gaps in theirs["itls"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for figure in ("mean", "median", "std", "p99"):
+            assert f"{figure}_{metric}_ms" in theirs
+    # The same requests in both files, seconds against milliseconds.
+    row = ours["summary_row"]
+    assert theirs["median_ttft_ms"] == pytest.approx(row["ttft_p50_ms"], rel=0.05)
+    assert theirs["output_throughput"] == pytest.approx(row["output_token_throughput"])
 
 
 def test_offline_trace_error_names_trace_file(tmp_path: Path) -> None:
