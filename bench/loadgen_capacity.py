@@ -11,17 +11,21 @@ side with vLLM's benchmark client (``vllm.benchmarks.serve``) on the same server
             ours). vLLM's client does not record its schedule; for both clients the lag
             is also given relative to the first request (send_i - send_0 - i / rate).
 
+Beside them, at capacity only: the same streams from a plain client on httpx and on
+aiohttp (no schedule, no statistics), what writing loadgen on either would start from.
+
 Every client run is its own process; runs alternate between the clients and repeat
 ``--repeats`` times, and the table shows medians (the machine may be shared).
 Targets: at least twice vLLM's client's rate, p99 lag under 5 ms at 200 req/s.
 
     python bench/loadgen_capacity.py [--repeats 3] [--requests 3000]
-                                     [--out results/loadgen_capacity.json]
+        [--clients ours,vllm,httpx,aiohttp] [--out results/loadgen_capacity.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import math
@@ -37,6 +41,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from rich.console import Console
 from rich.table import Table
 
@@ -47,6 +52,7 @@ LAG_REQUESTS = 2000
 SHAPES = {"general": (1024, 128), "short": (128, 16)}
 TARGET_RATIO = 2.0
 TARGET_LAG_P99_MS = 5.0
+CLIENTS = ("ours", "vllm", "httpx", "aiohttp")
 console = Console(width=120)
 
 
@@ -120,6 +126,73 @@ def worker_vllm(base_url: str, kind: str, shape: str, requests: int) -> dict[str
     }
 
 
+async def _plain_client_run(
+    base_url: str, shape: str, requests: int, stream_one: Any, session: Any
+) -> dict[str, Any]:
+    """``requests`` streamed completions, CONCURRENCY in flight, each read timed per chunk
+    as loadgen times its reads: what a hand-written client on a library would cost."""
+    input_len, output_len = SHAPES[shape]
+    body = {
+        "model": "fake-model", "prompt": [1] * input_len, "max_tokens": output_len,
+        "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    url = f"{base_url}/v1/completions"
+    remaining, failed = iter(range(requests)), 0
+
+    async def lane() -> None:
+        nonlocal failed
+        for _ in remaining:
+            try:
+                await stream_one(session, url, body)
+            except Exception:
+                failed += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(CONCURRENCY)))
+    duration = time.perf_counter() - started
+    return {
+        "completed": requests - failed,
+        "failed": failed,
+        "request_throughput": (requests - failed) / duration,
+        "lag_ms": [],
+        "relative_lag_ms": [],
+    }
+
+
+async def _httpx_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for _ in response.aiter_raw():
+            time.perf_counter()
+
+
+async def _aiohttp_stream(session: Any, url: str, body: dict[str, Any]) -> None:
+    async with session.post(url, json=body) as response:
+        response.raise_for_status()
+        async for _ in response.content.iter_any():
+            time.perf_counter()
+
+
+def worker_httpx(base_url: str, shape: str, requests: int) -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await _plain_client_run(base_url, shape, requests, _httpx_stream, client)
+
+    return asyncio.run(run())
+
+
+def worker_aiohttp(base_url: str, shape: str, requests: int) -> dict[str, Any]:
+    import aiohttp
+
+    async def run() -> dict[str, Any]:
+        connector = aiohttp.TCPConnector(limit=CONCURRENCY)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            return await _plain_client_run(base_url, shape, requests, _aiohttp_stream, session)
+
+    return asyncio.run(run())
+
+
 def _relative_lag_ms(sent: list[float], rate: float) -> list[float]:
     if not sent:
         return []
@@ -181,12 +254,12 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": p50, "p99": p99}
 
 
-def measure(base_url: str, repeats: int, requests: int) -> dict[str, Any]:
+def measure(base_url: str, repeats: int, requests: int, clients: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {"capacity": {}, "lag": {}}
     for shape in SHAPES:
-        rates: dict[str, list[float]] = {"ours": [], "vllm": []}
+        rates: dict[str, list[float]] = {client: [] for client in clients}
         for repeat in range(repeats):
-            for client in ("ours", "vllm") if repeat % 2 == 0 else ("vllm", "ours"):
+            for client in clients if repeat % 2 == 0 else clients[::-1]:
                 outcome = run_worker(client, base_url, "capacity", shape, requests)
                 if outcome["failed"]:
                     raise RuntimeError(f"{client} had {outcome['failed']} failed requests")
@@ -230,6 +303,17 @@ def print_tables(results: dict[str, Any]) -> None:
             "yes" if ratio >= TARGET_RATIO else "NO",
         )
     console.print(table)
+    libraries = [c for c in ("httpx", "aiohttp") if c in next(iter(results["capacity"].values()))]
+    if libraries:
+        plain = Table(title="the same load from a plain client on a library (req/s, median)")
+        for column in ("shape", "loadgen (httpcore)", *libraries):
+            plain.add_column(column, justify="right")
+        for shape, by_client in results["capacity"].items():
+            plain.add_row(
+                shape,
+                *(f"{by_client[c]['median']:,.0f}" for c in ("ours", *libraries)),
+            )
+        console.print(plain)
     lag = Table(title=f"send lag at {LAG_RATE:g} req/s, general shape (ms)")
     for column in ("client", "done", "p50", "p99", "p50 rel. first", "p99 rel. first",
                    f"p99 < {TARGET_LAG_P99_MS:g} ms"):  # fmt: skip
@@ -254,7 +338,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=3000, help="per capacity run")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "loadgen_capacity.json")
-    parser.add_argument("--worker", choices=("ours", "vllm"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--clients",
+        default="ours,vllm,httpx,aiohttp",
+        help="capacity clients; ours and vllm are required for the ratio",
+    )
+    parser.add_argument("--worker", choices=CLIENTS, help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     parser.add_argument("--kind", choices=("capacity", "lag"), help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=tuple(SHAPES), help=argparse.SUPPRESS)
@@ -270,8 +359,15 @@ def main() -> None:
     if args.worker == "vllm":
         print(json.dumps(worker_vllm(args.base_url, args.kind, args.shape, args.requests)))
         return
+    if args.worker in ("httpx", "aiohttp"):
+        worker = worker_httpx if args.worker == "httpx" else worker_aiohttp
+        print(json.dumps(worker(args.base_url, args.shape, args.requests)))
+        return
+    clients = args.clients.split(",")
+    if not {"ours", "vllm"} <= set(clients) or not set(clients) <= set(CLIENTS):
+        parser.error(f"--clients: ours and vllm, plus any of {', '.join(CLIENTS)}")
     with fake_server() as base_url:
-        results = measure(base_url, args.repeats, args.requests)
+        results = measure(base_url, args.repeats, args.requests, clients)
     print_tables(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

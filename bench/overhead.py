@@ -9,7 +9,9 @@ The same workload (random 512-token prompts, 64 output tokens with ignore_eos, P
   (c) ray.serve.llm's build_openai_app,
   (d) the same YAML through a plain `serve run` (Serve's proxy in front of the router),
   (e) (b) with the engine in its own replica (router.engine_in_router: false), to size
-      the router-to-engine hop (docs/DECISIONS.md).
+      the router-to-engine hop (docs/DECISIONS.md),
+  (f) (c) under (b)'s settings: the 2 real CPUs, direct ingress, replicas on their main
+      loop, a fractional placement group; (g) the same with its stream batching off.
 Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON, with the share of a
 core each serving process used during the run (where the time goes). The bare server
 and the client run at Ray's worker niceness (15), as the serving processes of (b) and
@@ -36,13 +38,16 @@ from typing import Any
 
 import httpx
 import numpy as np
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from rich.console import Console
 from rich.table import Table
 
+from deployments.app import SERVE_REPLICA_ENV
 from deployments.launcher import (
     RAY_WORKER_NICENESS,
     REPO_ROOT,
+    cluster_env,
     default_sigint,
     descendant_engine_pids,
     engine_pids,
@@ -147,28 +152,50 @@ def bare_vllm(
 
 
 @contextlib.contextmanager
-def ray_serve_llm() -> Iterator[str]:
-    with background([sys.executable, __file__, "--serve-ray-llm"], "ray-serve-llm") as process:
+def ray_serve_llm(like_ours: bool = False, batching_ms: float | None = None) -> Iterator[str]:
+    command = [sys.executable, __file__, "--serve-ray-llm"]
+    if like_ours:
+        command.append("--like-ours")
+    if batching_ms is not None:
+        command += ["--stream-batching-ms", str(batching_ms)]
+    with background(command, "ray-serve-llm") as process:
         wait_health(process, "http://127.0.0.1:8000/v1/models")
         yield "http://127.0.0.1:8000"
 
 
-def serve_ray_llm_forever() -> None:
-    """Child process of case (c): ray.serve.llm's own OpenAI app on the embedded model."""
+def serve_ray_llm_forever(like_ours: bool, batching_ms: float | None) -> None:
+    """Child process of cases (c), (f), (g): ray.serve.llm's OpenAI app, embedded model.
+
+    ``like_ours``: (b)'s settings: a cluster of the real 2 CPUs with Serve's direct
+    ingress, replicas on their main loop, and LLMServer's placement group asking for a
+    tenth of a CPU instead of whole ones. ``batching_ms``: its stream batching interval
+    (``experimental_configs.stream_batching_interval_ms``; its default is 50 ms).
+    """
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    # LLMServer's placement groups ask for whole CPUs: give Ray more than the 2 cores.
-    ray.init(num_cpus=8, include_dashboard=False)
+    extra: dict[str, Any] = {}
+    if like_ours:
+        os.environ.update(cluster_env(8000))  # read where the cluster starts: here
+        ray.init(num_cpus=2, include_dashboard=False)
+        serve.start(http_options={"port": 8000 + 1})  # the proxy leaves 8000 to the ingress
+        extra["placement_group_config"] = {"bundles": [{"CPU": 0.1}]}
+    else:
+        # LLMServer's placement groups ask for whole CPUs: give Ray more than the 2 cores.
+        ray.init(num_cpus=8, include_dashboard=False)
+    if batching_ms is not None:
+        extra["experimental_configs"] = {"stream_batching_interval_ms": batching_ms}
+    env = {**ENGINE_ENV, **(SERVE_REPLICA_ENV if like_ours else {})}
     config = LLMConfig(
+        **extra,
         model_loading_config={
             "model_id": EMBEDDED_MODEL_NAME,
             "model_source": str(embedded_model_path()),
         },
         accelerator_config={"kind": "cpu"},
         engine_kwargs={"max_model_len": 4096, "enforce_eager": True, "dtype": DTYPE},
-        runtime_env={"env_vars": ENGINE_ENV},
+        runtime_env={"env_vars": env},
         deployment_config={"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}},
     )
     serve.run(build_openai_app({"llm_configs": [config]}), blocking=False)
@@ -237,6 +264,11 @@ CASES = {
         lambda: serve_run_url(direct_ingress=False),
     ),
     "e": ("(b) with the engine in its own replica", lambda: engines_apart_url()),
+    "f": ("(c) under (b)'s settings", lambda: ray_serve_llm(like_ours=True)),
+    "g": (
+        "(f) with stream batching off (0 ms)",
+        lambda: ray_serve_llm(like_ours=True, batching_ms=0),
+    ),
 }
 SINGLE_YAML = REPO_ROOT / "deployments" / "single.yaml"
 
@@ -293,9 +325,11 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=4.0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "overhead.json")
     parser.add_argument("--serve-ray-llm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--like-ours", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stream-batching-ms", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_ray_llm:
-        serve_ray_llm_forever()
+        serve_ray_llm_forever(args.like_ours, args.stream_batching_ms)
         return
     results: dict[str, dict[str, Any]] = {}
     for key in args.only.split(","):

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from overhead import (
     background,
     bare_vllm,

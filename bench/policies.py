@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from rich.console import Console
 from rich.table import Table
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from overhead import cpu_seconds_by_role
 from rich.console import Console
