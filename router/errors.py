@@ -25,6 +25,9 @@ class OpenAIError(Exception):
         param: str | None = None,
         retry_after_s: float | None = None,
     ) -> None:
+        # Client text quoted in a message may hold lone surrogates ("\udcff" is valid
+        # JSON), which UTF-8 cannot encode: escape them, or rendering fails with a 500.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message = message
         self.status = status

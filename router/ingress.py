@@ -57,9 +57,22 @@ app = FastAPI(title="splitserve router")
 async def _json_body(raw: Request) -> Any:
     body = await raw.body()
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"malformed JSON in the request body: {error}") from None
+    # Valid UTF-8 bytes can still spell a lone UTF-16 surrogate as a \u escape, which no
+    # tokenizer or UTF-8 writer takes; the byte test keeps the full check off most bodies.
+    if b"\\ud" in body.lower() and not _encodable(parsed):
+        raise bad_request("the request holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    return parsed
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @serve.deployment(max_ongoing_requests=4096)

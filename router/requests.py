@@ -53,6 +53,9 @@ class PreparedRequest:
 def parse_request(model_cls: type[OpenAIRequest], body: Any) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if model_cls is ChatCompletionRequest and not isinstance(body.get("messages"), list):
+        # vLLM's validators iterate it before pydantic checks its type (a TypeError).
+        raise bad_request("'messages' must be a list of message objects", "messages")
     try:
         return model_cls.model_validate(body)
     except ValidationError as error:
@@ -61,6 +64,9 @@ def parse_request(model_cls: type[OpenAIRequest], body: Any) -> OpenAIRequest:
         raise bad_request(f"invalid value for '{param}': {first['msg']}", param) from None
     except VLLMValidationError as error:
         raise _from_vllm(error) from None
+    except (TypeError, ValueError) as error:
+        # A validator of vLLM's that met a shape it did not expect: still the client's.
+        raise bad_request(f"invalid request: {error}") from None
 
 
 def _from_vllm(error: VLLMValidationError) -> OpenAIError:
@@ -174,6 +180,12 @@ class PromptBuilder:
 def _plain_message(message: Any, index: int) -> dict[str, str]:
     role = message.get("role")
     content = message.get("content")
+    if content is None and role != "assistant":
+        # OpenAI's API requires it (vLLM's server would template an empty message).
+        raise bad_request(
+            f"messages[{index}]: 'content' is required for role {role!r}",
+            f"messages.{index}.content",
+        )
     if isinstance(content, str) or content is None:
         return {"role": role, "content": content or ""}
     texts = []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from http import HTTPStatus
+
 import pytest
 from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -9,6 +12,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from deployments.tiny_model import embedded_model_path
 from router.errors import OpenAIError
+from router.ingress import _json_body
 from router.requests import PromptBuilder, parse_request
 
 MAX_MODEL_LEN = 64
@@ -80,3 +84,38 @@ def test_stream_options(prompts: PromptBuilder) -> None:
     )
     assert prepared.stream and prepared.include_usage
     assert not prompts.prepare(_completion(prompt="a", stream_options=None)).include_usage
+
+
+@pytest.mark.parametrize("messages", [None, 0, -1, 10**30, "hi", {"role": "user"}])
+def test_messages_that_are_not_a_list_are_a_400(messages: object) -> None:
+    with pytest.raises(OpenAIError) as raised:
+        parse_request(ChatCompletionRequest, {"model": "m", "messages": messages})
+    assert raised.value.status == 400 and raised.value.param == "messages"
+
+
+def test_a_user_message_without_content_is_a_400_as_openai_answers(
+    prompts: PromptBuilder,
+) -> None:
+    request = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user"}]})
+    with pytest.raises(OpenAIError) as raised:
+        prompts.prepare(request)
+    assert raised.value.param == "messages.0.content"
+
+
+def test_lone_surrogates_are_a_400_and_errors_quoting_them_render() -> None:
+    body = b'{"model": "\\udcff", "prompt": "a \\ud83d\\ude00 is fine"}'
+    with pytest.raises(OpenAIError) as raised:
+        asyncio.run(_json_body(_RawBody(body)))
+    assert raised.value.status == 400 and "surrogate" in raised.value.message
+    paired = b'{"model": "m", "prompt": "a \\ud83d\\ude00 is fine"}'
+    assert asyncio.run(_json_body(_RawBody(paired)))["prompt"] == "a \U0001f600 is fine"
+    error = OpenAIError("The model '\udcff' does not exist", HTTPStatus.NOT_FOUND, "model")
+    assert b"\\\\udcff" in error.response().body
+
+
+class _RawBody:
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def body(self) -> bytes:
+        return self._body
