@@ -19,22 +19,25 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from local_ports import free_port
-
-from deployments.launcher import cluster_env, niced_like_ray_workers
-
-# Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
-# this variable, so the final check finds exactly ours, orphans included.
-SESSION_MARKER = "SPLITSERVE_TEST_SESSION"
 
 # The session's cluster uses token authentication, with a token of its own: a fresh
 # machine has no ~/.ray/auth_token, and `ray start` in token mode refuses to start
 # without one. Ray reads these variables once, when this process first imports it, so
-# they are set before any test module does; every client of the session (`serve run`,
-# the state API) inherits them.
+# they are set before anything imports Ray (deployments.launcher does, through
+# deployments.config); every client of the session (`serve run`, the state API)
+# inherits them.
+assert "ray" not in sys.modules, "Ray was imported before the tests chose its auth mode"
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+from local_ports import free_port  # noqa: E402
+
+from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
+
+# Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
+# this variable, so the final check finds exactly ours, orphans included.
+SESSION_MARKER = "SPLITSERVE_TEST_SESSION"
 
 
 def _session_pids(token: str) -> set[int]:

@@ -66,19 +66,20 @@ def dashboard() -> Iterator[str]:
     saved = {key: os.environ.get(key) for key in ("RAY_ADDRESS", *ENGINE_ENV)}
     os.environ.pop("RAY_ADDRESS", None)
     os.environ.update(ENGINE_ENV)
-    context = ray.init(
-        address="local",  # a new cluster, even if another one is running on this machine
-        num_cpus=4,
-        include_dashboard=True,
-        dashboard_port=free_port(),
-        namespace=NAMESPACE,
-        log_to_driver=False,
-    )
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # for engine processes
-    try:
+    try:  # a failed start must not leave this environment to the modules after this one
+        context = ray.init(
+            address="local",  # a new cluster, even if another one is running on this machine
+            num_cpus=4,
+            include_dashboard=True,
+            dashboard_port=free_port(),
+            namespace=NAMESPACE,
+            log_to_driver=False,
+        )
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # for engines
         yield f"http://{context.dashboard_url}"
     finally:
-        shutdown_kv_directory(NAMESPACE)
+        if ray.is_initialized():
+            shutdown_kv_directory(NAMESPACE)
         ray.shutdown()
         for key, value in saved.items():
             if value is None:
