@@ -346,7 +346,7 @@ class EngineHost:
             raise
         except Exception as error:
             logger.exception("request %s failed", request.request_id)
-            failure = GenerateFailure(f"{type(error).__name__}: {error}")
+            failure = GenerateFailure(f"{type(error).__name__}: {error}", engine_dead=self.dead)
             outbox.put_nowait((request.request_id, failure))
 
     def stats(self) -> EngineStats:

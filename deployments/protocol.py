@@ -45,6 +45,8 @@ class GenerateFailure:
     """The engine could not finish a request; ends that request's deltas."""
 
     message: str
+    # The engine itself died: the request may be sent again (to it once restarted).
+    engine_dead: bool = False
 
 
 # One item of an engine's delta stream: every (request id, delta) ready since the last.

@@ -37,6 +37,11 @@ class EngineFailed(RuntimeError):
     """The engine replica failed the request or went away while it ran."""
 
 
+class EngineUnavailable(EngineFailed):
+    """The engine did not take the request (dead, restarting, or too slow to accept) or
+    died under it: before a first token, the client may send it again as it is (503)."""
+
+
 class EngineLink(Protocol):
     """How the router reaches one engine: the calls of deployments.engine.EngineHost."""
 
@@ -130,7 +135,7 @@ class LocalEngineLink:
             return host
         if self._restarting is None and not self.gave_up:
             self._restarting = asyncio.get_running_loop().create_task(self._restart())
-        raise EngineFailed(f"the engine of {self._name} died; a new one is starting")
+        raise EngineUnavailable(f"the engine of {self._name} died; a new one is starting")
 
     async def _restart(self) -> None:
         dead, self._host = self._host, None
@@ -219,7 +224,7 @@ class EngineClient:
                 await asyncio.wait_for(self._link.submit(request), self._submit_timeout_s)
             except TimeoutError:
                 self.healthy = False
-                raise EngineFailed(f"{self.name} did not accept the request in time") from None
+                raise EngineUnavailable(f"{self.name} did not accept the request in time") from None
             if on_accepted is not None:
                 on_accepted()
             async for item in self._deltas(queue, ticket):
@@ -246,7 +251,7 @@ class EngineClient:
         while True:
             item = await queue.get()
             if isinstance(item, GenerateFailure):
-                raise EngineFailed(item.message)
+                raise (EngineUnavailable if item.engine_dead else EngineFailed)(item.message)
             if item.token_ids:
                 now = time.perf_counter()
                 if last_token_at is None:

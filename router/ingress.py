@@ -35,6 +35,7 @@ from router.engine_client import (
     EngineClient,
     EngineFailed,
     EngineLink,
+    EngineUnavailable,
     LocalEngineLink,
     ServeEngineLink,
 )
@@ -303,10 +304,7 @@ class Router:
         except Exception as error:  # the engine failed mid-request
             names = "+".join(replica.name for replica in dispatch.replicas)
             logger.exception("a request failed on %s", names)
-            failure = OpenAIError(
-                f"the engine replica failed ({names}): {error}",
-                HTTPStatus.INTERNAL_SERVER_ERROR,
-            )
+            failure = self._failure(error, names, started=bool(transcript.token_ids))
             if not prepared.stream:
                 raise failure from error
             yield writer.error_event(failure)
@@ -316,6 +314,18 @@ class Router:
             await stream.aclose()
             outcome = dispatch.outcome
             self._metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
+
+    def _failure(self, error: Exception, names: str, started: bool) -> OpenAIError:
+        """503 with Retry-After where the engine never took the request, else 500."""
+        if isinstance(error, EngineUnavailable) and not started:
+            return OpenAIError(
+                f"the engine replica is unavailable ({names}): {error}; retry",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                retry_after_s=self._config.router.submit_timeout_s,
+            )
+        return OpenAIError(
+            f"the engine replica failed ({names}): {error}", HTTPStatus.INTERNAL_SERVER_ERROR
+        )
 
     def _observe_prefix_estimate(self, dispatch: Dispatch, chunk: GenerateChunk) -> None:
         """Set the router's prefix-cache estimate beside what vLLM found, per replica."""
