@@ -306,7 +306,7 @@ def print_tables(results: dict[str, Any]) -> None:
     libraries = [c for c in ("httpx", "aiohttp") if c in next(iter(results["capacity"].values()))]
     if libraries:
         plain = Table(title="the same load from a plain client on a library (req/s, median)")
-        for column in ("shape", "loadgen (httpcore)", *libraries):
+        for column in ("shape", "loadgen (its transport.py)", *libraries):
             plain.add_column(column, justify="right")
         for shape, by_client in results["capacity"].items():
             plain.add_row(

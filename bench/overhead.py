@@ -11,7 +11,8 @@ The same workload (random 512-token prompts, 64 output tokens with ignore_eos, P
   (e) (b) with the engine in its own replica (router.engine_in_router: false), to size
       the router-to-engine hop (docs/DECISIONS.md),
   (f) (c) under (b)'s settings: the 2 real CPUs, direct ingress, replicas on their main
-      loop, a fractional placement group; (g) the same with its stream batching off.
+      loop, a fractional placement group, and Ray Serve LLM's direct streaming (its LLM
+      server as the ingress); (g) the same with its stream batching off.
 Prints TTFT and ITL p50/p99 with ratios to (a) and saves JSON, with the share of a
 core each serving process used during the run (where the time goes). The bare server
 and the client run at Ray's worker niceness (15), as the serving processes of (b) and
@@ -168,9 +169,14 @@ def serve_ray_llm_forever(like_ours: bool, batching_ms: float | None) -> None:
 
     ``like_ours``: (b)'s settings: a cluster of the real 2 CPUs with Serve's direct
     ingress, replicas on their main loop, and LLMServer's placement group asking for a
-    tenth of a CPU instead of whole ones. ``batching_ms``: its stream batching interval
+    tenth of a CPU instead of whole ones; and Ray Serve LLM's direct streaming (the LLM
+    server itself is the ingress). ``batching_ms``: its stream batching interval
     (``experimental_configs.stream_batching_interval_ms``; its default is 50 ms).
     """
+    if like_ours:
+        # Its own fast path: the LLM server is the ingress, no OpenAiIngress hop (read
+        # when ray.serve.llm is imported).
+        os.environ["RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"] = "1"
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
