@@ -95,7 +95,7 @@ def worker_vllm(base_url: str, kind: str, shape: str, requests: int) -> dict[str
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from deployments.tiny_model import embedded_model_path
+    from engines.tiny_model import embedded_model_path
 
     input_len, output_len = SHAPES[shape]
     rate = "inf" if kind == "capacity" else str(LAG_RATE)
@@ -306,7 +306,7 @@ def print_tables(results: dict[str, Any]) -> None:
     libraries = [c for c in ("httpx", "aiohttp") if c in next(iter(results["capacity"].values()))]
     if libraries:
         plain = Table(title="the same load from a plain client on a library (req/s, median)")
-        for column in ("shape", "loadgen (its transport.py)", *libraries):
+        for column in ("shape", "loadgen", *libraries):
             plain.add_column(column, justify="right")
         for shape, by_client in results["capacity"].items():
             plain.add_row(

@@ -1,7 +1,7 @@
-"""The streaming OpenAI client: one httpx connection pool, one timestamp per network read.
+"""The streaming OpenAI client: one aiohttp connection pool, one timestamp per network read.
 
-A request's JSON body and httpx ``Request`` are built before the run starts, so the
-send path does no encoding. While a response streams, the client only stores each
+A request's JSON body is built before the run starts, so the send path does no
+encoding. While a response streams, the client only stores each
 read with ``time.perf_counter()``; turning reads into tokens (``loadgen.sse``) happens
 once the stream has ended, off the timing-critical path.
 
@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
+import aiohttp
 
 from loadgen.sse import read_stream
-from loadgen.transport import make_transport
 
 Endpoint = Literal["completions", "chat"]
 Outcome = Literal["pending", "ok", "rejected", "error"]
@@ -106,7 +105,13 @@ def build_payload(
 
 
 class StreamingClient:
-    """httpx ``AsyncClient`` whose pool holds ``max_connections`` keep-alive connections."""
+    """One aiohttp session whose pool holds ``max_connections`` keep-alive connections.
+
+    aiohttp rather than a transport of our own: on loopback it streamed as many
+    requests per second as the hand-written one did (bench/loadgen_capacity.py,
+    docs/DECISIONS.md), and ``iter_any`` hands over everything one network read
+    brought, which is the unit this client times.
+    """
 
     def __init__(
         self,
@@ -117,54 +122,84 @@ class StreamingClient:
     ) -> None:
         self._timeouts = timeouts or ClientTimeouts()
         self._url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
-        self._http = httpx.AsyncClient(
-            base_url=base_url,
-            transport=make_transport(base_url, max_connections),
-            timeout=httpx.Timeout(
-                self._timeouts.read,
-                connect=self._timeouts.connect,
-                pool=self._timeouts.total,
-            ),
-        )
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
 
-    def prepare(self, payload: bytes) -> httpx.Request:
-        return self._http.build_request("POST", self._url, content=payload, headers=JSON_HEADERS)
+    def prepare(self, payload: bytes) -> bytes:
+        """What ``send`` takes: the encoded body (nothing else is per request)."""
+        return payload
 
-    async def send(self, request: httpx.Request, record: RequestRecord) -> None:
+    def _open_session(self) -> aiohttp.ClientSession:
+        # Created on first use: a session belongs to the event loop it was made in.
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
+                # Waiting for a pooled connection is bounded by `total`, not `connect`.
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=None,
+                    sock_connect=self._timeouts.connect,
+                    sock_read=self._timeouts.read,
+                ),
+                headers=JSON_HEADERS,
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._session
+
+    async def send(self, payload: bytes, record: RequestRecord) -> None:
         """Send, stream, classify; never raises for what a server or network can do."""
+        session = self._open_session()
         record.sent_at = time.perf_counter()
         reads: list[tuple[float, bytes]] = []
         try:
             async with asyncio.timeout(self._timeouts.total):
-                await self._stream(request, record, reads)
-        except TimeoutError:
-            _fail(record, "Timeout: no complete answer within the total timeout")
-        except httpx.TimeoutException as error:
-            _fail(record, f"{type(error).__name__}: {error}")
-        except (httpx.HTTPError, OSError) as error:
-            _fail(record, f"{type(error).__name__}: {error}")
+                await self._stream(session, payload, record, reads)
+        except (aiohttp.ClientError, OSError, TimeoutError) as error:
+            _fail(record, _describe_failure(error))
         record.done_at = time.perf_counter()
         if record.outcome == "pending" or reads:
             _finish_stream(record, reads)
 
     async def _stream(
-        self, request: httpx.Request, record: RequestRecord, reads: list[tuple[float, bytes]]
+        self,
+        session: aiohttp.ClientSession,
+        payload: bytes,
+        record: RequestRecord,
+        reads: list[tuple[float, bytes]],
     ) -> None:
-        response = await self._http.send(request, stream=True)
-        try:
-            record.status = response.status_code
-            if response.status_code != 200:
+        async with session.post(self._url, data=payload) as response:
+            record.status = response.status
+            if response.status != 200:
                 await _classify_refusal(response, record)
                 return
             append = reads.append
             clock = time.perf_counter
-            async for data in response.aiter_raw():
+            async for data in response.content.iter_any():
                 append((clock(), data))
-        finally:
-            await response.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+# The kinds a failed request is counted under (status_key), by aiohttp's exception.
+_FAILURE_KINDS: tuple[tuple[type[BaseException], str], ...] = (
+    (aiohttp.ConnectionTimeoutError, "ConnectTimeout"),
+    (aiohttp.SocketTimeoutError, "ReadTimeout"),
+    (aiohttp.ClientConnectorError, "ConnectError"),
+    (aiohttp.ServerDisconnectedError, "RemoteProtocolError"),
+    (aiohttp.ClientPayloadError, "RemoteProtocolError"),
+    (TimeoutError, "Timeout"),
+)
+
+
+def _describe_failure(error: BaseException) -> str:
+    kind = next((k for cls, k in _FAILURE_KINDS if isinstance(error, cls)), type(error).__name__)
+    if kind == "Timeout":
+        return "Timeout: no complete answer within the total timeout"
+    return f"{kind}: {error or type(error).__name__}"
 
 
 def _fail(record: RequestRecord, error: str) -> None:
@@ -172,14 +207,14 @@ def _fail(record: RequestRecord, error: str) -> None:
     record.error = error
 
 
-async def _classify_refusal(response: httpx.Response, record: RequestRecord) -> None:
-    body = (await response.aread())[:ERROR_BODY_LIMIT].decode(errors="replace")
-    if response.status_code in REJECTION_STATUSES:
+async def _classify_refusal(response: aiohttp.ClientResponse, record: RequestRecord) -> None:
+    body = (await response.read())[:ERROR_BODY_LIMIT].decode(errors="replace")
+    if response.status in REJECTION_STATUSES:
         record.outcome = "rejected"
         record.retry_after_s = _retry_after(response.headers.get("retry-after"))
     else:
         record.outcome = "error"
-    record.error = f"HTTP {response.status_code}: {body}"
+    record.error = f"HTTP {response.status}: {body}"
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -1,8 +1,8 @@
 """One run end to end: discover the model, plan the requests, warm up, send on
 schedule, collect every request's record and the server's view.
 
-The send path is kept short on purpose: bodies and httpx requests are built before
-the first send, the dispatcher only sleeps until the next scheduled time and starts
+The send path is kept short on purpose: request bodies are built before
+the first send, the sender only sleeps until the next scheduled time and starts
 a task, and results are turned into figures when each request ends.
 """
 
@@ -61,7 +61,7 @@ logger = logging.getLogger("loadgen.runner")
 DEFAULT_CONTEXT_TOKENS = 4096
 MAX_POOL_CONNECTIONS = 1024
 WARMUP_CONCURRENCY = 4
-START_LEAD_S = 0.02  # the schedule starts a moment after the dispatcher does
+START_LEAD_S = 0.02  # the schedule starts a moment after the sender does
 SPIN_BELOW_S = 0.002  # the last stretch before a send is spent yielding, not sleeping
 LIVE_TICK_S = 0.25
 CHAT_PROBE_CHARS = (64, 512)
@@ -93,7 +93,8 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
 
 
-PreparedItems = list[tuple[RequestRecord, httpx.Request]]
+# Each request's record and its encoded body, built before the first send.
+PreparedItems = list[tuple[RequestRecord, bytes]]
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def arrival_process(config: RunConfig, plan: WorkloadPlan) -> ArrivalProcess:
     )
 
 
-class Dispatcher:
+class ScheduledSender:
     """Sends prepared requests at their scheduled times, at most ``max_concurrency`` at once."""
 
     def __init__(
@@ -169,27 +170,27 @@ class Dispatcher:
 
     async def run(
         self,
-        items: list[tuple[RequestRecord, httpx.Request]],
+        items: PreparedItems,
         schedule: list[float],
         start: float,
     ) -> None:
         """Send item i at ``start + schedule[i]`` (``perf_counter`` seconds)."""
         tasks: set[asyncio.Task[None]] = set()
-        for (record, request), offset in zip(items, schedule, strict=True):
+        for (record, payload), offset in zip(items, schedule, strict=True):
             await _sleep_until(start + offset)
             if self._slots is not None:
                 await self._slots.acquire()
             record.scheduled_at = start + offset
-            task = asyncio.create_task(self._send(record, request))
+            task = asyncio.create_task(self._send(record, payload))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         if tasks:
             await asyncio.gather(*tasks)
 
-    async def _send(self, record: RequestRecord, request: httpx.Request) -> None:
+    async def _send(self, record: RequestRecord, payload: bytes) -> None:
         self._on_sent()
         try:
-            await self._client.send(request, record)
+            await self._client.send(payload, record)
         finally:
             if self._slots is not None:
                 self._slots.release()
@@ -290,7 +291,7 @@ class Run:
     # ---- preparation -----------------------------------------------------------------------
 
     async def _prepare_run(self, endpoint: Endpoint) -> PreparedRun:
-        """Every body and httpx request, and the schedule, before the first send."""
+        """Every request body, and the schedule, before the first send."""
         config = self.config
         plan = plan_workload(
             config.workload,
@@ -339,7 +340,7 @@ class Run:
         model: str,
         prompts: TokenPrompts | TextPrompts,
         warmup: bool,
-    ) -> list[tuple[RequestRecord, httpx.Request]]:
+    ) -> PreparedItems:
         items = []
         for index, shape in enumerate(shapes):
             payload = build_payload(
@@ -363,20 +364,18 @@ class Run:
 
     # ---- sending -------------------------------------------------------------------------
 
-    async def _warm_up(
-        self, items: list[tuple[RequestRecord, httpx.Request]]
-    ) -> list[RequestMetrics]:
+    async def _warm_up(self, items: PreparedItems) -> list[RequestMetrics]:
         if not items:
             return []
         slots = asyncio.Semaphore(WARMUP_CONCURRENCY)
         start = time.perf_counter()
 
-        async def one(record: RequestRecord, request: httpx.Request) -> None:
+        async def one(record: RequestRecord, payload: bytes) -> None:
             async with slots:
                 record.scheduled_at = time.perf_counter()
-                await self.client.send(request, record)
+                await self.client.send(payload, record)
 
-        await asyncio.gather(*(one(record, request) for record, request in items))
+        await asyncio.gather(*(one(record, payload) for record, payload in items))
         failed = sum(record.outcome != "ok" for record, _ in items)
         if failed:
             self.notes.append(f"{failed} of {len(items)} warm-up requests failed")
@@ -384,7 +383,7 @@ class Run:
 
     async def _send_all(
         self,
-        items: list[tuple[RequestRecord, httpx.Request]],
+        items: PreparedItems,
         schedule: list[float],
         live: RunMetrics | None,
         title: str,
@@ -404,12 +403,12 @@ class Run:
             if live is not None:
                 live.request_done(metrics, progress.in_flight)
 
-        dispatcher = Dispatcher(self.client, self.config.max_concurrency, on_sent, on_done)
+        sender = ScheduledSender(self.client, self.config.max_concurrency, on_sent, on_done)
         run_start = self.clock_origin = time.perf_counter() + START_LEAD_S
         with progress:
             ticker = asyncio.create_task(_tick(progress, live))
             try:
-                await dispatcher.run(items, schedule, run_start)
+                await sender.run(items, schedule, run_start)
             finally:
                 ticker.cancel()
         return sorted(done, key=lambda m: m.index)
