@@ -74,7 +74,7 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _H
 
 from deployments.config import load_app_config  # noqa: E402
 from deployments.launcher import cluster_env, serve_run  # noqa: E402
-from deployments.tiny_model import TinyLlamaSpec, embedded_model_path  # noqa: E402
+from engines.tiny_model import TinyLlamaSpec, embedded_model_path  # noqa: E402
 from kv_transfer.metrics import BYTES_TOTAL as TRANSFER_BYTES  # noqa: E402
 from kv_transfer.metrics import LOADS_TOTAL, TRANSFERS_TOTAL  # noqa: E402
 from kv_transfer.metrics import SECONDS as TRANSFER_SECONDS  # noqa: E402
@@ -386,7 +386,8 @@ def own_ray_head() -> Iterator[str]:
 
 def measure_case(key: str, address: str, args: argparse.Namespace) -> dict[str, Any]:
     config = case_config(key, args.model)
-    storage = load_app_config(config).kv_transfer.storage_path if key == "pd-example" else None
+    kv_settings = load_app_config(config).kv_transfer.settings
+    storage = getattr(kv_settings, "storage_path", None) if key == "pd-example" else None
     with _empty_folder(storage), serve_run(str(config), ray_address=address) as app:
         sequential_run(app.base_url, args.e2e_warmups, WARMUP_SEED, args)
         before = scrape(app.base_url)

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
+import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
@@ -49,13 +47,11 @@ from deployments.launcher import (
     RAY_WORKER_NICENESS,
     REPO_ROOT,
     cluster_env,
-    default_sigint,
-    descendant_engine_pids,
-    engine_pids,
     niced_like_ray_workers,
     serve_run,
 )
-from deployments.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
+from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
+from splitserve.processes import ChildSettings, http_ok, running_process
 
 console = Console()
 PORT_BARE = 8100
@@ -146,10 +142,20 @@ def bare_vllm(
         "--dtype", DTYPE,
     ]  # fmt: skip
     # At the niceness of Ray's workers, like the serving processes of (b) and (c).
-    with background(command, name, niceness=RAY_WORKER_NICENESS, env=env) as process:
-        base_url = f"http://127.0.0.1:{port}"
-        wait_health(process, f"{base_url}/health")
+    base_url = f"http://127.0.0.1:{port}"
+    with served(command, name, f"{base_url}/health", RAY_WORKER_NICENESS, env):
         yield base_url
+
+
+# Ray Serve LLM's own fast path: the LLM server is the ingress, no OpenAiIngress hop.
+# Serve then routes through HAProxy, which it starts itself (Debian's haproxy package).
+# Both are read when Ray is imported and where the cluster starts, so they go into the
+# environment of the process that does both.
+RAY_LLM_DIRECT_STREAMING = {
+    "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+}
+RAY_LLM_REPLICA_PORTS = 8010  # and the three above it
 
 
 @contextlib.contextmanager
@@ -159,8 +165,10 @@ def ray_serve_llm(like_ours: bool = False, batching_ms: float | None = None) -> 
         command.append("--like-ours")
     if batching_ms is not None:
         command += ["--stream-batching-ms", str(batching_ms)]
-    with background(command, "ray-serve-llm") as process:
-        wait_health(process, "http://127.0.0.1:8000/v1/models")
+    if like_ours and shutil.which("haproxy") is None:
+        raise SystemExit("case (f) needs haproxy on the PATH: apt-get install haproxy")
+    env = RAY_LLM_DIRECT_STREAMING if like_ours else {}
+    with served(command, "ray-serve-llm", "http://127.0.0.1:8000/v1/models", env=env):
         yield "http://127.0.0.1:8000"
 
 
@@ -173,19 +181,18 @@ def serve_ray_llm_forever(like_ours: bool, batching_ms: float | None) -> None:
     server itself is the ingress). ``batching_ms``: its stream batching interval
     (``experimental_configs.stream_batching_interval_ms``; its default is 50 ms).
     """
-    if like_ours:
-        # Its own fast path: the LLM server is the ingress, no OpenAiIngress hop (read
-        # when ray.serve.llm is imported).
-        os.environ["RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING"] = "1"
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
     extra: dict[str, Any] = {}
     if like_ours:
-        os.environ.update(cluster_env(8000))  # read where the cluster starts: here
+        # Read where the cluster starts: here. Its LLM router and LLM server are both
+        # ingress replicas, each on a port of the range; HAProxy, in the proxy's place,
+        # listens on 8000 and forwards to them.
+        os.environ.update(cluster_env(RAY_LLM_REPLICA_PORTS, 4))
         ray.init(num_cpus=2, include_dashboard=False)
-        serve.start(http_options={"port": 8000 + 1})  # the proxy leaves 8000 to the ingress
+        serve.start(http_options={"port": 8000})
         extra["placement_group_config"] = {"bundles": [{"CPU": 0.1}]}
     else:
         # LLMServer's placement groups ask for whole CPUs: give Ray more than the 2 cores.
@@ -210,55 +217,30 @@ def serve_ray_llm_forever(like_ours: bool, batching_ms: float | None) -> None:
     ray.shutdown()
 
 
-def _prepare_child(niceness: int) -> None:
-    default_sigint()  # _background stops it with SIGINT
-    os.setpriority(os.PRIO_PROCESS, 0, niceness)
-
-
 @contextlib.contextmanager
-def background(
-    command: list[str], name: str, niceness: int = 0, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server process for the length of a block, stopped with SIGINT, its engines checked."""
+def served(
+    command: list[str],
+    name: str,
+    ready_url: str,
+    niceness: int = 0,
+    env: dict[str, str] | None = None,
+) -> Iterator[None]:
+    """A server process for the length of a block, once ``ready_url`` answers 200; stopped
+    with SIGINT, and anything it started (engines included) killed if it lingers."""
     log = Path(tempfile.gettempdir()) / f"splitserve-bench-{name}.log"
-    env = dict(os.environ, **ENGINE_ENV, **(env or {}))
-    with log.open("w") as sink:
-        process = subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=sink,
-            stderr=sink,
-            preexec_fn=functools.partial(_prepare_child, niceness),
-        )
-    try:
-        yield process
-    finally:
-        engines = descendant_engine_pids(process.pid)
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        deadline = time.monotonic() + 60
-        while engines & engine_pids() and time.monotonic() < deadline:
-            time.sleep(1)
-        for pid in engines & engine_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def wait_health(process: subprocess.Popen[bytes], url: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; see its log")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5).status_code == 200:
-                time.sleep(2)  # let a freshly listening server finish its warm-up
-                return
-        time.sleep(2)
-    raise RuntimeError(f"{url} not ready after {timeout_s}s")
+    with running_process(
+        command,
+        log,
+        lambda: http_ok(ready_url, timeout_s=5),
+        what=name,
+        ready_timeout_s=600,
+        stop_timeout_s=120,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, **ENGINE_ENV, **(env or {})),
+        child=ChildSettings(niceness=niceness),
+    ):
+        time.sleep(2)  # let a freshly listening server finish its warm-up
+        yield
 
 
 CASES = {

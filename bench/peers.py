@@ -35,12 +35,11 @@ import httpx
 import numpy as np
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from overhead import (
-    background,
     bare_vllm,
     engines_apart_url,
     run_client,
     serve_run_url,
-    wait_health,
+    served,
 )
 from rich.console import Console
 from rich.table import Table
@@ -109,11 +108,9 @@ def vllm_router_over_bare_servers() -> Iterator[str]:
             str(vllm_router_binary()), "--host", "127.0.0.1", "--port", str(VLLM_ROUTER_PORT),
             "--policy", "round_robin", "--worker-urls", *urls,
         ]  # fmt: skip
-        router = stack.enter_context(
-            background(command, "vllm-router", niceness=RAY_WORKER_NICENESS)
-        )
         base_url = f"http://127.0.0.1:{VLLM_ROUTER_PORT}"
-        wait_health(router, f"{base_url}/v1/models")
+        ready_url = f"{base_url}/v1/models"
+        stack.enter_context(served(command, "vllm-router", ready_url, RAY_WORKER_NICENESS))
         yield base_url
 
 

@@ -45,7 +45,7 @@ from deployments.launcher import (
     ROUTER_DEPLOYMENT,
     serve_run,
 )
-from deployments.tiny_model import EMBEDDED_MODEL_NAME
+from engines.tiny_model import EMBEDDED_MODEL_NAME
 
 console = Console(width=140)
 DP_YAML = REPO_ROOT / "deployments" / "dp.yaml"

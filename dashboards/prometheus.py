@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 import yaml
 
+from splitserve.processes import LaunchError, http_ok, running_process
+
 DASHBOARDS_DIR = Path(__file__).resolve().parent
 CONFIG_TEMPLATE = DASHBOARDS_DIR / "prometheus.yml"
 PROVISIONING_DIR = DASHBOARDS_DIR / "provisioning"
@@ -140,48 +142,26 @@ def run_prometheus(
         raise PrometheusError(f"promtool rejected {config_path}:\n{check.stdout}{check.stderr}")
     data_dir = work_dir / "data"
     log_path = work_dir / "prometheus.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [
-                prometheus,
-                f"--config.file={config_path}",
-                f"--storage.tsdb.path={data_dir}",
-                f"--web.listen-address={host}:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
+    command = [
+        prometheus,
+        f"--config.file={config_path}",
+        f"--storage.tsdb.path={data_dir}",
+        f"--web.listen-address={host}:{port}",
+    ]
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     try:
-        _wait_ready(process, url, log_path)
-        yield RunningPrometheus(url, config_path, data_dir, process)
-    finally:
-        _stop(process)
-
-
-def _wait_ready(process: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise PrometheusError(f"prometheus exited with {process.returncode}:\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                return
-        time.sleep(POLL_S)
-    raise PrometheusError(f"prometheus not ready after {READY_TIMEOUT_S:.0f}s (log: {log_path})")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        with running_process(
+            command,
+            log_path,
+            lambda: http_ok(f"{url}/-/ready", timeout_s=2),
+            what="prometheus",
+            ready_timeout_s=READY_TIMEOUT_S,
+            stop_timeout_s=STOP_TIMEOUT_S,
+            stop_signal=signal.SIGTERM,
+        ) as process:
+            yield RunningPrometheus(url, config_path, data_dir, process)
+    except LaunchError as error:
+        raise PrometheusError(str(error)) from None
 
 
 def target_health(url: str) -> list[dict[str, str]]:

@@ -14,12 +14,14 @@ from typing import Any
 
 from ray.serve import Application
 
-from deployments.config import AppConfig, PoolConfig, parse_app_config
-from deployments.engine import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica, EngineSpec
+from deployments.config import AppConfig, parse_app_config
 from deployments.launcher import ENGINE_NAME_ENV
-from deployments.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
-from kv_transfer.settings import kv_transfer_config
+from engines.host import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica
+from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
+from engines.settings import EngineSpec, PoolConfig
+from kv_transfer.backend import make_kv_backend
 from router.ingress import Router
+from splitserve.packaging import check_top_level_packages
 
 # Ray Serve settings for our replicas, read by Serve when the replica process starts.
 # Serve's defaults isolate arbitrary user code: it runs on a second thread and event
@@ -97,7 +99,7 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
         config, config.resources.engine_num_cpus, pool.ranks_per_replica
     )
     return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
-        spec.model_dump()
+        spec
     )
 
 
@@ -105,7 +107,7 @@ def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] |
     roles = {"prefill": "kv_producer", "decode": "kv_consumer"}
     if config.strategy != "pd" or pool.role not in roles:
         return None
-    return kv_transfer_config(roles[pool.role], **config.kv_transfer.model_dump())
+    return make_kv_backend(config.kv_transfer).engine_config(roles[pool.role])
 
 
 def build_app_from_config(config: AppConfig) -> Application:
@@ -122,20 +124,20 @@ def build_app_from_config(config: AppConfig) -> Application:
             "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
         }
     )
-    return router.bind(config.model_dump(), roles, engines)
+    return router.bind(config.ingress_settings(), roles, engines)
 
 
 def _router_hosting_engines(config: AppConfig) -> Application:
     """Every engine in the router's process: the router's replica takes the engines'
     resources, and each engine keeps the replica name it would have had."""
     resources = config.resources
-    specs: dict[str, dict[str, Any]] = {}
+    specs: dict[str, EngineSpec] = {}
     roles: dict[str, str] = {}
     shared = config.engine_replicas > 1
     devices = 0
     for name, pool, index in engine_names(config):
         offset = devices if shared else None
-        specs[name] = engine_spec(config, name, pool, index, offset).model_dump()
+        specs[name] = engine_spec(config, name, pool, index, offset)
         roles[name] = pool.role
         devices += pool.ranks_per_replica
     num_cpus = resources.router_num_cpus + config.engine_replicas * resources.engine_num_cpus
@@ -143,9 +145,10 @@ def _router_hosting_engines(config: AppConfig) -> Application:
         health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
         ray_actor_options=engine_actor_options(config, num_cpus, devices),
     )
-    return router.bind(config.model_dump(), roles, {}, specs)
+    return router.bind(config.ingress_settings(), roles, {}, specs)
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder: ``import_path: deployments.app:build_app``."""
+    check_top_level_packages()
     return build_app_from_config(parse_app_config(args))

@@ -10,83 +10,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from deployments.protocol import EngineRole
-from kv_transfer.settings import ConnectorSettings
-from router.settings import (
-    PrefixAffinityConfig,
-    QoSConfig,
-    ReplicaChoiceName,
-    SplitPolicyConfig,
-)
+from engines.protocol import EngineRole
+from engines.settings import EngineBackendConfig, ModelConfig, PoolConfig
+from kv_transfer.backend import make_kv_backend
+from kv_transfer.settings import KVTransferConfig
+from router.settings import IngressSettings, QoSConfig, RouterConfig, SplitPolicyConfig
+from splitserve.config_base import StrictModel
 
 Strategy = Literal["single", "dp", "tp", "pp", "pd"]
 Accelerator = Literal["cpu", "gpu"]
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(StrictModel):
-    """Which weights to serve and how vLLM should hold them."""
-
-    source: str = Field(
-        "embedded",
-        description="'embedded' (the tiny offline Llama), a local folder, or a Hugging Face id.",
-    )
-    served_model_name: str | None = Field(
-        None, description="Name clients use in 'model'; defaults to the source's name."
-    )
-    dtype: str = "auto"
-    max_model_len: int = Field(4096, gt=0)
-    block_size: int | None = Field(None, gt=0, description="KV block size; engine default if None.")
-    enforce_eager: bool = True
-    seed: int = 0
-    enable_prefix_caching: bool = True
-
-
-class PoolConfig(StrictModel):
-    """A group of identical engine replicas with one role."""
-
-    role: EngineRole = "mixed"
-    replicas: int = Field(1, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    cpu_binds: list[str] | None = Field(
-        None,
-        description=(
-            "CPU only: VLLM_CPU_OMP_THREADS_BIND per replica, e.g. ['0', '1'] or ['0|1'] for"
-            " TP/PP=2. Unset: vLLM's automatic binding ('auto')."
-        ),
-    )
-    kv_cache_gib: int = Field(1, ge=1, description="CPU only: KV cache GiB per engine.")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
-    engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Extra vllm AsyncEngineArgs fields, passed as is."
-    )
-
-    @model_validator(mode="after")
-    def _binds_match_replicas(self) -> PoolConfig:
-        if self.cpu_binds is not None and len(self.cpu_binds) != self.replicas:
-            raise ValueError(
-                f"cpu_binds has {len(self.cpu_binds)} entries but replicas is {self.replicas};"
-                " give one bind per replica"
-            )
-        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
-        for bind in self.cpu_binds or []:
-            if bind not in ("auto", "nobind") and len(bind.split("|")) != ranks:
-                raise ValueError(
-                    f"cpu_binds entry {bind!r} names {len(bind.split('|'))} rank(s) but the"
-                    f" engine has tensor_parallel_size*pipeline_parallel_size = {ranks};"
-                    " separate ranks with '|'"
-                )
-        return self
-
-    @property
-    def ranks_per_replica(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class ResourcesConfig(StrictModel):
@@ -94,55 +28,6 @@ class ResourcesConfig(StrictModel):
 
     router_num_cpus: float = Field(0.1, ge=0)
     engine_num_cpus: float = Field(0.1, ge=0)
-
-
-EngineBackend = Literal["vllm", "synthetic"]
-
-
-class EngineBackendConfig(StrictModel):
-    """What runs behind each engine replica: vLLM, or a token generator for benchmarks."""
-
-    backend: EngineBackend = Field(
-        "vllm",
-        description="vllm, or synthetic: no model, every running request gets one token per"
-        " step, to measure the router's relay capacity (bench/relay_capacity.py).",
-    )
-    step_interval_s: float = Field(
-        0.0, ge=0, description="synthetic only: pause between steps; 0 runs them back to back."
-    )
-
-
-class RouterConfig(StrictModel):
-    replica_choice: ReplicaChoiceName | dict[EngineRole, ReplicaChoiceName] = Field(
-        "round_robin",
-        description="One policy for every pool, or one per role, e.g. {prefill: least_loaded,"
-        " decode: prefix_affinity}.",
-    )
-    prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
-    request_timeout_s: float = Field(600.0, gt=0)
-    health_check_timeout_s: float = Field(5.0, gt=0)
-    unhealthy_after_failed_polls: int = Field(
-        3, ge=1, description="Consecutive failed stats polls before a replica is skipped."
-    )
-    submit_timeout_s: float = Field(
-        5.0, gt=0, description="An engine replica that takes longer to accept is unhealthy."
-    )
-    stats_interval_s: float = Field(
-        0.2, gt=0, description="How often the router polls every engine for its load."
-    )
-    engine_restart_attempts: int = Field(
-        3,
-        ge=1,
-        description="An engine in the router's process that dies is restarted there; after"
-        " this many failed starts in a row the router fails its health check and Serve"
-        " restarts it.",
-    )
-    engine_in_router: Literal["auto"] | bool = Field(
-        "auto",
-        description="Host every engine in the router's own process, each engine core in"
-        " processes of its own (vLLM's data-parallel layout): true, false (one Serve"
-        " replica per engine, reached through Ray), or auto (true).",
-    )
 
 
 class AppConfig(StrictModel):
@@ -155,15 +40,14 @@ class AppConfig(StrictModel):
     router: RouterConfig = RouterConfig()
     engine: EngineBackendConfig = EngineBackendConfig()
     resources: ResourcesConfig = ResourcesConfig()
-    kv_transfer: ConnectorSettings = Field(
-        default_factory=ConnectorSettings,
-        description=(
-            "PD only: the object-store KV connector (namespace, ttl_s, claim_wait_s, push_wait_s)."
-        ),
+    kv_transfer: KVTransferConfig = Field(
+        default_factory=KVTransferConfig,
+        description="PD only: the KV backend (backend: object_store) and its settings.",
     )
     split_policy: SplitPolicyConfig = Field(
         default_factory=SplitPolicyConfig,
-        description="PD only: where each prompt is prefilled (always, never, conditional).",
+        description="PD only: the offload policy (mode: always, never, conditional) and its"
+        " settings.",
     )
     qos: QoSConfig = QoSConfig()
 
@@ -190,12 +74,16 @@ class AppConfig(StrictModel):
                     f"strategy 'pd' needs exactly one 'prefill' and one 'decode' pool, got {roles}"
                 )
             _check_kv_layouts_match(self.pool("prefill"), self.pool("decode"))
+            prefill = self.pool("prefill")
+            make_kv_backend(self.kv_transfer).check_parallelism(
+                prefill.tensor_parallel_size, prefill.pipeline_parallel_size
+            )
             return self._check_replica_choice_roles()
         if roles != ["mixed"]:
             raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
-        # Compared with the default, not by presence: the router re-validates a full dump.
-        if self.split_policy != SplitPolicyConfig():
-            raise ValueError(f"split_policy is for strategy 'pd', not {self.strategy!r}")
+        for block in ("split_policy", "kv_transfer"):
+            if block in self.model_fields_set:
+                raise ValueError(f"{block} is for strategy 'pd', not {self.strategy!r}")
         self._check_replica_choice_roles()
         pool = self.pools[0]
         expected = {
@@ -238,9 +126,17 @@ class AppConfig(StrictModel):
     def pool(self, role: EngineRole) -> PoolConfig:
         return next(pool for pool in self.pools if pool.role == role)
 
-    def replica_choice(self, role: EngineRole) -> ReplicaChoiceName:
-        choice = self.router.replica_choice
-        return choice if isinstance(choice, str) else choice.get(role, "round_robin")
+    def ingress_settings(self) -> IngressSettings:
+        """What the router process is handed: its own settings objects, validated here."""
+        return IngressSettings(
+            strategy=self.strategy,
+            model=self.model,
+            router=self.router,
+            split_policy=self.split_policy,
+            qos=self.qos,
+            kv_transfer=self.kv_transfer if self.strategy == "pd" else None,
+            engine_backend=self.engine.backend,
+        )
 
 
 # Engine settings that shape the KV cache: prefill and decode must agree on all of them,
@@ -262,8 +158,6 @@ def _check_kv_layouts_match(prefill: PoolConfig, decode: PoolConfig) -> None:
             "prefill and decode pools must share one KV layout, but (prefill != decode): "
             + "; ".join(differences)
         )
-    if prefill.pipeline_parallel_size > 1:
-        raise ValueError("the object-store KV connector does not support pipeline parallelism")
 
 
 class ConfigError(ValueError):
@@ -322,5 +216,9 @@ def _describe(error: ValidationError, origin: str) -> str:
     lines = [f"invalid splitserve config in {origin}:"]
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"]) or "(top level)"
-        lines.append(f"  - {where}: {problem['msg']}")
+        message = problem["msg"].removeprefix("Value error, ")
+        # A policy's or backend's own settings name their fields themselves.
+        lines.append(
+            f"  - {message}" if message.startswith(f"{where}.") else f"  - {where}: {message}"
+        )
     return "\n".join(lines)

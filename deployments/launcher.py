@@ -10,22 +10,30 @@ the application started may outlive it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import yaml
 
 from deployments.config import refuse_engine_overrides
+from splitserve.processes import (
+    LaunchError,
+    command_lines,
+    descendants,
+    http_ok,
+    start_process,
+    stop_process,
+    wait_until_ready,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
@@ -121,10 +129,6 @@ def serve_command(path: Path, port: int = DEFAULT_PORT) -> tuple[list[str], dict
     return argv, cluster_env(port, router_replicas(path)) | dict(os.environ)
 
 
-class LaunchError(RuntimeError):
-    """The application did not come up, or did not go away cleanly."""
-
-
 @dataclass(frozen=True)
 class RunningApp:
     base_url: str
@@ -145,13 +149,15 @@ def config_path(name_or_path: str) -> Path:
 
 def engine_pids() -> set[int]:
     """PIDs of vLLM engine-core and worker processes on this machine."""
-    return {pid for pid, cmdline in _processes().items() if _is_engine(cmdline)}
+    return {pid for pid, cmdline in command_lines().items() if _is_engine(cmdline)}
 
 
 def app_engine_pids(app_name: str = APP_NAME) -> set[int]:
     """Engine processes started by the Serve replicas of one application."""
     replica_prefix = f"ray::ServeReplica:{app_name}:"
-    return _engines_below(lambda pid, cmdline: cmdline.startswith(replica_prefix))
+    lines = command_lines()
+    replicas = [pid for pid, cmdline in lines.items() if cmdline.startswith(replica_prefix)]
+    return set().union(*(descendant_engine_pids(pid) for pid in replicas))
 
 
 def replica_engine_pids(replica: str) -> set[int]:
@@ -159,7 +165,7 @@ def replica_engine_pids(replica: str) -> set[int]:
     carries its replica's name in its environment (ENGINE_NAME_ENV)."""
     marker = f"{ENGINE_NAME_ENV}={replica}".encode()
     found = set()
-    for pid, cmdline in _processes().items():
+    for pid, cmdline in command_lines().items():
         if _is_engine(cmdline):
             with contextlib.suppress(OSError):
                 if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
@@ -169,47 +175,12 @@ def replica_engine_pids(replica: str) -> set[int]:
 
 def descendant_engine_pids(root: int) -> set[int]:
     """Engine processes below one process (a server we started), however deep."""
-    return _engines_below(lambda pid, cmdline: pid == root)
-
-
-def _engines_below(is_owner: Callable[[int, str], bool]) -> set[int]:
-    processes = _processes()
-    parents = _parents()
-    owned = set()
-    for pid, cmdline in processes.items():
-        if not _is_engine(cmdline):
-            continue
-        ancestor = parents.get(pid, 0)
-        while ancestor > 1:
-            if is_owner(ancestor, processes.get(ancestor, "")):
-                owned.add(pid)
-                break
-            ancestor = parents.get(ancestor, 0)
-    return owned
+    below = {pid for pid, _ in descendants(root)}
+    return {pid for pid, cmdline in command_lines().items() if pid in below and _is_engine(cmdline)}
 
 
 def _is_engine(cmdline: str) -> bool:
     return any(marker in cmdline for marker in ENGINE_PROCESS_MARKERS)
-
-
-def _processes() -> dict[int, str]:
-    processes = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                raw = (entry / "cmdline").read_bytes()
-                processes[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace")
-    return processes
-
-
-def _parents() -> dict[int, int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parents
 
 
 @contextlib.contextmanager
@@ -246,34 +217,39 @@ def serve_run(
         argv, env = [_serve_cli(), "run", str(path)], dict(os.environ)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            argv,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=default_sigint,
-        )
+    process = start_process(argv, log_path, cwd=REPO_ROOT, env=env)
     replicas = router_replicas(path) if direct_ingress else 1
     router_urls = tuple(f"http://127.0.0.1:{port + index}" for index in range(replicas))
+    proxy_url = f"http://127.0.0.1:{proxy_port(port, replicas)}" if direct_ingress else None
     engines: set[int] = set()
     try:
-        proxy_url = f"http://127.0.0.1:{proxy_port(port, replicas)}" if direct_ingress else None
-        _wait_ready(process, router_urls, log_path, ready_timeout_s, proxy_url)
+        ready = functools.partial(_routers_ready, router_urls, proxy_url)
+        wait_until_ready(process, ready, log_path, ready_timeout_s, "serve run")
         engines = app_engine_pids()
         yield RunningApp(router_urls[0], path, log_path, router_urls, proxy_url)
     finally:
         # Restarted replicas may have started new engines since the app came up.
         engines |= app_engine_pids()
-        _stop(process, stop_timeout_s)
+        stop_process(process, stop_timeout_s)
         leftovers = _wait_engines_gone(engines, stop_timeout_s)
         if leftovers:
             _kill(leftovers)
             raise LaunchError(
                 f"engine processes {sorted(leftovers)} outlived {path.name}; killed them"
             )
+
+
+def _routers_ready(router_urls: tuple[str, ...], proxy_url: str | None) -> bool:
+    if all(http_ok(f"{url}/health") for url in router_urls):
+        return True
+    # Asked again after the proxy: the router may have come up between the two.
+    base_url = router_urls[0]
+    if proxy_url and http_ok(f"{proxy_url}/health") and not http_ok(f"{base_url}/health"):
+        raise LaunchError(
+            f"the application answers on Serve's proxy at {proxy_url}, not {base_url}: the"
+            " cluster was started without deployments.launcher.cluster_env()"
+        )
+    return False
 
 
 RAY_WORKER_NICENESS = 15  # Ray's default worker_niceness: proxy, router, engines
@@ -295,17 +271,6 @@ def niced_like_ray_workers() -> Iterator[None]:
             os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
-def default_sigint() -> None:
-    """In a child before exec: SIGINT stops it, as `_stop` expects.
-
-    A process started in the background by a shell without job control (`nohup x &`,
-    CI runners) inherits SIGINT ignored, and so would `serve run`: it then ignored
-    `_stop`'s SIGINT, was killed after the timeout without deleting the application,
-    and its replicas and engines stayed in the cluster.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _port_in_use(port: int) -> bool:
     with socket.socket() as probe:
         probe.settimeout(1)
@@ -315,47 +280,6 @@ def _port_in_use(port: int) -> bool:
 def _serve_cli() -> str:
     beside_python = Path(sys.executable).with_name("serve")
     return str(beside_python) if beside_python.exists() else (shutil.which("serve") or "serve")
-
-
-def _wait_ready(
-    process: subprocess.Popen[bytes],
-    router_urls: tuple[str, ...],
-    log_path: Path,
-    timeout_s: float,
-    proxy_url: str | None = None,
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    base_url = router_urls[0]
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise LaunchError(f"serve run exited with {process.returncode}:\n{_tail(log_path)}")
-        if all(_healthy(url) for url in router_urls):
-            return
-        # Asked again after the proxy: the router may have come up between the two.
-        if proxy_url is not None and _healthy(proxy_url) and not _healthy(base_url):
-            raise LaunchError(
-                f"the application answers on Serve's proxy at {proxy_url}, not {base_url}: the"
-                " cluster was started without deployments.launcher.cluster_env()"
-            )
-        time.sleep(2)
-    raise LaunchError(f"not ready after {timeout_s:.0f}s:\n{_tail(log_path)}")
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=10).status_code == 200
-    return False
-
-
-def _stop(process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _wait_engines_gone(pids: set[int], timeout_s: float) -> set[int]:
@@ -371,7 +295,3 @@ def _kill(pids: set[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

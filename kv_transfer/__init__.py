@@ -1,11 +1,11 @@
 """A vLLM KV connector that moves a request's KV blocks through Ray's object store.
 
-Engine side: ``kv_transfer_config(role)`` is the engine argument that loads
-``ObjectStoreConnector``; ``consumer_id`` is how a decode engine is named. Router side:
-``remote_decode_params(consumer)`` marks a prefill request and names the decode engine
-its KV goes to, ``release_handle`` frees a handle that will never be decoded,
-``get_kv_directory().metrics_snapshot.remote()`` returns the transfer metrics and
-``KVTransferCollector`` exports them; ``check_handle_compatible`` lets a
+Backends by name (``KV_BACKENDS``, kv_transfer/backend.py): ``object_store`` (ours) and
+``example_disk`` (vLLM's ExampleConnector, a benchmark baseline). A backend gives each
+engine its vLLM ``kv_transfer_config`` and the router its side of the hand-over
+(``KVRouterSide``: the prefill request's params, releasing a transfer nobody will
+load, the metrics that ``KVTransferCollector`` exports). Engine side:
+``consumer_id`` is how a decode engine is named, ``check_handle_compatible`` lets a
 decode host refuse a handle from an engine with another KV layout before submitting.
 The connector class is imported lazily, so the router does not import torch for it.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kv_transfer.backend import KV_BACKENDS, KVBackend, KVRouterSide, make_kv_backend
 from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
 from kv_transfer.handle import (
     KVLayoutMismatchError,
@@ -24,22 +25,26 @@ from kv_transfer.handle import (
     remote_decode_params,
 )
 from kv_transfer.metrics import KVTransferCollector
-from kv_transfer.settings import ConnectorSettings, kv_transfer_config
+from kv_transfer.settings import KVTransferConfig, ObjectStoreSettings
 
 if TYPE_CHECKING:
     from kv_transfer.connector import ObjectStoreConnector
 
 __all__ = [
-    "ConnectorSettings",
+    "KV_BACKENDS",
+    "KVBackend",
     "KVLayoutMismatchError",
+    "KVRouterSide",
     "KVTransferCollector",
+    "KVTransferConfig",
     "LayoutFingerprint",
     "ObjectStoreConnector",
+    "ObjectStoreSettings",
     "check_handle_compatible",
     "consumer_id",
     "get_kv_directory",
-    "kv_transfer_config",
     "layout_fingerprint",
+    "make_kv_backend",
     "release_handle",
     "remote_decode_params",
     "shutdown_kv_directory",

@@ -3,22 +3,15 @@
 vLLM builds one instance in the EngineCore (role SCHEDULER) and one in every worker
 rank (role WORKER); this class only routes each call to the half that owns it
 (``scheduler_side.TransferScheduler``, ``worker_side.TransferWorker``). Select it with
-``kv_transfer.kv_transfer_config(role)``.
+``ObjectStoreBackend.engine_config(role)`` (kv_transfer/backends.py).
 
-Granularity, measured with bench/kv_transfer.py: 2,048 tokens in the Llama-3.2-1B
-layout (64 MiB) between two Ray actors on this 2-core machine, 1 GiB object store,
-quiet machine, medians of 20. One object per request per rank holding every layer:
-put 12.1 ms, get+write 12.9 ms. The same through a staging buffer: put 67 ms (a fresh
-64 MiB buffer per request pays its page faults). One object per layer: put 23.3 ms,
-get+write 15.4 ms (16 puts and gets of fixed cost). A numpy copy of 64 MiB: 9.2 ms.
-Hence one object per request per rank, packed as views of the cache pages so that
-``ray.put`` makes the only copy on the prefill side and the write into the pages the
-only one on the decode side. Per-layer objects would pay off only with layer-wise
-pipelining of the load, which the CPU backend cannot overlap with compute anyway.
-The first puts into a fresh object store land on never-touched pages: in one run with
-Ray's default store (30% of RAM) the median put was 85 ms (minimum 12 ms); later runs
-of the same bench on a busier machine gave 15-27 ms. A fresh 64 MiB buffer costs
-40-90 ms of page faults here, which is also why the staging buffer loses.
+Granularity: one object per request per rank holding every layer, packed as views
+of the cache pages, so that ``ray.put`` makes the only copy on the prefill side and the
+write into the pages the only one on the decode side. In the steady state (the store's
+pages touched once) it put 64 MiB in about 5 ms against 11 ms for one object per layer
+(16 create/seal round trips); a staging buffer pays a fresh buffer's page faults each
+time. The figures and how they were measured: docs/DECISIONS.md, "KV object
+granularity"; bench/kv_transfer.py part (a) reproduces them.
 """
 
 from __future__ import annotations
@@ -39,7 +32,7 @@ from kv_transfer.directory import disconnect_ray
 from kv_transfer.handle import consumer_id, layout_fingerprint
 from kv_transfer.orders import TransferOrders
 from kv_transfer.scheduler_side import TransferScheduler
-from kv_transfer.settings import ConnectorSettings
+from kv_transfer.settings import ObjectStoreSettings
 from kv_transfer.worker_side import TransferWorker
 
 if TYPE_CHECKING:
@@ -65,7 +58,7 @@ class ObjectStoreConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _check_supported(vllm_config, kv_cache_config)
-        settings = ConnectorSettings.from_vllm_config(vllm_config)
+        settings = ObjectStoreSettings.from_vllm_config(vllm_config)
         self._scheduler: TransferScheduler | None = None
         self._worker: TransferWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -198,9 +198,12 @@ class _Inbox:
     last_poll: float = field(default_factory=time.monotonic)
 
 
-@ray.remote
-class KVObjectDirectory:
-    """Maps transfer id → the object refs of its parts; frees them after use or TTL."""
+class TransferDirectory:
+    """Maps transfer id → the object refs of its parts; frees them after use or TTL.
+
+    Plain asyncio code: Ray runs it as the ``KVObjectDirectory`` actor, the fast tests
+    run it in their own event loop (tests/kv_doubles.py).
+    """
 
     def __init__(self) -> None:
         self._transfers: dict[str, _Transfer] = {}
@@ -382,6 +385,9 @@ class KVObjectDirectory:
             ]
             for key in idle:
                 del self._inboxes[key]
+
+
+KVObjectDirectory = ray.remote(TransferDirectory)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:

@@ -1,7 +1,7 @@
 """vLLM's ExampleConnector (KV through files), timed into our transfer metrics.
 
 The baseline that bench/kv_transfer.py compares ObjectStoreConnector with; select it
-with ``kv_transfer: {connector: example_disk, storage_path: ...}``. vLLM's connector
+with ``kv_transfer: {backend: example_disk, storage_path: ...}``. vLLM's connector
 runs unchanged: the prefill engine writes one safetensors file per layer during its
 forward pass, the decode engine finds the folder by the prompt's hash and reads the
 files into its pages before its own forward pass. This subclass only times the two and

@@ -12,7 +12,9 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
+
+from splitserve.config_base import StrictModel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,10 +30,8 @@ class KVLayoutMismatchError(ValueError):
     """The prefill and decode engines do not store KV the same way; loading would be wrong."""
 
 
-class LayoutFingerprint(BaseModel):
+class LayoutFingerprint(StrictModel):
     """Everything that must be equal on both sides for KV blocks to mean the same thing."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str
     kv_dtype: str
@@ -71,10 +71,8 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
-class TransferHandle(BaseModel):
+class TransferHandle(StrictModel):
     """Names one request's KV in the object store: one part per producer worker rank."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     transfer_id: str
     producer: str

@@ -16,8 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
+from kv_transfer.object_store import ObjectStore, RayObjectStore
 from kv_transfer.paged_cache import PackedLayers
 
 logger = logging.getLogger("vllm.splitserve.kv_transfer")
@@ -34,15 +33,23 @@ ANSWER_TIMEOUT_S = 10.0
 class FetchedPart:
     """One part in this process (views of the object store's copy), and its fetch time."""
 
-    ref: ray.ObjectRef  # kept while the views live: the object must not be freed under them
+    ref: Any  # kept while the views live: the object must not be freed under them
     packed: PackedLayers
     layout: dict[str, Any]
     get_seconds: float
 
 
 class PushedParts:
-    def __init__(self, directory: Any, consumer: str, rank: int, get_timeout_s: float) -> None:
+    def __init__(
+        self,
+        directory: Any,
+        consumer: str,
+        rank: int,
+        get_timeout_s: float,
+        store: ObjectStore | None = None,
+    ) -> None:
         self._directory = directory
+        self._store: ObjectStore = store or RayObjectStore()
         self._consumer = consumer
         self._rank = rank
         self._get_timeout_s = get_timeout_s
@@ -83,7 +90,8 @@ class PushedParts:
         with self._changed:
             held = list(self._parts)
         call = self._directory.deliveries.remote(self._consumer, self._rank, held, POLL_S)
-        return ray.get(call, timeout=POLL_S + ANSWER_TIMEOUT_S)
+        answer: dict[str, Any] = self._store.get(call, POLL_S + ANSWER_TIMEOUT_S)
+        return answer
 
     def _take_in(self, answer: dict[str, Any]) -> None:
         self._drop(answer["closed"])
@@ -94,7 +102,7 @@ class PushedParts:
         started = time.perf_counter()
         (ref,) = part["refs"]
         try:
-            packed = ray.get(ref, timeout=self._get_timeout_s)
+            packed = self._store.get(ref, self._get_timeout_s)
         except Exception as error:
             # The load will wait in vain, then claim, and fail there with the reason.
             logger.warning("KV transfer %s: pushed part not fetched: %s", transfer_id, error)

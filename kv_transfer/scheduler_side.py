@@ -34,7 +34,7 @@ from kv_transfer.handle import (
     prompt_digest,
 )
 from kv_transfer.orders import LoadOrder, SaveOrder, TransferOrders
-from kv_transfer.settings import ConnectorSettings
+from kv_transfer.settings import ObjectStoreSettings
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -72,10 +72,13 @@ class TransferScheduler:
         self,
         engine_id: str,
         layout: LayoutFingerprint,
-        settings: ConnectorSettings,
+        settings: ObjectStoreSettings,
         is_producer: bool,
         is_consumer: bool,
+        directory: Any = None,
     ) -> None:
+        """``directory``: the namespace's directory actor unless given (the fast tests
+        give an in-process one)."""
         self._engine_id = engine_id
         self._layout = layout
         self._block_size = layout.block_size
@@ -84,7 +87,7 @@ class TransferScheduler:
         self._is_consumer = is_consumer
         self._kv_cache_manager: KVCacheManager | None = None
         # Joining Ray here makes a missing cluster fail engine start-up, not a request.
-        self._directory = get_kv_directory(settings.namespace)
+        self._directory = directory or get_kv_directory(settings.namespace)
         self._awaiting_prefill: dict[str, Request] = {}
         self._saved: dict[str, _Saved] = {}
         self._matches: dict[str, _Match] = {}

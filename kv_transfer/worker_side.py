@@ -28,16 +28,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kv_transfer.directory import get_kv_directory
 from kv_transfer.metrics import LoadPath
+from kv_transfer.object_store import ObjectStore, RayObjectStore
 from kv_transfer.orders import LoadOrder, SaveOrder
 from kv_transfer.paged_cache import PagedKVCache
 from kv_transfer.pushed_parts import FetchedPart, PushedParts
-from kv_transfer.settings import ConnectorSettings
+from kv_transfer.settings import ObjectStoreSettings
 
 logger = logging.getLogger("vllm.splitserve.kv_transfer")
 
@@ -57,15 +57,24 @@ class _LoadResult:
 
 class TransferWorker:
     def __init__(
-        self, rank: int, block_size: int, settings: ConnectorSettings, consumer: str | None
+        self,
+        rank: int,
+        block_size: int,
+        settings: ObjectStoreSettings,
+        consumer: str | None,
+        store: ObjectStore | None = None,
+        directory: Any = None,
     ) -> None:
-        """``consumer``: this engine's ``consumer_id`` if it loads KV, else None."""
+        """``consumer``: this engine's ``consumer_id`` if it loads KV, else None.
+        ``store``, ``directory``: Ray's object store and the namespace's directory actor
+        unless given (the fast tests give in-process ones)."""
         self._rank = rank
         self._block_size = block_size
         self._settings = settings
         self._consumer = consumer
+        self._store: ObjectStore = store or RayObjectStore()
         self._cache: PagedKVCache | None = None
-        self._directory: Any = None
+        self._directory: Any = directory
         self._pushed: PushedParts | None = None
         self._loader = ThreadPoolExecutor(LOADER_THREADS, thread_name_prefix="kv-load")
         # One thread: puts run in the order their steps ordered them.
@@ -78,10 +87,11 @@ class TransferWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._cache = PagedKVCache(kv_caches, self._block_size)
         # Join Ray now, at engine start-up, rather than inside the first request.
-        self._directory = get_kv_directory(self._settings.namespace)
+        if self._directory is None:
+            self._directory = get_kv_directory(self._settings.namespace)
         if self._consumer is not None:
             self._pushed = PushedParts(
-                self._directory, self._consumer, self._rank, self._settings.ttl_s
+                self._directory, self._consumer, self._rank, self._settings.ttl_s, self._store
             )
             self._pushed.start()
 
@@ -121,7 +131,7 @@ class TransferWorker:
         assert self._cache is not None
         started = time.perf_counter()
         # The only copy: vLLM keeps the pages until we report this put done.
-        ref = ray.put(self._cache.pack(order.block_ids))
+        ref = self._store.put(self._cache.pack(order.block_ids))
         seconds = time.perf_counter() - started
         nbytes = len(order.block_ids) * self._cache.page_bytes * self._cache.num_layers
         # Not awaited: a claim that comes first waits for it (claim_wait_s). Ray keeps
@@ -214,11 +224,11 @@ class TransferWorker:
 
     def _claim(self, order: LoadOrder) -> FetchedPart:
         started = time.perf_counter()
-        claim = ray.get(
+        claim = self._store.get(
             self._directory.claim.remote(order.transfer_id, self._rank, self._settings.claim_wait_s)
         )
         if claim["status"] != "ok":
             raise TransferLostError(f"transfer is {claim['status']}")
         (ref,) = claim["refs"]
-        packed = ray.get(ref, timeout=self._settings.ttl_s)
+        packed = self._store.get(ref, self._settings.ttl_s)
         return FetchedPart(ref, packed, claim["layout"], time.perf_counter() - started)

@@ -1,7 +1,7 @@
 """When each request is sent: offsets in seconds from the start of a run.
 
 Every process returns the whole schedule up front, so a run with the same seed sends
-at the same offsets, and the dispatcher only has to sleep until the next one.
+at the same offsets, and the sender only has to sleep until the next one.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from loadgen.config import ARRIVALS
+
 
 class ArrivalProcess(Protocol):
     """Something that can lay out ``n`` send times (seconds, non-decreasing, first at 0)."""
@@ -23,12 +25,25 @@ class ArrivalProcess(Protocol):
     def label(self) -> str: ...
 
 
+class RateArrivals(Protocol):
+    """A registered arrival process (``--arrival-process NAME``): built from the rate,
+    the seed and ``--burstiness``, whichever of them it uses."""
+
+    @classmethod
+    def at_rate(cls, rate: float, seed: int, burstiness: float) -> ArrivalProcess: ...
+
+
+@ARRIVALS.register("poisson")
 @dataclass(frozen=True)
 class PoissonArrivals:
     """Independent exponential gaps with mean ``1 / rate``: the study's QPS 1, 2, 4, 8."""
 
     rate: float
     seed: int = 0
+
+    @classmethod
+    def at_rate(cls, rate: float, seed: int, burstiness: float) -> PoissonArrivals:
+        return cls(rate, seed)
 
     def __post_init__(self) -> None:
         if not (self.rate > 0 and math.isfinite(self.rate)):
@@ -44,11 +59,16 @@ class PoissonArrivals:
         return f"{self.rate:g}"
 
 
+@ARRIVALS.register("constant")
 @dataclass(frozen=True)
 class ConstantArrivals:
     """Evenly spaced sends; useful to measure the client's own send lag."""
 
     rate: float
+
+    @classmethod
+    def at_rate(cls, rate: float, seed: int, burstiness: float) -> ConstantArrivals:
+        return cls(rate)
 
     def __post_init__(self) -> None:
         if not (self.rate > 0 and math.isfinite(self.rate)):
@@ -62,6 +82,7 @@ class ConstantArrivals:
         return f"{self.rate:g}"
 
 
+@ARRIVALS.register("gamma")
 @dataclass(frozen=True)
 class GammaArrivals:
     """Gamma-distributed gaps: ``shape`` < 1 is burstier than Poisson (BurstGPT's fit)."""
@@ -69,6 +90,10 @@ class GammaArrivals:
     rate: float
     shape: float
     seed: int = 0
+
+    @classmethod
+    def at_rate(cls, rate: float, seed: int, burstiness: float) -> GammaArrivals:
+        return cls(rate, burstiness, seed)
 
     def schedule(self, n: int) -> list[float]:
         rng = np.random.default_rng(self.seed)
@@ -115,17 +140,12 @@ class TraceReplayArrivals:
 
 
 def make_arrivals(qps: float, process: str, seed: int, burstiness: float = 1.0) -> ArrivalProcess:
-    """The study's rates: a finite QPS is a Poisson (or constant, or gamma with shape
-    ``burstiness``) process, inf unlimited."""
+    """The study's rates: a finite QPS follows the registered process (Poisson by
+    default; gamma with shape ``burstiness``), inf is unlimited."""
     if math.isinf(qps):
         return UnlimitedArrivals()
-    if process == "constant":
-        return ConstantArrivals(qps)
-    if process == "poisson":
-        return PoissonArrivals(qps, seed)
-    if process == "gamma":
-        return GammaArrivals(qps, burstiness, seed)
-    raise ValueError(f"unknown arrival process {process!r}; use 'poisson', 'constant' or 'gamma'")
+    factory: type[RateArrivals] = ARRIVALS.get(process)
+    return factory.at_rate(qps, seed, burstiness)
 
 
 def format_qps(qps: float) -> str:

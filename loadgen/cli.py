@@ -21,10 +21,11 @@ from loadgen.burstgpt import (
     subset_means,
 )
 from loadgen.config import (
+    ARRIVALS,
     DEFAULT_BASE_URL,
     DEFAULT_WARMUP_REQUESTS,
     STUDY_REQUESTS_PER_CELL,
-    WORKLOAD_NAMES,
+    WORKLOADS,
     RunConfig,
     WorkloadConfig,
 )
@@ -56,6 +57,7 @@ from loadgen.sweep import (
 )
 from loadgen.vllm_result import write_vllm_result
 from loadgen.workloads import load_trace
+from splitserve.packaging import PackageConflictError, check_top_level_packages
 
 SUBCOMMANDS = ("run", "sweep", "demo", "fake-server", "trace-stats", "report")
 RESULTS_ROOT = Path("results/loadgen")
@@ -130,7 +132,7 @@ def _add_workload_options(parser: argparse.ArgumentParser, single: bool = True) 
     if single:
         group.add_argument(
             "--workload",
-            choices=WORKLOAD_NAMES,
+            choices=WORKLOADS.names(),
             help="default: general, or T-burst-replay with --trace",
         )
         group.add_argument(
@@ -186,7 +188,7 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     )
     group.add_argument(
         "--arrivals",
-        choices=("poisson", "constant", "gamma"),
+        choices=ARRIVALS.names(),
         default="poisson",
         help="process of a finite QPS",
     )
@@ -588,8 +590,16 @@ def main(argv: list[str] | None = None) -> int:
         command = argv.pop(0)
     raise_open_file_limit()
     try:
+        check_top_level_packages()
         return COMMANDS[command](argv, console)
-    except (RunError, LaunchError, TraceUnavailableError, ValueError, ValidationError) as error:
+    except (
+        RunError,
+        LaunchError,
+        TraceUnavailableError,
+        ValueError,
+        ValidationError,
+        PackageConflictError,
+    ) as error:
         console.print(f"[red]error:[/] {error}")
         return 1
     except KeyboardInterrupt:

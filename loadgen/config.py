@@ -9,35 +9,28 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from loadgen.burstgpt import BURSTGPT_URL, TRACE_SUBSETS
+from loadgen.burstgpt import BURSTGPT_URL, REPLAY_SUBSET, TRACE_SUBSETS
+from splitserve.config_base import StrictModel
+from splitserve.registry import Registry
 
-SYNTHETIC_WORKLOADS: dict[str, tuple[int, int]] = {
-    "general": (1024, 128),
-    "prefill-heavy": (2048, 32),
-    "decode-heavy": (128, 512),
-}
+# Workloads by name (loadgen/workloads.py registers the built-in ones: the study's
+# synthetic shapes, custom, mixed and the BurstGPT subsets) and arrival processes by
+# name (loadgen/arrivals.py). A new one is a class and a register line there.
+WORKLOADS: Registry = Registry("workload", builtins=("loadgen.workloads",))
+ARRIVALS: Registry = Registry("arrival process", builtins=("loadgen.arrivals",))
 CUSTOM_WORKLOAD = "custom"
-# Short chat turns among long documents: the mix where prefilling every prompt remotely
-# (or none) is wrong for part of the traffic. (input, output, share of requests).
-MIXED_WORKLOAD = "mixed"
-MIXED_CLASSES: tuple[tuple[int, int, float], ...] = ((128, 128, 0.7), (2048, 32, 0.3))
-WORKLOAD_NAMES = (*SYNTHETIC_WORKLOADS, MIXED_WORKLOAD, CUSTOM_WORKLOAD, *TRACE_SUBSETS)
 TraceSource = Literal["burstgpt", "burstgpt-synthetic"]
 STUDY_REQUESTS_PER_CELL = 200
 DEFAULT_WARMUP_REQUESTS = 2
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class WorkloadConfig(StrictModel):
     """Which requests: a synthetic shape, a custom one, or a subset of the BurstGPT trace."""
 
-    name: str = Field("general", description=f"one of {', '.join(WORKLOAD_NAMES)}")
+    name: str = Field("general", description="a registered workload (loadgen.config.WORKLOADS)")
     input_len: int | None = Field(None, gt=0, description="custom: prompt tokens")
     output_len: int | None = Field(None, gt=0, description="custom: output tokens")
     spread: float = Field(
@@ -56,9 +49,7 @@ class WorkloadConfig(StrictModel):
     @field_validator("name")
     @classmethod
     def _known_name(cls, name: str) -> str:
-        if name not in WORKLOAD_NAMES:
-            raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
-        return name
+        return WORKLOADS.check(name)
 
     @model_validator(mode="after")
     def _custom_has_lengths(self) -> WorkloadConfig:
@@ -72,7 +63,7 @@ class WorkloadConfig(StrictModel):
 
     @property
     def is_replay(self) -> bool:
-        return self.name == "T-burst-replay"
+        return self.name == REPLAY_SUBSET
 
     @property
     def label(self) -> str:
@@ -92,7 +83,7 @@ class RunConfig(StrictModel):
     max_model_len: int | None = Field(None, gt=0, description="default: from GET /v1/models")
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
     qps: float = Field(math.inf, gt=0, description="requests/s; inf sends as fast as allowed")
-    arrival_process: Literal["poisson", "constant", "gamma"] = "poisson"
+    arrival_process: str = Field("poisson", description="a registered arrival process")
     burstiness: float = Field(
         1.0, gt=0, description="gamma arrivals: the gaps' shape; 1 is Poisson, below 1 burstier"
     )
@@ -113,6 +104,11 @@ class RunConfig(StrictModel):
     temperature: float = Field(0.0, ge=0)
     return_token_ids: bool = True
     show_progress: bool = True
+
+    @field_validator("arrival_process")
+    @classmethod
+    def _known_process(cls, name: str) -> str:
+        return ARRIVALS.check(name)
 
     @field_validator("base_url")
     @classmethod

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from loadgen.eventloop import run_event_loop
+from splitserve.config_base import StrictModel
 
 FAKE_MODEL_NAME = "fake-model"
 MAX_HEADER_BYTES = 64 * 1024
@@ -37,10 +38,8 @@ BUSY_PERCENT_PER_STREAM = 25.0
 KV_CAPACITY_CONTEXTS = 8
 
 
-class FakeServerConfig(BaseModel):
+class FakeServerConfig(StrictModel):
     """How the fake server behaves; every delay is per request, never shared."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)

@@ -20,10 +20,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from loadgen.burstgpt import (
+    REPLAY_SUBSET,
+    TRACE_SUBSETS,
     BurstGPTShapedGenerator,
     BurstGPTTrace,
     filter_trace,
@@ -32,13 +35,7 @@ from loadgen.burstgpt import (
     resolve_trace_file,
     trace_subset,
 )
-from loadgen.config import (
-    CUSTOM_WORKLOAD,
-    MIXED_CLASSES,
-    MIXED_WORKLOAD,
-    SYNTHETIC_WORKLOADS,
-    WorkloadConfig,
-)
+from loadgen.config import CUSTOM_WORKLOAD, WORKLOADS, WorkloadConfig
 
 PROMPT_TOKEN_LOW = 0
 PROMPT_TOKEN_HIGH = 256  # exclusive: the byte range
@@ -86,6 +83,23 @@ def arrival_seed(seed: int) -> int:
     return int(seed_stream(seed, ARRIVALS_STREAM).integers(2**63 - 1))
 
 
+class WorkloadKind(Protocol):
+    """A registered workload (``--workload NAME``): lays out a run's request lengths."""
+
+    def plan(self, config: WorkloadConfig, draws: LengthDraws) -> WorkloadPlan: ...
+
+
+@dataclass(frozen=True)
+class LengthDraws:
+    """What a workload draws from: the run's counts, its random streams, the context."""
+
+    num_requests: int
+    warmup_requests: int
+    main_rng: np.random.Generator
+    warmup_rng: np.random.Generator
+    max_model_len: int
+
+
 def plan_workload(
     config: WorkloadConfig,
     num_requests: int,
@@ -94,51 +108,76 @@ def plan_workload(
     max_model_len: int,
 ) -> WorkloadPlan:
     """Lengths for every request of a run (and its warm-up), reproducible from ``seed``."""
-    main_rng, warmup_rng = seed_stream(seed, LENGTHS_STREAM), seed_stream(seed, WARMUP_STREAM)
-    if config.is_trace:
-        return _trace_plan(
-            config, num_requests, warmup_requests, main_rng, warmup_rng, max_model_len
-        )
-    if config.name == MIXED_WORKLOAD:
+    draws = LengthDraws(
+        num_requests,
+        warmup_requests,
+        seed_stream(seed, LENGTHS_STREAM),
+        seed_stream(seed, WARMUP_STREAM),
+        max_model_len,
+    )
+    kind: WorkloadKind = WORKLOADS.get(config.name)
+    return kind.plan(config, draws)
+
+
+@dataclass(frozen=True)
+class FixedLengths:
+    """Every request ``input_len`` -> ``output_len`` tokens (``custom``: the config's
+    lengths, spread uniformly by ``spread``)."""
+
+    input_len: int | None = None
+    output_len: int | None = None
+
+    def plan(self, config: WorkloadConfig, draws: LengthDraws) -> WorkloadPlan:
+        input_len = self.input_len or config.input_len
+        output_len = self.output_len or config.output_len
+        assert input_len is not None and output_len is not None
+        if input_len + output_len > draws.max_model_len:
+            raise ValueError(
+                f"{config.label}: {input_len} + {output_len} tokens exceed the server's"
+                f" context of {draws.max_model_len}"
+            )
+        spread = config.spread
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=_mixed_shapes(main_rng, num_requests, max_model_len),
-            warmup_shapes=_mixed_shapes(warmup_rng, warmup_requests, max_model_len),
+            shapes=_synthetic_shapes(
+                draws.main_rng, draws.num_requests, input_len, output_len, spread
+            ),
+            warmup_shapes=_synthetic_shapes(
+                draws.warmup_rng, draws.warmup_requests, input_len, output_len, spread
+            ),
             source="synthetic",
         )
-    input_len, output_len = (
-        (config.input_len, config.output_len)
-        if config.name == CUSTOM_WORKLOAD
-        else SYNTHETIC_WORKLOADS[config.name]
-    )
-    assert input_len is not None and output_len is not None
-    if input_len + output_len > max_model_len:
-        raise ValueError(
-            f"{config.label}: {input_len} + {output_len} tokens exceed the server's"
-            f" context of {max_model_len}"
-        )
-    spread = config.spread
-    return WorkloadPlan(
-        name=config.name,
-        label=config.label,
-        shapes=_synthetic_shapes(main_rng, num_requests, input_len, output_len, spread),
-        warmup_shapes=_synthetic_shapes(warmup_rng, warmup_requests, input_len, output_len, spread),
-        source="synthetic",
-    )
 
 
-def _mixed_shapes(rng: np.random.Generator, count: int, max_model_len: int) -> list[RequestShape]:
-    shares = np.array([share for _, _, share in MIXED_CLASSES])
-    picks = rng.choice(len(MIXED_CLASSES), size=count, p=shares / shares.sum())
-    shapes = [RequestShape(*MIXED_CLASSES[i][:2]) for i in picks]
-    too_long = [s for s in shapes if s.input_len + s.output_len > max_model_len]
-    if too_long:
-        raise ValueError(
-            f"mixed: {too_long[0].input_len} + {too_long[0].output_len} tokens exceed the"
-            f" server's context of {max_model_len}"
+@dataclass(frozen=True)
+class MixedClasses:
+    """Each request one of ``classes`` (input, output, share), drawn by share."""
+
+    classes: tuple[tuple[int, int, float], ...]
+
+    def plan(self, config: WorkloadConfig, draws: LengthDraws) -> WorkloadPlan:
+        return WorkloadPlan(
+            name=config.name,
+            label=config.label,
+            shapes=self._shapes(draws.main_rng, draws.num_requests, draws.max_model_len),
+            warmup_shapes=self._shapes(
+                draws.warmup_rng, draws.warmup_requests, draws.max_model_len
+            ),
+            source="synthetic",
         )
-    return shapes
+
+    def _shapes(self, rng: np.random.Generator, count: int, max_len: int) -> list[RequestShape]:
+        shares = np.array([share for _, _, share in self.classes])
+        picks = rng.choice(len(self.classes), size=count, p=shares / shares.sum())
+        shapes = [RequestShape(*self.classes[i][:2]) for i in picks]
+        too_long = [s for s in shapes if s.input_len + s.output_len > max_len]
+        if too_long:
+            raise ValueError(
+                f"mixed: {too_long[0].input_len} + {too_long[0].output_len} tokens exceed the"
+                f" server's context of {max_len}"
+            )
+        return shapes
 
 
 def _synthetic_shapes(
@@ -183,38 +222,42 @@ def _synthetic_trace(seed: int, rows: int) -> BurstGPTTrace:
     return BurstGPTShapedGenerator(seed=seed).generate(rows)
 
 
-def _trace_plan(
-    config: WorkloadConfig,
-    num_requests: int,
-    warmup_requests: int,
-    main_rng: np.random.Generator,
-    warmup_rng: np.random.Generator,
-    max_model_len: int,
-) -> WorkloadPlan:
-    trace = load_trace(config)
-    if config.is_replay:
-        window = replay_window(trace, config.trace_start, num_requests, max_model_len)
+class TraceSubset:
+    """Requests sampled from one BurstGPT subset's rows (``T-general``, ...)."""
+
+    def plan(self, config: WorkloadConfig, draws: LengthDraws) -> WorkloadPlan:
+        trace = load_trace(config)
+        subset = trace_subset(trace, config.name, draws.max_model_len)
+        if not len(subset):
+            raise ValueError(f"{config.name}: no row of {trace.source} fits its rule")
+        return WorkloadPlan(
+            name=config.name,
+            label=config.label,
+            shapes=_trace_shapes(_sample_rows(subset, draws.main_rng, draws.num_requests)),
+            warmup_shapes=_trace_shapes(
+                _sample_rows(subset, draws.warmup_rng, draws.warmup_requests)
+            ),
+            source=trace.source,
+            synthetic_trace=trace.synthetic,
+        )
+
+
+class TraceReplay:
+    """A window of the trace in its own order, with its own arrival times."""
+
+    def plan(self, config: WorkloadConfig, draws: LengthDraws) -> WorkloadPlan:
+        trace = load_trace(config)
+        window = replay_window(trace, config.trace_start, draws.num_requests, draws.max_model_len)
         shapes = _trace_shapes(window)
         return WorkloadPlan(
             name=config.name,
             label=config.label,
             shapes=shapes,
-            warmup_shapes=shapes[:warmup_requests],
+            warmup_shapes=shapes[: draws.warmup_requests],
             source=trace.source,
             synthetic_trace=trace.synthetic,
             trace_arrivals=window.timestamps.tolist(),
         )
-    subset = trace_subset(trace, config.name, max_model_len)
-    if not len(subset):
-        raise ValueError(f"{config.name}: no row of {trace.source} fits its rule")
-    return WorkloadPlan(
-        name=config.name,
-        label=config.label,
-        shapes=_trace_shapes(_sample_rows(subset, main_rng, num_requests)),
-        warmup_shapes=_trace_shapes(_sample_rows(subset, warmup_rng, warmup_requests)),
-        source=trace.source,
-        synthetic_trace=trace.synthetic,
-    )
 
 
 def _sample_rows(trace: BurstGPTTrace, rng: np.random.Generator, count: int) -> BurstGPTTrace:
@@ -227,6 +270,25 @@ def _trace_shapes(trace: BurstGPTTrace) -> list[RequestShape]:
         RequestShape(int(i), int(o))
         for i, o in zip(trace.request_tokens, trace.response_tokens, strict=True)
     ]
+
+
+# ---- the built-in workloads ----------------------------------------------------------------
+
+# The study's Table 2 shapes (input, output tokens).
+SYNTHETIC_WORKLOADS: dict[str, tuple[int, int]] = {
+    "general": (1024, 128),
+    "prefill-heavy": (2048, 32),
+    "decode-heavy": (128, 512),
+}
+# Short chat turns among long documents: the mix where prefilling every prompt remotely
+# (or none) is wrong for part of the traffic. (input, output, share of requests).
+MIXED_CLASSES: tuple[tuple[int, int, float], ...] = ((128, 128, 0.7), (2048, 32, 0.3))
+for _name, (_input, _output) in SYNTHETIC_WORKLOADS.items():
+    WORKLOADS.register(_name)(FixedLengths(_input, _output))
+WORKLOADS.register("mixed")(MixedClasses(MIXED_CLASSES))
+WORKLOADS.register(CUSTOM_WORKLOAD)(FixedLengths())
+for _name in TRACE_SUBSETS:
+    WORKLOADS.register(_name)(TraceReplay() if _name == REPLAY_SUBSET else TraceSubset())
 
 
 # ---- prompts -------------------------------------------------------------------------------

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from deployments.config import AppConfig
-from deployments.protocol import GenerateChunk, GenerateRequest
+from engines.protocol import GenerateChunk, GenerateRequest
+from kv_transfer import KVRouterSide
 from router.engine_client import EngineClient
+from router.offload import OffloadDecision, OffloadInputs, make_offload_policy
 from router.pd import PrefillDecodeFlow, PrefillOutcome
-from router.policy import OffloadDecision, should_offload_prefill
 from router.prefix_index import PromptBlocks
-from router.replicas import Choice, ReplicaChoice, make_replica_choice
-from router.settings import Priority
+from router.replica_choice import Choice, ReplicaChoice, make_replica_choice
+from router.settings import IngressSettings, Priority
 
 REPLICA_HEADER = "x-splitserve-replica"
 PREFILL_REPLICA_HEADER = "x-splitserve-prefill-replica"
@@ -57,23 +56,26 @@ class Dispatch:
 class Dispatcher:
     def __init__(
         self,
-        config: AppConfig,
+        settings: IngressSettings,
         clients: list[EngineClient],
-        release_transfer: Callable[[dict[str, Any]], None],
+        kv: KVRouterSide | None = None,
     ) -> None:
-        self._config = config
-        self._disaggregated = config.strategy == "pd"
+        self._disaggregated = kv is not None
         self._pools: dict[str, list[EngineClient]] = {}
         for client in clients:
             self._pools.setdefault(client.role, []).append(client)
+        router = settings.router
+        self._choice_names = {role: router.choice_for(role) for role in self._pools}
         self._choices: dict[str, ReplicaChoice] = {
-            role: make_replica_choice(config.replica_choice(role), config.router.prefix_affinity)
-            for role in self._pools
+            role: make_replica_choice(name, router.choice_settings(name))
+            for role, name in self._choice_names.items()
         }
-        self._pd = PrefillDecodeFlow(release_transfer)
+        split = settings.split_policy
+        self._offload = make_offload_policy(split.mode, split.settings, settings.qos)
+        self._pd = PrefillDecodeFlow(kv) if kv is not None else None
 
     def policy_of(self, role: str) -> str:
-        return self._choices[role].name
+        return self._choice_names[role]
 
     def queued_requests(self) -> int:
         """Requests router-wide still waiting for their first token."""
@@ -92,14 +94,14 @@ class Dispatcher:
             if prefill is None:
                 decision = OffloadDecision("local", "prefill_unavailable")
             else:
-                decision = should_offload_prefill(
-                    prompt_len=len(prompt),
-                    prefix_cached_len=local_cached,
-                    prefill_queue=prefill.replica.state.prefill_queue,
-                    decode_active=main.replica.state.active,
-                    priority=priority,
-                    policy=self._config.split_policy,
-                    qos=self._config.qos,
+                decision = self._offload.decide(
+                    OffloadInputs(
+                        prompt_len=len(prompt),
+                        prefix_cached_len=local_cached,
+                        prefill_queue=prefill.replica.state.prefill_queue,
+                        decode_active=main.replica.state.active,
+                        priority=priority,
+                    )
                 )
                 prefill = prefill if decision.remote else None
         cached = prefill.replica.state.cached_tokens(prompt) if prefill else local_cached
@@ -120,7 +122,7 @@ class Dispatcher:
         main.state.record_prompt(plan.prompt)
         outcome = PrefillOutcome(plan.decision.where, plan.decision.reason)
         if plan.prefill is None:
-            if self._disaggregated:
+            if self._pd is not None:
                 headers[PREFILL_HEADER] = f"{outcome.where}:{outcome.reason}"
                 stream = self._pd.run(
                     plan.request, main, None, outcome, plan.prefill_tokens, on_accepted
@@ -129,6 +131,7 @@ class Dispatcher:
                 stream = main.generate(plan.request, plan.prefill_tokens, on_accepted)
             return Dispatch(stream, [main], outcome, main, plan.expected_cached_tokens, headers)
         prefill = plan.prefill.replica
+        assert self._pd is not None  # a remote prefill is planned for PD only
         # The decode replica caches the blocks it loads, as if it had computed them.
         prefill.state.record_prompt(plan.prompt)
         headers[PREFILL_REPLICA_HEADER] = prefill.name

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from deployments.protocol import (
+from engines.protocol import (
     DeltaBatch,
     EngineStats,
     GenerateChunk,
@@ -27,10 +27,12 @@ from deployments.protocol import (
 from router.replica_state import PrefillTicket, ReplicaState
 
 if TYPE_CHECKING:
-    from deployments.engine import EngineHost
+    from engines.host import EngineHost
 
 logger = logging.getLogger("splitserve.router")
 RESUBSCRIBE_DELAY_S = 0.5
+# Put in a request's queue when its deadline passes (GenerateRequest.deadline).
+PAST_DEADLINE = GenerateFailure("the request's deadline passed")
 
 
 class EngineFailed(RuntimeError):
@@ -43,7 +45,7 @@ class EngineUnavailable(EngineFailed):
 
 
 class EngineLink(Protocol):
-    """How the router reaches one engine: the calls of deployments.engine.EngineHost."""
+    """How the router reaches one engine: the calls of engines.host.EngineHost."""
 
     async def submit(self, request: GenerateRequest) -> None: ...
 
@@ -219,6 +221,11 @@ class EngineClient:
             prefill_tokens = len(request.prompt_token_ids)
         ticket = self.state.enqueue_prefill(prefill_tokens, time.perf_counter())
         finished = False
+        timer = None
+        if request.deadline is not None:
+            timer = asyncio.get_running_loop().call_at(
+                request.deadline, queue.put_nowait, PAST_DEADLINE
+            )
         try:
             try:
                 await asyncio.wait_for(self._link.submit(request), self._submit_timeout_s)
@@ -236,6 +243,8 @@ class EngineClient:
             finished = True  # nothing left to abort
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(request.request_id, None)
             self.state.finish_prefill(ticket, time.perf_counter(), first_token=False)
             if not finished:
@@ -250,6 +259,8 @@ class EngineClient:
         last_token_at: float | None = None
         while True:
             item = await queue.get()
+            if item is PAST_DEADLINE:
+                raise TimeoutError(f"{self.name} did not finish the request in time")
             if isinstance(item, GenerateFailure):
                 raise (EngineUnavailable if item.engine_dead else EngineFailed)(item.message)
             if item.token_ids:

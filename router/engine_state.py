@@ -11,8 +11,8 @@ import logging
 import time
 from typing import Any
 
-from deployments.protocol import EngineStats
-from kv_transfer.directory import get_kv_directory
+from engines.protocol import EngineStats
+from kv_transfer import KVRouterSide
 from router.engine_client import EngineClient
 from router.metrics import RouterMetrics
 
@@ -26,15 +26,15 @@ class EngineStatePoller:
         metrics: RouterMetrics,
         interval_s: float,
         unhealthy_after_failed_polls: int,
-        kv_namespace: str | None = None,
+        kv: KVRouterSide | None = None,
     ) -> None:
         self._replicas = replicas
         self._metrics = metrics
         self._interval_s = interval_s
-        self._kv_namespace = kv_namespace
+        self._kv = kv
         self._unhealthy_after = unhealthy_after_failed_polls
         self._failed_polls: dict[str, int] = {}
-        # The KV directory's last metrics snapshot (PD only), rendered at scrape time.
+        # The KV backend's last metrics snapshot (PD only), rendered at scrape time.
         self.kv_transfer_snapshot: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -46,17 +46,16 @@ class EngineStatePoller:
         while True:
             started = time.perf_counter()
             polls = [self._poll(replica) for replica in self._replicas]
-            if self._kv_namespace is not None:
-                polls.append(self._poll_kv_directory(self._kv_namespace))
+            if self._kv is not None:
+                polls.append(self._poll_kv_metrics(self._kv))
             await asyncio.gather(*polls)
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
 
-    async def _poll_kv_directory(self, namespace: str) -> None:
+    async def _poll_kv_metrics(self, kv: KVRouterSide) -> None:
         try:
-            directory = get_kv_directory(namespace)
             self.kv_transfer_snapshot = await asyncio.wait_for(
-                directory.metrics_snapshot.remote(), timeout=max(1.0, 5 * self._interval_s)
+                kv.metrics_snapshot(), timeout=max(1.0, 5 * self._interval_s)
             )
         except Exception as error:
             logger.debug("no KV transfer metrics: %s", error)

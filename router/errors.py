@@ -12,6 +12,7 @@ _ERROR_TYPES = {
     HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+    HTTPStatus.GATEWAY_TIMEOUT: "TimeoutError",
 }
 
 

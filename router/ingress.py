@@ -26,10 +26,11 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
-from deployments.config import AppConfig
-from deployments.model_source import resolve_model
-from deployments.protocol import GenerateChunk, GenerateRequest
-from kv_transfer import KVTransferCollector, release_handle, shutdown_kv_directory
+from engines.backends import ENGINE_BACKENDS
+from engines.model_source import resolve_model
+from engines.protocol import GenerateChunk, GenerateRequest
+from engines.settings import EngineSpec
+from kv_transfer import KVRouterSide, KVTransferCollector, make_kv_backend
 from router.dispatch import Dispatch, Dispatcher, Plan
 from router.engine_client import (
     EngineClient,
@@ -47,7 +48,7 @@ from router.qos import ENGINE_PRIORITY, AdmissionControl, Rejection, take_priori
 from router.replica_state import ReplicaState
 from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, parse_request
 from router.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
-from router.settings import Priority
+from router.settings import IngressSettings, Priority
 
 logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
@@ -76,33 +77,41 @@ def _encodable(value: Any) -> bool:
     return True
 
 
+async def _until(
+    stream: AsyncIterator[GenerateChunk], deadline: float
+) -> AsyncIterator[GenerateChunk]:
+    """The stream's chunks until the event loop's clock reaches ``deadline``; then
+    TimeoutError (the caller closes the stream, which aborts the request)."""
+    async with asyncio.timeout_at(deadline):
+        async for chunk in stream:
+            yield chunk
+
+
 @serve.deployment(max_ongoing_requests=4096)
 @serve.ingress(app)
 class Router:
     async def __init__(
         self,
-        config: dict[str, Any],
+        settings: IngressSettings,
         roles: dict[str, str],
         engines: dict[str, Any],
-        local_engines: dict[str, dict[str, Any]] | None = None,
+        local_engines: dict[str, EngineSpec] | None = None,
     ) -> None:
-        """``engines``: Serve handles by replica name; ``local_engines``: EngineSpecs of
+        """``engines``: Serve handles by replica name; ``local_engines``: the specs of
         engines this process hosts itself (see deployments/app.py)."""
         from transformers import AutoConfig, AutoTokenizer
 
-        from deployments.engine import engine_host_class
-
-        self._config = AppConfig.model_validate(config)
-        model = resolve_model(self._config.model)
+        self._config = settings
+        model = resolve_model(settings.model)
         self._served_name = model.served_name
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
-        self._prompts = PromptBuilder(tokenizer, self._config.model.max_model_len, vocab_size)
-        submit_timeout_s = self._config.router.submit_timeout_s
-        qos = self._config.qos
+        self._prompts = PromptBuilder(tokenizer, settings.model.max_model_len, vocab_size)
+        submit_timeout_s = settings.router.submit_timeout_s
+        qos = settings.qos
         # One after another: each engine's processes inherit its environment at spawn.
-        restarts = self._config.router.engine_restart_attempts
-        host_class = engine_host_class(self._config.engine.backend)
+        restarts = settings.router.engine_restart_attempts
+        host_class = ENGINE_BACKENDS.get(settings.engine_backend)
         self._local_engines = [
             LocalEngineLink(name, functools.partial(host_class, spec), restarts)
             for name, spec in (local_engines or {}).items()
@@ -123,17 +132,19 @@ class Router:
         ]
         for replica in self._replicas:
             replica.start()
-        self._dispatcher = Dispatcher(self._config, self._replicas, release_handle)
-        self._admission = AdmissionControl(self._config.qos)
+        self._kv: KVRouterSide | None = None
+        if settings.kv_transfer is not None:
+            self._kv = make_kv_backend(settings.kv_transfer).router_side()
+        self._dispatcher = Dispatcher(settings, self._replicas, self._kv)
+        self._admission = AdmissionControl(settings.qos)
         self._metrics = RouterMetrics()
-        self._mode = self._config.strategy
-        self._kv_namespace = self._config.kv_transfer.namespace if self._mode == "pd" else None
+        self._mode = settings.strategy
         self._engine_state = EngineStatePoller(
             self._replicas,
             self._metrics,
-            self._config.router.stats_interval_s,
-            self._config.router.unhealthy_after_failed_polls,
-            kv_namespace=self._kv_namespace,
+            settings.router.stats_interval_s,
+            settings.router.unhealthy_after_failed_polls,
+            kv=self._kv,
         )
         self._metrics.registry.register(
             KVTransferCollector(lambda: self._engine_state.kv_transfer_snapshot)
@@ -198,6 +209,7 @@ class Router:
                 prompt_token_ids=prepared.prompt_token_ids,
                 sampling_params=prepared.sampling_params,
                 priority=ENGINE_PRIORITY[priority],
+                deadline=asyncio.get_running_loop().time() + self._config.router.request_timeout_s,
             )
             plan = self._dispatcher.plan(engine_request, priority)
             self._admit(plan)
@@ -316,7 +328,14 @@ class Router:
             self._metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
 
     def _failure(self, error: Exception, names: str, started: bool) -> OpenAIError:
-        """503 with Retry-After where the engine never took the request, else 500."""
+        """503 with Retry-After where the engine never took the request, 504 past the
+        request timeout, else 500."""
+        if isinstance(error, TimeoutError):
+            return OpenAIError(
+                f"the request did not finish within router.request_timeout_s"
+                f" ({self._config.router.request_timeout_s:g} s) on {names}; it was aborted",
+                HTTPStatus.GATEWAY_TIMEOUT,
+            )
         if isinstance(error, EngineUnavailable) and not started:
             return OpenAIError(
                 f"the engine replica is unavailable ({names}): {error}; retry",
@@ -373,10 +392,9 @@ class Router:
     def __del__(self) -> None:
         for link in getattr(self, "_local_engines", ()):
             link.shutdown()
-        # The KV directory is a detached actor: it goes with the application.
-        if getattr(self, "_kv_namespace", None) is not None:
-            with contextlib.suppress(Exception):
-                shutdown_kv_directory(self._kv_namespace)
+        kv = getattr(self, "_kv", None)
+        if kv is not None:
+            kv.shutdown()  # what the KV backend holds for this application goes with it
 
     async def _replica_health(self, replica: EngineClient) -> str:
         timeout = self._config.router.health_check_timeout_s

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.protocol import GenerateChunk, GenerateRequest
-from kv_transfer import remote_decode_params
+from engines.protocol import GenerateChunk, GenerateRequest
+from kv_transfer import KVRouterSide
 from router.engine_client import EngineClient, EngineFailed
 
 logger = logging.getLogger("splitserve.router")
@@ -37,9 +37,10 @@ class PrefillOutcome:
 
 
 class PrefillDecodeFlow:
-    def __init__(self, release_transfer: Any) -> None:
-        # release_transfer(handle) frees transferred KV nobody will load (client gone).
-        self._release_transfer = release_transfer
+    def __init__(self, kv: KVRouterSide) -> None:
+        # The KV backend's side of the hand-over: the prefill request's params, and
+        # releasing transferred KV nobody will load (client gone).
+        self._kv = kv
 
     async def run(
         self,
@@ -103,7 +104,7 @@ class PrefillDecodeFlow:
             request,
             request_id=f"{request.request_id}-prefill",
             sampling_params=params,
-            kv_transfer_params=remote_decode_params(consumer),
+            kv_transfer_params=self._kv.prefill_params(consumer),
         )
         first: GenerateChunk | None = None
         async for chunk in prefill.generate(prefill_request, prefill_tokens, on_accepted):
@@ -115,7 +116,7 @@ class PrefillDecodeFlow:
     def _release(self, handle: dict[str, Any] | None) -> None:
         if handle:
             try:
-                self._release_transfer(handle)
+                self._kv.release(handle)
             except Exception as error:  # the TTL frees it anyway
                 logger.warning("could not release KV transfer %s: %s", handle, error)
 

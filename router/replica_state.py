@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deployments.protocol import EngineStats
+from engines.protocol import EngineStats
 from router.prefix_index import PrefixIndex, PromptBlocks
 
 

@@ -1,37 +1,29 @@
-"""How the router picks one engine replica of a pool for a request.
-
-Every policy gets only healthy replicas and the prompt's block hashes, and says why it
-chose as it did (the ``reason`` label of ``splitserve_replica_choices_total``).
-"""
+"""The built-in replica choices (see router/replica_choice.py): round_robin,
+least_loaded, prefix_affinity."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
-from router.engine_client import EngineClient
-from router.prefix_index import PromptBlocks
-from router.settings import PrefixAffinityConfig, ReplicaChoiceName
+from pydantic import Field
 
+from router.replica_choice import REPLICA_CHOICES, Choice
+from splitserve.config_base import StrictModel
 
-class Choice(NamedTuple):
-    replica: EngineClient
-    reason: str
-
-
-class ReplicaChoice(Protocol):
-    name: ReplicaChoiceName
-
-    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice: ...
+if TYPE_CHECKING:
+    from router.engine_client import EngineClient
+    from router.prefix_index import PromptBlocks
 
 
+@REPLICA_CHOICES.register("round_robin")
 class RoundRobin:
     """The study's DP: each replica takes every n-th request and keeps its own queue."""
 
-    name: ReplicaChoiceName = "round_robin"
+    settings_model: ClassVar[type[StrictModel]] = StrictModel
 
-    def __init__(self) -> None:
+    def __init__(self, settings: StrictModel | None = None) -> None:
         self._counter: Iterator[int] = itertools.count()
 
     def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
@@ -39,14 +31,15 @@ class RoundRobin:
         return Choice(replicas[next(self._counter) % len(replicas)], "round_robin")
 
 
+@REPLICA_CHOICES.register("least_loaded")
 class LeastLoaded:
     """Fewest active requests (the router's or the engine's count, whichever is larger;
     for a prefill replica, queued prefills), then the emptier KV cache; equal replicas
     take turns."""
 
-    name: ReplicaChoiceName = "least_loaded"
+    settings_model: ClassVar[type[StrictModel]] = StrictModel
 
-    def __init__(self) -> None:
+    def __init__(self, settings: StrictModel | None = None) -> None:
         self._counter: Iterator[int] = itertools.count()
 
     def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
@@ -59,15 +52,28 @@ class LeastLoaded:
         return tied[next(self._counter) % len(tied)]
 
 
+class PrefixAffinitySettings(StrictModel):
+    max_load_imbalance: int = Field(
+        4,
+        ge=0,
+        description="Requests a replica may carry beyond the least loaded one before a"
+        " prefix hit stops pulling traffic to it (one hot prefix must not pin one replica).",
+    )
+    min_hit_tokens: int = Field(1, ge=1, description="Shorter estimated hits count as no hit.")
+
+
+@REPLICA_CHOICES.register("prefix_affinity")
 class PrefixAffinity:
     """The replica expected to hold the longest prefix of the prompt, unless it carries
     more than ``max_load_imbalance`` requests beyond the least loaded replica: then the
     least loaded takes it, so one hot prefix cannot pin all its traffic to one replica."""
 
-    name: ReplicaChoiceName = "prefix_affinity"
+    settings_model: ClassVar[type[StrictModel]] = PrefixAffinitySettings
 
-    def __init__(self, config: PrefixAffinityConfig) -> None:
-        self._config = config
+    def __init__(self, settings: StrictModel | None = None) -> None:
+        self._config = (
+            settings if isinstance(settings, PrefixAffinitySettings) else PrefixAffinitySettings()
+        )
         self._fallback = LeastLoaded()
 
     def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
@@ -96,17 +102,3 @@ def _load(replica: EngineClient) -> tuple[int, float]:
 def _require(replicas: list[EngineClient]) -> None:
     if not replicas:
         raise LookupError("no replica to choose from")
-
-
-def make_replica_choice(
-    name: ReplicaChoiceName, prefix_affinity: PrefixAffinityConfig
-) -> ReplicaChoice:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "least_loaded":
-        return LeastLoaded()
-    if name == "prefix_affinity":
-        return PrefixAffinity(prefix_affinity)
-    raise ValueError(
-        f"unknown replica_choice {name!r}; choose round_robin, least_loaded or prefix_affinity"
-    )

@@ -25,7 +25,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 )
 from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
 
-from deployments.protocol import GenerateChunk
+from engines.protocol import GenerateChunk
 from router.errors import OpenAIError
 
 SSE_DONE = "data: [DONE]\n\n"

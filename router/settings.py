@@ -1,50 +1,140 @@
-"""The router's policy settings, as the ``split_policy:``, ``qos:`` and ``router:`` blocks
-of a Serve YAML's ``args`` give them. Every threshold the router acts on lives here.
+"""The router's settings, as the ``router:``, ``split_policy:`` and ``qos:`` blocks of a
+Serve YAML's ``args`` give them. Every threshold the router acts on lives here or in
+the settings model of the policy that uses it (``settings_model`` of a registered
+replica choice or offload policy).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
+
+from engines.protocol import EngineRole
+from engines.settings import ModelConfig
+from kv_transfer.settings import KVTransferConfig
+from splitserve.config_base import StrictModel
+from splitserve.registry import validate_settings
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
-ReplicaChoiceName = Literal["round_robin", "least_loaded", "prefix_affinity"]
-OffloadMode = Literal["always", "never", "conditional"]
 
 
-class StrictSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def _replica_choices() -> Any:
+    from router.replica_choice import REPLICA_CHOICES
+
+    return REPLICA_CHOICES
 
 
-class SplitPolicyConfig(StrictSettings):
-    """PD only: when a prompt is computed on the prefill pool rather than the decode replica."""
+def _offload_policies() -> Any:
+    from router.offload import OFFLOAD_POLICIES
 
-    mode: OffloadMode = Field(
+    return OFFLOAD_POLICIES
+
+
+class RouterConfig(StrictModel):
+    replica_choice: str | dict[EngineRole, str] = Field(
+        "round_robin",
+        description="One registered replica choice for every pool, or one per role, e.g."
+        " {prefill: least_loaded, decode: prefix_affinity} (router.replica_choice)",
+    )
+    replica_choice_settings: dict[str, SerializeAsAny[StrictModel]] = Field(
+        default_factory=dict,
+        description="Settings of a replica choice, by its name, e.g. {prefix_affinity:"
+        " {max_load_imbalance: 4}}; unset fields take the policy's defaults.",
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A request still generating after this long is aborted in its engine"
+        " and answered with 504 (or an error event, if streaming).",
+    )
+    health_check_timeout_s: float = Field(5.0, gt=0)
+    unhealthy_after_failed_polls: int = Field(
+        3, ge=1, description="Consecutive failed stats polls before a replica is skipped."
+    )
+    submit_timeout_s: float = Field(
+        5.0, gt=0, description="An engine replica that takes longer to accept is unhealthy."
+    )
+    stats_interval_s: float = Field(
+        0.2, gt=0, description="How often the router polls every engine for its load."
+    )
+    engine_restart_attempts: int = Field(
+        3,
+        ge=1,
+        description="An engine in the router's process that dies is restarted there; after"
+        " this many failed starts in a row the router fails its health check and Serve"
+        " restarts it.",
+    )
+    engine_in_router: Literal["auto"] | bool = Field(
+        "auto",
+        description="Host every engine in the router's own process, each engine core in"
+        " processes of its own (vLLM's data-parallel layout): true, false (one Serve"
+        " replica per engine, reached through Ray), or auto (true).",
+    )
+
+    @field_validator("replica_choice")
+    @classmethod
+    def _registered_choices(cls, value: str | dict[EngineRole, str]) -> str | dict[str, str]:
+        names = [value] if isinstance(value, str) else list(value.values())
+        for name in names:
+            _replica_choices().check(name)
+        return value
+
+    @field_validator("replica_choice_settings", mode="before")
+    @classmethod
+    def _choice_settings(cls, value: Any) -> dict[str, StrictModel]:
+        if not isinstance(value, dict):
+            raise ValueError("must map a replica choice's name to its settings")
+        return {
+            name: validate_settings(
+                _replica_choices(), name, raw, f"replica_choice_settings.{name}"
+            )
+            for name, raw in value.items()
+        }
+
+    def choice_for(self, role: str) -> str:
+        choice = self.replica_choice
+        if isinstance(choice, str):
+            return choice
+        return next((name for pool, name in choice.items() if pool == role), "round_robin")
+
+    def choice_settings(self, name: str) -> StrictModel:
+        """The settings of replica choice ``name``: as configured, or its defaults."""
+        configured = self.replica_choice_settings.get(name)
+        return configured or validate_settings(_replica_choices(), name, {}, name)
+
+
+class SplitPolicyConfig(StrictModel):
+    """PD only: which registered offload policy decides where a prompt is computed, and
+    its settings; in YAML one flat block, ``mode`` plus the policy's own fields."""
+
+    mode: str = Field(
         "conditional",
-        description="always (the study's PD), never (decode prefills every prompt), conditional.",
+        description="A registered offload policy (router.offload): always (the study's PD),"
+        " never (the decode replica prefills every prompt), conditional.",
     )
-    prompt_length_threshold: int = Field(
-        256, ge=1, description="Tokens left after the prefix-cache hit that make a prompt long."
-    )
-    prefill_queue_max: int = Field(
-        10, ge=1, description="Prefill requests queued on a replica at which it counts as full."
-    )
-    decode_load_threshold: int = Field(
-        8, ge=1, description="Active requests on the decode replica at which it counts as busy."
-    )
-    decode_busy_min_length: int = Field(
-        64, ge=1, description="A busy decode replica offloads prompts of at least this length."
-    )
-    high_priority_bypasses_queue: bool = Field(
-        True,
-        description="High priority goes remote even to a full prefill queue (the engines'"
-        " priority scheduling puts it first there).",
-    )
+    settings: SerializeAsAny[StrictModel] = Field(default_factory=StrictModel)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _settings_of_mode(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "settings" in data:
+            return data
+        fields = dict(data)
+        mode = fields.pop("mode", "conditional")
+        if not isinstance(mode, str):
+            raise ValueError(f"mode must be a policy's name, not {mode!r}")
+        policies = _offload_policies()
+        policies.check(mode)
+        return {"mode": mode, "settings": validate_settings(policies, mode, fields, "split_policy")}
+
+    def flat(self) -> dict[str, Any]:
+        """As the YAML writes it: ``mode`` and the policy's fields in one block."""
+        return {"mode": self.mode, **self.settings.model_dump()}
 
 
-class QoSConfig(StrictSettings):
+class QoSConfig(StrictModel):
     """Admission control: who is refused, when, and how they are told."""
 
     enabled: bool = False
@@ -94,11 +184,18 @@ class QoSConfig(StrictSettings):
         return self
 
 
-class PrefixAffinityConfig(StrictSettings):
-    max_load_imbalance: int = Field(
-        4,
-        ge=0,
-        description="Requests a replica may carry beyond the least loaded one before a"
-        " prefix hit stops pulling traffic to it (one hot prefix must not pin one replica).",
-    )
-    min_hit_tokens: int = Field(1, ge=1, description="Shorter estimated hits count as no hit.")
+class IngressSettings(StrictModel):
+    """What the application builder hands one router process: the settings objects of
+    the YAML that concern it, validated once by the builder, never dumped and re-read."""
+
+    strategy: str
+    model: ModelConfig
+    router: RouterConfig
+    split_policy: SplitPolicyConfig
+    qos: QoSConfig
+    kv_transfer: KVTransferConfig | None = None  # PD only
+    engine_backend: str = "vllm"
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.kv_transfer is not None

@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from deployments.engine import DeltaStreams
-from deployments.protocol import (
+from engines.delta_streams import DeltaStreams
+from engines.protocol import (
     DeltaBatch,
     EngineRole,
     EngineStats,
@@ -21,6 +21,7 @@ from deployments.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
+from kv_transfer.handle import remote_decode_params
 
 FIRST_TOKEN = 100
 
@@ -79,3 +80,22 @@ class FakeEngineLink:
 def handle_of(link: FakeEngineLink) -> dict[str, Any]:
     """The KV handle this prefill link gave its last request."""
     return {"transfer_id": f"kv-{link.submitted[-1].request_id}"}
+
+
+class RecordingKV:
+    """The router's side of a KV backend (``KVRouterSide``) that records releases."""
+
+    def __init__(self) -> None:
+        self.released: list[dict[str, Any]] = []
+
+    def prefill_params(self, consumer: str | None) -> dict[str, Any]:
+        return remote_decode_params(consumer)
+
+    def release(self, handle: dict[str, Any]) -> None:
+        self.released.append(handle)
+
+    async def metrics_snapshot(self) -> dict[str, Any] | None:
+        return None
+
+    def shutdown(self) -> None:
+        return None

@@ -9,7 +9,6 @@ import yaml
 
 from deployments.app import engine_names, engine_process_env
 from deployments.config import (
-    AppConfig,
     ConfigError,
     load_app_config,
     parse_app_config,
@@ -23,8 +22,10 @@ DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 def test_shipped_configs_are_valid(name: str) -> None:
     config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
     assert config.strategy == name.split("_")[0]
-    # The router re-validates the app's full dump of it (deployments/app.py).
-    assert AppConfig.model_validate(config.model_dump()) == config
+    # What the router is handed is the validated objects themselves, not a dump.
+    settings = config.ingress_settings()
+    assert settings.router is config.router and settings.qos is config.qos
+    assert settings.disaggregated == (config.strategy == "pd")
 
 
 def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
@@ -90,7 +91,8 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "split_policy": {"mode": "sometimes"},
             },
-            "split_policy.mode: Input should be 'always', 'never' or 'conditional'",
+            "split_policy: unknown offload policy 'sometimes'; registered: always, conditional,"
+            " never",
         ),
         (
             {
@@ -98,7 +100,40 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "split_policy": {"prompt_length_threshold": 0},
             },
-            "split_policy.prompt_length_threshold: Input should be greater than or equal to 1",
+            "  - split_policy.prompt_length_threshold: Input should be greater than or equal to 1",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "kv_transfer": {"backend": "nixl"},
+            },
+            "kv_transfer: unknown KV backend 'nixl'; registered: example_disk, object_store",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "kv_transfer": {"backend": "object_store", "storage_path": "/tmp/x"},
+            },
+            "kv_transfer.storage_path: Extra inputs are not permitted",
+        ),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
+            "router.replica_choice: unknown replica choice 'random'; registered: least_loaded,"
+            " prefix_affinity, round_robin",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2}],
+                "router": {"replica_choice_settings": {"prefix_affinity": {"min_hit_tokens": 0}}},
+            },
+            "replica_choice_settings.prefix_affinity.min_hit_tokens: Input should be greater",
+        ),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "tgi"}},
+            "engine.backend: unknown engine backend 'tgi'; registered: synthetic, vllm",
         ),
         (
             {
@@ -143,7 +178,7 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
         ),
         (
             {"strategy": "single", "pools": [{}], "engine": {"backend": "fake"}},
-            "engine.backend: Input should be 'vllm' or 'synthetic'",
+            "engine.backend: unknown engine backend 'fake'; registered: synthetic, vllm",
         ),
     ],
 )
@@ -184,8 +219,8 @@ def test_pd_always_is_pd_without_the_policies() -> None:
 def test_the_router_hosts_engines_unless_told_not_to(
     name: str, setting: str | bool, in_router: bool
 ) -> None:
-    args = load_app_config(DEPLOYMENTS / f"{name}.yaml").model_dump()
-    args["router"]["engine_in_router"] = setting
+    args = yaml.safe_load((DEPLOYMENTS / f"{name}.yaml").read_text())["applications"][0]["args"]
+    args.setdefault("router", {})["engine_in_router"] = setting
     assert parse_app_config(args).hosts_engines_in_router is in_router
 
 

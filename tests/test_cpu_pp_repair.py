@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments import cpu_pp_repair, vllm_plugin
+from engines import cpu_pp_repair, vllm_plugin
 
 
 def _cpu_platform() -> bool:
@@ -87,14 +87,14 @@ def test_cpu_model_runner_is_patched_in_a_fresh_process() -> None:
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
         "import vllm.v1.worker.cpu_worker\n"
         "from vllm.v1.worker.cpu_model_runner import CPUModelRunner\n"
-        "from deployments.cpu_pp_repair import is_patched\n"
+        "from engines.cpu_pp_repair import is_patched\n"
         "assert is_patched(CPUModelRunner)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 def test_orphan_guard_only_in_engine_children(monkeypatch: pytest.MonkeyPatch) -> None:
-    from deployments import orphan_guard
+    from engines import orphan_guard
 
     monkeypatch.setattr(orphan_guard, "_started", False)
     monkeypatch.delenv(orphan_guard.ENV_FLAG, raising=False)
@@ -109,7 +109,7 @@ def test_orphaned_engine_process_ends(tmp_path: Path) -> None:
     parent_code = (
         "import multiprocessing, os, sys, time\n"
         "def child(path):\n"
-        "    from deployments.orphan_guard import start_orphan_guard\n"
+        "    from engines.orphan_guard import start_orphan_guard\n"
         "    assert start_orphan_guard()\n"
         "    open(path, 'w').write(str(os.getpid()))\n"
         "    time.sleep(600)\n"

@@ -24,17 +24,18 @@ import pytest
 import ray
 from local_ports import free_port
 
-from deployments.tiny_model import embedded_model_path
+from engines.tiny_model import embedded_model_path
 from kv_transfer import (
     KVLayoutMismatchError,
+    ObjectStoreSettings,
     check_handle_compatible,
     consumer_id,
     get_kv_directory,
-    kv_transfer_config,
     release_handle,
     remote_decode_params,
     shutdown_kv_directory,
 )
+from kv_transfer.backends import ObjectStoreBackend
 from kv_transfer.directory import SWEEP_INTERVAL_S
 
 pytestmark = pytest.mark.serving
@@ -99,11 +100,15 @@ def _start_engine(cpu: str, role: str, **engine_kwargs: Any) -> Any:
         enforce_eager=True,
         max_model_len=4096,
         seed=0,
-        kv_transfer_config=kv_transfer_config(
+        kv_transfer_config=_object_store_config(
             role, namespace=NAMESPACE, ttl_s=TTL_S, push_wait_s=PUSH_WAIT_S
         ),
         **engine_kwargs,
     )
+
+
+def _object_store_config(role: str, **settings: Any) -> dict[str, Any]:
+    return ObjectStoreBackend(ObjectStoreSettings(**settings)).engine_config(role)  # type: ignore[arg-type]
 
 
 def _stop_engine(engine: Any) -> None:
@@ -405,7 +410,7 @@ class TestTensorParallelTwo:
             model=str(embedded_model_path()),
             dtype="float32",
             max_model_len=4096,
-            kv_transfer_config=kv_transfer_config("kv_consumer", namespace=NAMESPACE),
+            kv_transfer_config=_object_store_config("kv_consumer", namespace=NAMESPACE),
         ).create_engine_config()
         _, handle = _prefill_step(prefill_tp2, _prompt(50))
         try:

@@ -68,7 +68,7 @@ import pytest
 from rich.console import Console
 
 from deployments.launcher import serve_run
-from deployments.tiny_model import embedded_model_path
+from engines.tiny_model import embedded_model_path
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.runner import execute_run
 

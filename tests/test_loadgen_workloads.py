@@ -8,8 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from loadgen.burstgpt import BurstGPTShapedGenerator, write_trace_csv
-from loadgen.config import MIXED_CLASSES, RunConfig, WorkloadConfig
+from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.workloads import (
+    MIXED_CLASSES,
     TextCalibration,
     TextPrompts,
     TokenPrompts,

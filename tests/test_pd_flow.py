@@ -8,16 +8,15 @@ nobody will load is released.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from vllm import SamplingParams
 
 from deployments.config import parse_app_config
-from deployments.protocol import EngineStats, GenerateChunk, GenerateRequest
+from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
 from kv_transfer.handle import CONSUMER_KEY
 from router.dispatch import PREFILL_HEADER, REPLICA_HEADER, Dispatch, Dispatcher
 from router.engine_client import EngineClient
-from tests.fake_engine import FIRST_TOKEN, FakeEngineLink, handle_of
+from tests.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
 PROMPT = list(range(1, 301))
 CONSUMER = "decode-0-consumer"
@@ -41,8 +40,11 @@ class Cluster:
         self.decode.state.update_engine(
             EngineStats(replica="decode-0", role="decode", kv_consumer=CONSUMER)
         )
-        self.released: list[dict[str, Any]] = []
-        self.dispatcher = Dispatcher(config, [self.prefill, self.decode], self.released.append)
+        self.kv = RecordingKV()
+        self.released = self.kv.released
+        self.dispatcher = Dispatcher(
+            config.ingress_settings(), [self.prefill, self.decode], self.kv
+        )
 
     def start(self, max_tokens: int) -> Dispatch:
         request = GenerateRequest("req-1", "", list(PROMPT), SamplingParams(max_tokens=max_tokens))

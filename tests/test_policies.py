@@ -27,7 +27,7 @@ pytestmark = pytest.mark.serving
 
 MODEL = "splitserve-tiny-llama"
 CONFIG = load_app_config(config_path("pd"))
-THRESHOLD = CONFIG.split_policy.prompt_length_threshold
+THRESHOLD = CONFIG.split_policy.settings.prompt_length_threshold
 SLO_S = CONFIG.qos.ttft_slo_s
 _rng = random.Random(11)
 
@@ -138,7 +138,7 @@ def test_long_prompt_goes_remote_and_its_prefix_then_stays_local(pd_app: Running
 
 
 def test_saturated_prefill_queue_sends_long_prompts_local(pd_app: RunningApp) -> None:
-    queue_max = CONFIG.split_policy.prefill_queue_max
+    queue_max = CONFIG.split_policy.settings.prefill_queue_max
     burst = 3 * queue_max
     prompts = [_prompt(4 * THRESHOLD) for _ in range(burst)]
     before = Snapshot.take(pd_app.base_url)

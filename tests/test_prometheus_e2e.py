@@ -35,7 +35,7 @@ from dashboards.prometheus import (
     target_health,
 )
 from deployments.launcher import serve_run
-from deployments.sampler import SAMPLE_PERIOD_S
+from engines.sampler import SAMPLE_PERIOD_S
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.exposition import Exposition
 from loadgen.runner import RunResult, execute_run

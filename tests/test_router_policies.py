@@ -6,17 +6,18 @@ from http import HTTPStatus
 
 import pytest
 
-from deployments.protocol import EngineStats
+from engines.protocol import EngineStats
 from router.engine_client import EngineClient
-from router.policy import should_offload_prefill
+from router.offload import OffloadInputs, make_offload_policy
+from router.offload_policies import ConditionalSettings, should_offload_prefill
 from router.prefix_index import PrefixIndex, PromptBlocks
 from router.qos import AdmissionControl, Rejection, take_priority
 from router.replica_state import ReplicaState
-from router.replicas import LeastLoaded, PrefixAffinity, RoundRobin
-from router.settings import PrefixAffinityConfig, QoSConfig, SplitPolicyConfig
+from router.replicas import LeastLoaded, PrefixAffinity, PrefixAffinitySettings, RoundRobin
+from router.settings import QoSConfig
 
 # The chapter's tunables: 256-token threshold, queue of 10, 8 active decodes, 64 tokens.
-CHAPTER = SplitPolicyConfig(
+CHAPTER = ConditionalSettings(
     prompt_length_threshold=256,
     prefill_queue_max=10,
     decode_load_threshold=8,
@@ -52,15 +53,15 @@ QOS = QoSConfig(low_priority_remote_max_queue=2)
 def test_conditional_offload(
     prompt: int, cached: int, queue: int, decode: int, priority: str, expected: tuple[str, str]
 ) -> None:
-    decision = should_offload_prefill(prompt, cached, queue, decode, priority, CHAPTER, QOS)  # type: ignore[arg-type]
-    assert tuple(decision) == expected
+    inputs = OffloadInputs(prompt, cached, queue, decode, priority)  # type: ignore[arg-type]
+    assert tuple(should_offload_prefill(inputs, CHAPTER, QOS)) == expected
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("always", "remote"), ("never", "local")])
 def test_fixed_modes_ignore_everything_else(mode: str, expected: str) -> None:
-    policy = CHAPTER.model_copy(update={"mode": mode})
+    policy = make_offload_policy(mode, CHAPTER, QOS)
     for prompt, queue, priority in [(5, 0, "normal"), (4000, 50, "low"), (4000, 50, "high")]:
-        decision = should_offload_prefill(prompt, 0, queue, 20, priority, policy, QOS)  # type: ignore[arg-type]
+        decision = policy.decide(OffloadInputs(prompt, 0, queue, 20, priority))  # type: ignore[arg-type]
         assert decision == (expected, mode)
 
 
@@ -145,7 +146,7 @@ def test_a_prefill_replica_is_as_loaded_as_its_prefill_queue() -> None:
 
 
 def test_prefix_affinity_follows_the_hit_until_the_load_guard() -> None:
-    config = PrefixAffinityConfig(max_load_imbalance=2)
+    config = PrefixAffinitySettings(max_load_imbalance=2)
     cold, warm = _replica("cold"), _replica("warm")
     warm.state.record_prompt(PROMPT)
     policy = PrefixAffinity(config)

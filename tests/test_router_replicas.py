@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from deployments.launcher import ROUTER_DEPLOYMENT, serve_run
-from deployments.tiny_model import EMBEDDED_MODEL_NAME
+from engines.tiny_model import EMBEDDED_MODEL_NAME
 
 pytestmark = pytest.mark.serving
 

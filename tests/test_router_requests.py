@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from deployments.tiny_model import embedded_model_path
+from engines.tiny_model import embedded_model_path
 from router.errors import OpenAIError
 from router.ingress import _json_body
 from router.requests import PromptBuilder, parse_request

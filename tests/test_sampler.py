@@ -14,8 +14,8 @@ import psutil
 import pynvml
 import pytest
 
-from deployments.engine_metrics import replica_stat_logger
-from deployments.sampler import (
+from engines.metrics import replica_stat_logger
+from engines.sampler import (
     REPLICA_PROCESS,
     SAMPLE_PERIOD_S,
     DeviceSample,

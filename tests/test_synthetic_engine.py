@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from deployments.app import engine_names, engine_spec
 from deployments.config import parse_app_config
-from deployments.protocol import GenerateRequest
-from deployments.synthetic_engine import SyntheticEngineHost
+from engines.protocol import GenerateRequest
+from engines.synthetic import SyntheticEngineHost
 
 CONFIG = parse_app_config(
     {"strategy": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "synthetic"}}
@@ -17,7 +17,7 @@ CONFIG = parse_app_config(
 
 def _host() -> SyntheticEngineHost:
     name, pool, index = engine_names(CONFIG)[0]
-    return SyntheticEngineHost(engine_spec(CONFIG, name, pool, index).model_dump())
+    return SyntheticEngineHost(engine_spec(CONFIG, name, pool, index))
 
 
 def _request(request_id: str, max_tokens: int, subscriber: str = "router-a") -> GenerateRequest:

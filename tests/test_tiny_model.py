@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.tiny_model import (
+from engines.tiny_model import (
     TinyLlamaSpec,
     build_tiny_llama,
     embedded_model_path,

@@ -7,8 +7,8 @@ splitserve replica hosts, ends the process when that replica is gone.
 
 from __future__ import annotations
 
-from deployments.cpu_pp_repair import install as install_cpu_pp_repair
-from deployments.orphan_guard import start_orphan_guard
+from engines.cpu_pp_repair import install as install_cpu_pp_repair
+from engines.orphan_guard import start_orphan_guard
 
 
 def register() -> None:

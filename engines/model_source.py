@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.config import ModelConfig
-from deployments.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
+from engines.settings import ModelConfig
+from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 
 EMBEDDED_SOURCE = "embedded"
 

@@ -14,10 +14,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-from deployments.engine import DeltaStreams, EngineSpec
-from deployments.protocol import DeltaBatch, EngineStats, GenerateChunk, GenerateRequest
+from engines.backends import ENGINE_BACKENDS
+from engines.delta_streams import DeltaStreams
+from engines.protocol import DeltaBatch, EngineStats, GenerateChunk, GenerateRequest
+from engines.settings import EngineSpec
 
 # What every synthetic token reads as: one byte, one token for the byte-level tokenizer.
 SYNTHETIC_TEXT = "a"
@@ -32,11 +33,12 @@ class _Running:
     token_id: int
 
 
+@ENGINE_BACKENDS.register("synthetic")
 class SyntheticEngineHost:
-    """The calls of deployments.engine.EngineHost, answered by a token generator."""
+    """The calls of engines.host.EngineHost, answered by a token generator."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self._spec = EngineSpec.model_validate(spec)
+    def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
         self._step_interval_s = self._spec.backend.step_interval_s
         self._streams = DeltaStreams()
         self._running: dict[str, _Running] = {}

@@ -12,30 +12,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 
-from deployments.config import EngineBackend, EngineBackendConfig, ModelConfig, PoolConfig
-from deployments.engine_metrics import replica_stat_logger
-from deployments.model_source import resolve_model
-from deployments.protocol import (
+from engines.backends import ENGINE_BACKENDS
+from engines.delta_streams import DeltaStreams, Outbox
+from engines.metrics import replica_stat_logger
+from engines.model_source import resolve_model
+from engines.protocol import (
     DeltaBatch,
-    EngineRole,
     EngineStats,
     GenerateChunk,
     GenerateFailure,
     GenerateRequest,
 )
-from deployments.sampler import start_replica_sampler
+from engines.sampler import start_replica_sampler
+from engines.settings import EngineSpec
 from kv_transfer.handle import check_handle_compatible, consumer_id, is_transfer_params
 
 if TYPE_CHECKING:
@@ -45,43 +44,8 @@ logger = logging.getLogger("splitserve.engine")
 # vLLM's names for where a prompt token's KV came from (PromptTokenStats.ALL_SOURCES).
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _SPAWN_LOCK = threading.Lock()
-# One subscriber's queue of (request id, delta); None ends its stream.
-Outbox = asyncio.Queue[tuple[str, Any] | None]
 # How often Serve asks whatever process hosts an engine whether that engine is alive.
 ENGINE_HEALTH_CHECK_PERIOD_S = 5
-
-
-class EngineSpec(BaseModel):
-    """What one engine replica needs to start: its name, role, model and pool settings."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    role: EngineRole
-    model: ModelConfig
-    pool: PoolConfig
-    accelerator: str
-    # vLLM's kv_transfer_config for PD roles (our object-store connector), else None.
-    kv_transfer: dict[str, Any] | None = None
-    # Environment of this engine's own processes (its core binding, its KV cache size),
-    # set while they are spawned: several engines may share one host process.
-    process_env: dict[str, str] = {}
-    # GPU only, for engines that share a host process: the first of this engine's GPUs
-    # among the host's (ray.get_gpu_ids()); None when the engine has the host's GPUs alone.
-    device_offset: int | None = None
-    backend: EngineBackendConfig = EngineBackendConfig()
-
-
-# Which class hosts an engine of each backend, imported only when one is started.
-ENGINE_HOSTS: dict[EngineBackend, str] = {
-    "vllm": "deployments.engine:EngineHost",
-    "synthetic": "deployments.synthetic_engine:SyntheticEngineHost",
-}
-
-
-def engine_host_class(backend: EngineBackend) -> type[Any]:
-    module, _, name = ENGINE_HOSTS[backend].partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 class _LatestSchedulerStats:
@@ -182,52 +146,16 @@ def _chunk_of(output: Any) -> GenerateChunk:
     )
 
 
-class DeltaStreams:
-    """Each subscriber's outbox of (request id, delta), read as one stream of batches."""
-
-    def __init__(self) -> None:
-        self._outboxes: dict[str, Outbox] = {}
-
-    def outbox(self, subscriber: str) -> Outbox:
-        return self._outboxes.setdefault(subscriber, asyncio.Queue())
-
-    async def stream(
-        self, subscriber: str, on_gone: Callable[[str], None]
-    ) -> AsyncIterator[DeltaBatch]:
-        """Every delta ready since the last item, until ``close_all``; ``on_gone`` runs
-        when the subscriber stops reading, for the requests it left behind."""
-        outbox = self.outbox(subscriber)
-        try:
-            while True:
-                items = [await outbox.get()]
-                while not outbox.empty():
-                    items.append(outbox.get_nowait())
-                batch = [item for item in items if item is not None]
-                if batch:
-                    yield batch
-                if len(batch) < len(items):
-                    return  # close_all: the host is being replaced
-        finally:
-            on_gone(subscriber)
-            self._outboxes.pop(subscriber, None)
-
-    def close_all(self) -> None:
-        """End every stream after what is queued, so subscribers move on."""
-        for outbox in self._outboxes.values():
-            outbox.put_nowait(None)
-
-
+@ENGINE_BACKENDS.register("vllm")
 class EngineHost:
-    """One AsyncLLM and its engine processes, in whichever process constructs it.
-
-    An engine replica (below) is one; the router hosts one itself when its application
-    has a single engine, which saves every token a hop between processes.
+    """One AsyncLLM and its engine processes, in whichever process constructs it: the
+    router's (every engine's front end there, by default) or an engine replica's (below).
     """
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._spec = EngineSpec.model_validate(spec)
+        self._spec = spec
         # vLLM's engine processes are not Ray workers; the KV connector inside them
         # joins this cluster itself, by the address it inherits from here.
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
@@ -404,14 +332,14 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 class EngineReplica(EngineHost):
     """A Serve replica that owns one engine host: the router reaches it through Ray."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
         # A plain `serve run` applies a YAML's deployment overrides without our launcher,
         # which refuses them: a second replica under one engine name would split submits
         # from the router's one delta stream.
         replicas = serve.get_replica_context().world_size
         if replicas != 1:
             raise ValueError(
-                f"engine deployment {spec.get('name')!r} has {replicas} Serve replicas;"
+                f"engine deployment {spec.name!r} has {replicas} Serve replicas;"
                 " scale engines by args.pools[].replicas, not by Serve overrides"
             )
         super().__init__(spec)

@@ -25,6 +25,9 @@ class GenerateRequest:
     # vLLM's scheduling priority (lower runs first); used where the engine schedules by
     # priority, ignored by first-come-first-served engines.
     priority: int = 0
+    # The router's event-loop time at which it gives up on the request and aborts it
+    # (router.request_timeout_s); meaningless in other processes, ignored by engines.
+    deadline: float | None = None
 
 
 @dataclass(slots=True)

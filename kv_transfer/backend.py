@@ -1,0 +1,55 @@
+"""KV backends: what moves a prefill's KV blocks to the decode engine, by name
+(``kv_transfer.backend`` in the YAML).
+
+A backend is a class registered in ``KV_BACKENDS``, constructed from its own
+``settings_model``. It gives the engines their vLLM ``kv_transfer_config`` (a KV
+connector of vLLM's API) and the router its side of the hand-over (``KVRouterSide``):
+what to put in a prefill request's ``kv_transfer_params``, how to free a transfer
+nobody will load, and where its metrics come from. The built-in ones are in
+``kv_transfer/backends.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+from kv_transfer.settings import KVRole, KVTransferConfig
+from splitserve.config_base import StrictModel
+from splitserve.registry import Registry
+
+
+class KVRouterSide(Protocol):
+    """The router's part in a backend's hand-over; it never touches KV tensors."""
+
+    def prefill_params(self, consumer: str | None) -> dict[str, Any]:
+        """``kv_transfer_params`` of a prefill request whose KV goes to ``consumer``."""
+
+    def release(self, handle: dict[str, Any]) -> None:
+        """Free a transfer nobody will load (its client left); fire and forget."""
+
+    async def metrics_snapshot(self) -> dict[str, Any] | None:
+        """Transfer metrics to export (kv_transfer.metrics), or None."""
+
+    def shutdown(self) -> None:
+        """The application is going away: free what the backend holds for it."""
+
+
+class KVBackend(Protocol):
+    settings_model: ClassVar[type[StrictModel]]
+
+    def __init__(self, settings: StrictModel) -> None: ...
+
+    def engine_config(self, role: KVRole, engine_id: str | None = None) -> dict[str, Any]:
+        """vLLM's ``kv_transfer_config`` engine argument for an engine of ``role``."""
+
+    def router_side(self) -> KVRouterSide: ...
+
+    def check_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        """Raise ValueError for engine shapes this backend cannot hand over."""
+
+
+KV_BACKENDS: Registry[type[KVBackend]] = Registry("KV backend", builtins=("kv_transfer.backends",))
+
+
+def make_kv_backend(config: KVTransferConfig) -> KVBackend:
+    return KV_BACKENDS.get(config.backend)(config.settings)

@@ -1,0 +1,110 @@
+"""The built-in KV backends (see kv_transfer/backend.py).
+
+``object_store``: ours, ``ObjectStoreConnector``: the prefill's blocks go into Ray's
+object store, pushed to the decode engine the router named, freed once loaded, on
+release or after a TTL. ``example_disk``: vLLM's ExampleConnector through files,
+timed into our metrics; the baseline bench/kv_transfer.py measures ours against, not
+for serving (nothing deletes its files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar
+
+from kv_transfer.backend import KV_BACKENDS
+from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
+from kv_transfer.handle import remote_decode_params
+from kv_transfer.settings import ExampleDiskSettings, KVRole, ObjectStoreSettings
+from splitserve.config_base import StrictModel
+
+_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def _vllm_transfer_config(
+    connector: str, module: str, role: KVRole, extra: dict[str, Any], engine_id: str | None
+) -> dict[str, Any]:
+    if role not in _ROLES:
+        raise ValueError(f"role must be kv_producer, kv_consumer or kv_both, not {role!r}")
+    config: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_connector_module_path": module,
+        "kv_role": role,
+        # A lost or expired transfer costs the decode engine a local prefill, never the
+        # request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return config
+
+
+class DirectoryRouterSide:
+    """The router's side of a backend whose engines report to the KV directory actor."""
+
+    def __init__(self, namespace: str, releases: bool) -> None:
+        self._namespace = namespace
+        self._releases = releases
+
+    def prefill_params(self, consumer: str | None) -> dict[str, Any]:
+        return remote_decode_params(consumer)
+
+    def release(self, handle: dict[str, Any]) -> None:
+        if self._releases:
+            release_handle(handle)
+
+    async def metrics_snapshot(self) -> dict[str, Any] | None:
+        return await get_kv_directory(self._namespace).metrics_snapshot.remote()
+
+    def shutdown(self) -> None:
+        # The directory is a detached actor: it goes with the application.
+        with contextlib.suppress(Exception):
+            shutdown_kv_directory(self._namespace)
+
+
+@KV_BACKENDS.register("object_store")
+class ObjectStoreBackend:
+    settings_model: ClassVar[type[StrictModel]] = ObjectStoreSettings
+
+    def __init__(self, settings: StrictModel) -> None:
+        assert isinstance(settings, ObjectStoreSettings)
+        self.settings = settings
+
+    def engine_config(self, role: KVRole, engine_id: str | None = None) -> dict[str, Any]:
+        extra = self.settings.model_dump()
+        return _vllm_transfer_config(
+            "ObjectStoreConnector", "kv_transfer.connector", role, extra, engine_id
+        )
+
+    def router_side(self) -> DirectoryRouterSide:
+        return DirectoryRouterSide(self.settings.namespace, releases=True)
+
+    def check_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        if pipeline_parallel_size > 1:
+            raise ValueError(
+                "kv_transfer backend 'object_store' does not support pipeline parallelism"
+            )
+
+
+@KV_BACKENDS.register("example_disk")
+class ExampleDiskBackend:
+    settings_model: ClassVar[type[StrictModel]] = ExampleDiskSettings
+
+    def __init__(self, settings: StrictModel) -> None:
+        assert isinstance(settings, ExampleDiskSettings)
+        self.settings = settings
+
+    def engine_config(self, role: KVRole, engine_id: str | None = None) -> dict[str, Any]:
+        # ExampleConnector reads its folder from "shared_storage_path".
+        extra = {**self.settings.model_dump(), "shared_storage_path": self.settings.storage_path}
+        return _vllm_transfer_config(
+            "TimedExampleConnector", "kv_transfer.example_disk", role, extra, engine_id
+        )
+
+    def router_side(self) -> DirectoryRouterSide:
+        # Its files are never handed over, so there is nothing to release.
+        return DirectoryRouterSide(self.settings.namespace, releases=False)
+
+    def check_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+        return None  # vLLM's connector handles what vLLM runs

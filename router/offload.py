@@ -1,0 +1,65 @@
+"""PD offload policy: whether a prompt is computed on the prefill pool (remote) or on
+the decode replica that will generate the answer (local).
+
+A policy is a class registered in ``OFFLOAD_POLICIES`` under the name configs use
+(``split_policy.mode``), with a ``settings_model`` for the rest of the
+``split_policy:`` block. It decides from numbers the dispatcher gathers
+(``OffloadInputs``) and the QoS settings, without side effects, and says why (the
+``reason`` label of ``splitserve_prefill_decisions_total``). The built-in ones
+(``always``, ``never``, ``conditional``) are in ``router/offload_policies.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple, Protocol
+
+from splitserve.config_base import StrictModel
+from splitserve.registry import Registry
+
+if TYPE_CHECKING:
+    from router.settings import Priority, QoSConfig
+
+Where = Literal["local", "remote"]
+
+
+class OffloadDecision(NamedTuple):
+    where: Where
+    reason: str
+
+    @property
+    def remote(self) -> bool:
+        return self.where == "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadInputs:
+    """What the dispatcher knows about one prompt when it plans it.
+
+    prompt_len: prompt tokens; prefix_cached_len: of those, expected in the decode
+    replica's prefix cache; prefill_queue: prefills queued or running on the prefill
+    replica that would take it; decode_active: requests active on the decode replica.
+    """
+
+    prompt_len: int
+    prefix_cached_len: int
+    prefill_queue: int
+    decode_active: int
+    priority: Priority
+
+
+class OffloadPolicy(Protocol):
+    settings_model: ClassVar[type[StrictModel]]
+
+    def __init__(self, settings: StrictModel, qos: QoSConfig) -> None: ...
+
+    def decide(self, inputs: OffloadInputs) -> OffloadDecision: ...
+
+
+OFFLOAD_POLICIES: Registry[type[OffloadPolicy]] = Registry(
+    "offload policy", builtins=("router.offload_policies",)
+)
+
+
+def make_offload_policy(mode: str, settings: StrictModel, qos: QoSConfig) -> OffloadPolicy:
+    return OFFLOAD_POLICIES.get(mode)(settings, qos)

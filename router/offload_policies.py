@@ -1,0 +1,105 @@
+"""The built-in PD offload policies (see router/offload.py): always, never, conditional.
+
+``conditional`` follows the disaggregation chapter's ``should_offload_prefill``, with two
+deliberate differences: a busy decode replica only offloads to a prefill pool that is
+not full (sending more work to a saturated pool lengthens everyone's TTFT, which is the
+chapter's own argument for the queue check), and the priority rules of its QoS section
+are part of the same decision.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from router.offload import OFFLOAD_POLICIES, OffloadDecision, OffloadInputs
+from router.settings import QoSConfig
+from splitserve.config_base import StrictModel
+
+
+@OFFLOAD_POLICIES.register("always")
+class AlwaysRemote:
+    """The study's PD: every prompt is prefilled on the prefill pool."""
+
+    settings_model: ClassVar[type[StrictModel]] = StrictModel
+
+    def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
+        pass
+
+    def decide(self, inputs: OffloadInputs) -> OffloadDecision:
+        return OffloadDecision("remote", "always")
+
+
+@OFFLOAD_POLICIES.register("never")
+class NeverRemote:
+    """The decode replica prefills every prompt (the prefill pool idles)."""
+
+    settings_model: ClassVar[type[StrictModel]] = StrictModel
+
+    def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
+        pass
+
+    def decide(self, inputs: OffloadInputs) -> OffloadDecision:
+        return OffloadDecision("local", "never")
+
+
+class ConditionalSettings(StrictModel):
+    prompt_length_threshold: int = Field(
+        256, ge=1, description="Tokens left after the prefix-cache hit that make a prompt long."
+    )
+    prefill_queue_max: int = Field(
+        10, ge=1, description="Prefill requests queued on a replica at which it counts as full."
+    )
+    decode_load_threshold: int = Field(
+        8, ge=1, description="Active requests on the decode replica at which it counts as busy."
+    )
+    decode_busy_min_length: int = Field(
+        64, ge=1, description="A busy decode replica offloads prompts of at least this length."
+    )
+    high_priority_bypasses_queue: bool = Field(
+        True,
+        description="High priority goes remote even to a full prefill queue (the engines'"
+        " priority scheduling puts it first there).",
+    )
+
+
+@OFFLOAD_POLICIES.register("conditional")
+class ConditionalOffload:
+    """Remote when the prompt left after the decode replica's prefix hit is long and the
+    prefill pool has room, or when the decode replica is busy; priorities as in QoS."""
+
+    settings_model: ClassVar[type[StrictModel]] = ConditionalSettings
+
+    def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
+        assert isinstance(settings, ConditionalSettings)
+        self._settings = settings
+        self._qos = qos
+
+    def decide(self, inputs: OffloadInputs) -> OffloadDecision:
+        return should_offload_prefill(inputs, self._settings, self._qos)
+
+
+def should_offload_prefill(
+    inputs: OffloadInputs, policy: ConditionalSettings, qos: QoSConfig
+) -> OffloadDecision:
+    """Where to prefill one prompt, by the chapter's rules (see the module docstring)."""
+    queue = inputs.prefill_queue
+    if inputs.priority == "low" and queue >= qos.low_priority_remote_max_queue:
+        # Remote prefill spends extra cluster resources for latency; under load they are
+        # kept for the requests that pay for it.
+        return OffloadDecision("local", "low_priority")
+    effective_len = max(0, inputs.prompt_len - inputs.prefix_cached_len)
+    prefill_available = queue < policy.prefill_queue_max
+    if effective_len >= policy.prompt_length_threshold:
+        if prefill_available:
+            return OffloadDecision("remote", "long_prompt")
+        if inputs.priority == "high" and policy.high_priority_bypasses_queue:
+            return OffloadDecision("remote", "high_priority")
+        return OffloadDecision("local", "prefill_queue_full")
+    decode_busy = inputs.decode_active >= policy.decode_load_threshold
+    if decode_busy and effective_len >= policy.decode_busy_min_length and prefill_available:
+        return OffloadDecision("remote", "decode_busy")
+    if inputs.prompt_len >= policy.prompt_length_threshold:
+        return OffloadDecision("local", "prefix_cached")
+    return OffloadDecision("local", "short_prompt")

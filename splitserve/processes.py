@@ -1,0 +1,214 @@
+"""Start a server process, wait until it answers, stop it and everything it started.
+
+The one lifecycle behind ``serve run`` (deployments/launcher.py), the load generator's
+sweep servers (loadgen/launcher.py), Prometheus (dashboards/prometheus.py) and the
+benchmarks' peers: output to a log file, readiness by polling, a graceful signal
+first, then SIGKILL for the process and for whatever it started that outlived it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+LOG_TAIL_LINES = 40
+POLL_FIRST_S = 0.2  # then doubling up to POLL_MAX_S: quick servers are found quickly
+POLL_MAX_S = 2.0
+HTTP_PROBE_TIMEOUT_S = 10.0
+
+
+class LaunchError(RuntimeError):
+    """A process did not come up, or did not go away cleanly."""
+
+
+@dataclass(frozen=True)
+class ChildSettings:
+    """How a child starts: its own niceness, SIGINT restored, optionally its own session."""
+
+    niceness: int | None = None
+    new_session: bool = False
+
+    def __call__(self) -> None:
+        # A process started in the background by a shell without job control (`nohup x &`,
+        # CI runners) inherits SIGINT ignored, and its children would ignore our stop.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if self.new_session:
+            os.setsid()  # a Ctrl-C meant for us reaches it only through stop_process
+        if self.niceness is not None:
+            current = os.getpriority(os.PRIO_PROCESS, 0)
+            os.setpriority(os.PRIO_PROCESS, 0, max(self.niceness, current))
+
+
+def start_process(
+    command: list[str],
+    log_path: Path,
+    *,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    child: ChildSettings | None = None,
+) -> subprocess.Popen[bytes]:
+    """``command`` with stdout and stderr in ``log_path``; ``env`` replaces the environment."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        return subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=child or ChildSettings(),
+        )
+
+
+def wait_until_ready(
+    process: subprocess.Popen[bytes],
+    ready: Callable[[], bool],
+    log_path: Path,
+    timeout_s: float,
+    what: str,
+) -> None:
+    """Poll ``ready`` until it holds; raise LaunchError with the log's tail if the process
+    exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    pause = POLL_FIRST_S
+    while True:
+        if process.poll() is not None:
+            raise LaunchError(f"{what} exited with {process.returncode}:\n{tail(log_path)}")
+        if ready():
+            return
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{what} not ready after {timeout_s:.0f}s:\n{tail(log_path)}")
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_MAX_S)
+
+
+def http_ok(url: str, timeout_s: float = HTTP_PROBE_TIMEOUT_S) -> bool:
+    """``GET url`` answered 200."""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    return False
+
+
+def stop_process(
+    process: subprocess.Popen[bytes],
+    timeout_s: float,
+    stop_signal: signal.Signals = signal.SIGINT,
+) -> set[int]:
+    """``stop_signal``, wait, SIGKILL; then SIGKILL whatever it started and left behind.
+    Returns the pids that had to be killed after the wait (empty when all went quietly)."""
+    family = descendants(process.pid)
+    if process.poll() is None:
+        process.send_signal(stop_signal)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    survivors = wait_gone(family, timeout_s)
+    for pid, _ in survivors:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return {pid for pid, _ in survivors}
+
+
+@contextlib.contextmanager
+def running_process(
+    command: list[str],
+    log_path: Path,
+    ready: Callable[[], bool],
+    *,
+    what: str,
+    ready_timeout_s: float,
+    stop_timeout_s: float,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    child: ChildSettings | None = None,
+    stop_signal: signal.Signals = signal.SIGINT,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The process for the length of a block, once ``ready``; stopped on the way out,
+    and a LaunchError if anything it started had to be killed."""
+    process = start_process(command, log_path, cwd=cwd, env=env, child=child)
+    try:
+        wait_until_ready(process, ready, log_path, ready_timeout_s, what)
+        yield process
+    finally:
+        killed = stop_process(process, stop_timeout_s, stop_signal)
+        if killed:
+            raise LaunchError(
+                f"{len(killed)} process(es) of {what} outlived the stop timeout and were"
+                f" killed: {sorted(killed)}"
+            )
+
+
+ProcessId = tuple[int, int]  # (pid, start time in clock ticks): immune to pid reuse
+
+
+def descendants(root: int) -> set[ProcessId]:
+    """Every process below ``root`` right now, however deep."""
+    children: dict[int, list[ProcessId]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            parent, started = stat
+            children.setdefault(parent, []).append((int(entry.name), started))
+    found: set[ProcessId] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child[0])
+    return found
+
+
+def command_lines() -> dict[int, str]:
+    """Every process's command line, arguments joined by spaces."""
+    lines = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                raw = (entry / "cmdline").read_bytes()
+                lines[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace")
+    return lines
+
+
+def wait_gone(processes: set[ProcessId], timeout_s: float) -> set[ProcessId]:
+    """Those of ``processes`` still alive after up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    alive = {p for p in processes if _alive(p)}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = {p for p in alive if _alive(p)}
+    return alive
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) from /proc/PID/stat; None if it is gone or a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _alive(process: ProcessId) -> bool:
+    stat = _stat(process[0])
+    return stat is not None and stat[1] == process[1]
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` of a log file, or nothing if it cannot be read."""
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
