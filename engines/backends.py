@@ -13,5 +13,5 @@ from typing import Any
 from splitserve.registry import Registry
 
 ENGINE_BACKENDS: Registry[type[Any]] = Registry(
-    "engine backend", builtins=("engines.host", "engines.synthetic")
+    "engine backend", __name__, builtins=("engines.host", "engines.synthetic")
 )

@@ -48,7 +48,9 @@ class KVBackend(Protocol):
         """Raise ValueError for engine shapes this backend cannot hand over."""
 
 
-KV_BACKENDS: Registry[type[KVBackend]] = Registry("KV backend", builtins=("kv_transfer.backends",))
+KV_BACKENDS: Registry[type[KVBackend]] = Registry(
+    "KV backend", __name__, builtins=("kv_transfer.backends",)
+)
 
 
 def make_kv_backend(config: KVTransferConfig) -> KVBackend:

@@ -18,8 +18,8 @@ from splitserve.registry import Registry
 # Workloads by name (loadgen/workloads.py registers the built-in ones: the study's
 # synthetic shapes, custom, mixed and the BurstGPT subsets) and arrival processes by
 # name (loadgen/arrivals.py). A new one is a class and a register line there.
-WORKLOADS: Registry = Registry("workload", builtins=("loadgen.workloads",))
-ARRIVALS: Registry = Registry("arrival process", builtins=("loadgen.arrivals",))
+WORKLOADS: Registry = Registry("workload", __name__, builtins=("loadgen.workloads",))
+ARRIVALS: Registry = Registry("arrival process", __name__, builtins=("loadgen.arrivals",))
 CUSTOM_WORKLOAD = "custom"
 TraceSource = Literal["burstgpt", "burstgpt-synthetic"]
 STUDY_REQUESTS_PER_CELL = 200

@@ -38,7 +38,8 @@ class OffloadInputs:
 
     prompt_len: prompt tokens; prefix_cached_len: of those, expected in the decode
     replica's prefix cache; prefill_queue: prefills queued or running on the prefill
-    replica that would take it; decode_active: requests active on the decode replica.
+    replica that would take it; decode_active: requests active on the decode replica;
+    the two TTFT estimates count only the work queued ahead of this priority.
     """
 
     prompt_len: int
@@ -46,6 +47,10 @@ class OffloadInputs:
     prefill_queue: int
     decode_active: int
     priority: Priority
+    # Estimated time to first token of this request, prefilled on the prefill replica or
+    # on the decode replica (router/replica_state.py); None until measured.
+    remote_ttft_s: float | None = None
+    local_ttft_s: float | None = None
 
 
 class OffloadPolicy(Protocol):
@@ -57,7 +62,7 @@ class OffloadPolicy(Protocol):
 
 
 OFFLOAD_POLICIES: Registry[type[OffloadPolicy]] = Registry(
-    "offload policy", builtins=("router.offload_policies",)
+    "offload policy", __name__, builtins=("router.offload_policies",)
 )
 
 

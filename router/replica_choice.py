@@ -33,7 +33,7 @@ class ReplicaChoice(Protocol):
 
 
 REPLICA_CHOICES: Registry[type[ReplicaChoice]] = Registry(
-    "replica choice", builtins=("router.replicas",)
+    "replica choice", __name__, builtins=("router.replicas",)
 )
 
 

@@ -24,15 +24,27 @@ class UnknownNameError(ValueError):
     """A config named something nobody registered."""
 
 
-class Registry(Generic[T]):
-    """Classes of one kind by name. ``builtins``: modules whose import registers the
-    entries every install has, imported the first time the registry is read."""
+_REGISTRIES: dict[str, Registry[Any]] = {}
 
-    def __init__(self, kind: str, builtins: tuple[str, ...] = ()) -> None:
+
+class Registry(Generic[T]):
+    """Classes of one kind by name. ``home``: the module that defines the registry (its
+    ``__name__``); ``builtins``: modules whose import registers the entries every
+    install has, imported the first time the registry is read."""
+
+    def __init__(self, kind: str, home: str, builtins: tuple[str, ...] = ()) -> None:
         self.kind = kind
+        self._home = home
         self._entries: dict[str, T] = {}
         self._builtins = builtins
         self._loaded = not builtins
+        _REGISTRIES[kind] = self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # By reference, never by value: Ray pickles some classes by value (a Serve
+        # ingress class among them) with the globals they use, and a copied registry
+        # would miss every entry registered in the receiving process.
+        return (_registry, (self._home, self.kind))
 
     def register(self, name: str) -> Callable[[T], T]:
         def add(entry: T) -> T:
@@ -69,6 +81,11 @@ class Registry(Generic[T]):
             self._loaded = True
             for module in self._builtins:
                 importlib.import_module(module)
+
+
+def _registry(home: str, kind: str) -> Registry[Any]:
+    importlib.import_module(home)
+    return _REGISTRIES[kind]
 
 
 def validate_settings(registry: Registry[Any], name: str, raw: Any, where: str) -> StrictModel:

@@ -50,3 +50,19 @@ def test_a_foreign_router_first_on_the_path_is_named(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert f"'import router' loads {tmp_path / 'router'}" in done.stderr
+
+
+def test_registries_pickle_by_reference() -> None:
+    """Ray pickles some classes by value with the globals they use; a registry among
+    them must arrive as the receiving process's own, not a frozen copy."""
+    import pickle
+
+    from engines.backends import ENGINE_BACKENDS
+    from kv_transfer.backend import KV_BACKENDS
+    from loadgen.config import ARRIVALS, WORKLOADS
+    from router.offload import OFFLOAD_POLICIES
+    from router.replica_choice import REPLICA_CHOICES
+
+    for registry in (ENGINE_BACKENDS, KV_BACKENDS, ARRIVALS, WORKLOADS, OFFLOAD_POLICIES,
+                     REPLICA_CHOICES):  # fmt: skip
+        assert pickle.loads(pickle.dumps(registry)) is registry
