@@ -15,6 +15,7 @@ from router.engine_client import EngineClient
 from router.offload import OffloadDecision, OffloadInputs, make_offload_policy
 from router.pd import PrefillDecodeFlow, PrefillOutcome
 from router.prefix_index import PromptBlocks
+from router.qos import ENGINE_PRIORITY
 from router.replica_choice import Choice, ReplicaChoice, make_replica_choice
 from router.settings import IngressSettings, Priority
 
@@ -40,17 +41,20 @@ class Plan:
         return self.prefill.replica if self.prefill else self.main.replica
 
     def ttft_estimate_s(self) -> float | None:
-        return self.prefill_replica.state.estimate_ttft_s(self.prefill_tokens)
+        engine_priority = ENGINE_PRIORITY[self.priority]
+        return self.prefill_replica.state.estimate_ttft_s(self.prefill_tokens, engine_priority)
 
 
 @dataclass(slots=True)
 class Dispatch:
+    plan: Plan
     stream: AsyncIterator[GenerateChunk]
     replicas: list[EngineClient]  # whose in-flight counts this request adds to
     outcome: PrefillOutcome
     prefill_replica: EngineClient
     expected_cached_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
+    released: bool = False  # its stream closed and its counts undone (router/ingress.py)
 
 
 class Dispatcher:
@@ -77,6 +81,20 @@ class Dispatcher:
     def policy_of(self, role: str) -> str:
         return self._choice_names[role]
 
+    def earliest_ttft_s(self, priority: Priority) -> float | None:
+        """The soonest any replica that could compute a prompt of ``priority`` would
+        start it: the work queued ahead there, before the prompt's own tokens (a lower
+        bound on the estimate of any request of that priority); None if unmeasured."""
+        engine_priority = ENGINE_PRIORITY[priority]
+        estimates = [
+            replica.state.estimate_ttft_s(0, engine_priority)
+            for pool in self._pools.values()
+            for replica in pool
+            if replica.healthy
+        ]
+        known = [estimate for estimate in estimates if estimate is not None]
+        return min(known) if known and len(known) == len(estimates) else None
+
     def queued_requests(self) -> int:
         """Requests router-wide still waiting for their first token."""
         return sum(c.state.queued_prefills for pool in self._pools.values() for c in pool)
@@ -94,6 +112,9 @@ class Dispatcher:
             if prefill is None:
                 decision = OffloadDecision("local", "prefill_unavailable")
             else:
+                engine_priority = ENGINE_PRIORITY[priority]
+                remote_tokens = max(1, len(prompt) - prefill.replica.state.cached_tokens(prompt))
+                local_tokens = max(1, len(prompt) - local_cached)
                 decision = self._offload.decide(
                     OffloadInputs(
                         prompt_len=len(prompt),
@@ -101,6 +122,12 @@ class Dispatcher:
                         prefill_queue=prefill.replica.state.prefill_queue,
                         decode_active=main.replica.state.active,
                         priority=priority,
+                        remote_ttft_s=prefill.replica.state.estimate_ttft_s(
+                            remote_tokens, engine_priority
+                        ),
+                        local_ttft_s=main.replica.state.estimate_ttft_s(
+                            local_tokens, engine_priority
+                        ),
                     )
                 )
                 prefill = prefill if decision.remote else None
@@ -129,7 +156,9 @@ class Dispatcher:
                 )
             else:
                 stream = main.generate(plan.request, plan.prefill_tokens, on_accepted)
-            return Dispatch(stream, [main], outcome, main, plan.expected_cached_tokens, headers)
+            return Dispatch(
+                plan, stream, [main], outcome, main, plan.expected_cached_tokens, headers
+            )
         prefill = plan.prefill.replica
         assert self._pd is not None  # a remote prefill is planned for PD only
         # The decode replica caches the blocks it loads, as if it had computed them.
@@ -140,8 +169,19 @@ class Dispatcher:
             plan.request, main, prefill, outcome, plan.prefill_tokens, on_accepted
         )
         return Dispatch(
-            stream, [prefill, main], outcome, prefill, plan.expected_cached_tokens, headers
+            plan, stream, [prefill, main], outcome, prefill, plan.expected_cached_tokens, headers
         )
+
+    def replan_elsewhere(self, plan: Plan) -> Plan | None:
+        """After ``plan``'s replica could not take the request: the same request on
+        another healthy replica of its pool, or None (PD falls back on its own)."""
+        if self._pd is not None:
+            return None
+        failed = plan.main.replica
+        failed.healthy = False  # until its next successful stats poll
+        if not any(r.healthy for r in self._pools[failed.role]):
+            return None
+        return self.plan(plan.request, plan.priority)
 
     def _choose(self, role: str, prompt: PromptBlocks) -> Choice | None:
         """A healthy replica of the pool; None if none is (the caller decides what then)."""

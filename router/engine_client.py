@@ -24,6 +24,7 @@ from engines.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
+from router.prefill_gate import PrefillGate
 from router.replica_state import PrefillTicket, ReplicaState
 
 if TYPE_CHECKING:
@@ -58,12 +59,20 @@ class EngineLink(Protocol):
 
     async def check_health(self) -> None: ...
 
+    async def wait_ready(self) -> None:
+        """Return once the engine can take requests."""
+
+    @property
+    def ready(self) -> bool:
+        """It could take a request now."""
+
 
 class ServeEngineLink:
     """An engine replica in its own Serve deployment, through its handle."""
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
+        self.ready = False
 
     async def submit(self, request: GenerateRequest) -> None:
         await self._handle.submit.remote(request)
@@ -80,13 +89,24 @@ class ServeEngineLink:
     async def check_health(self) -> None:
         await self._handle.check_health.remote()
 
+    async def wait_ready(self) -> None:
+        # Serve routes to a replica once its constructor (the engine's start) returned.
+        while True:
+            try:
+                await self.check_health()
+                self.ready = True
+                return
+            except Exception:
+                await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+
 
 class LocalEngineLink:
     """An engine host in this process: the same calls, without Ray in between.
 
-    It also does what Serve does for an engine replica: an engine that dies is replaced
-    by a new host, started on a worker thread so the router keeps serving the other
-    engines meanwhile. Until then, calls fail as a dead replica's would.
+    It also does what Serve does for an engine replica: the engine starts on a worker
+    thread, so the router answers (503 until every engine is ready) while it loads, and
+    one that dies is replaced the same way while the router keeps serving the other
+    engines. Until a host is live, calls fail as an unavailable replica's would.
     """
 
     def __init__(
@@ -95,15 +115,37 @@ class LocalEngineLink:
         self._name = name
         self._start_host = start_host
         self._restart_attempts = restart_attempts
-        self._host: EngineHost | None = start_host()
-        self._restarting: asyncio.Task[None] | None = None
-        self._failed_restarts = 0
+        self._host: EngineHost | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._failed_starts = 0
+        self._ready = asyncio.Event()
         self._aborts: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Begin loading the engine (in the background); ``wait_ready`` awaits it."""
+        if self._host is None and self._starting is None and not self.gave_up:
+            self._starting = asyncio.get_running_loop().create_task(self._replace(None))
+
+    @property
+    def ready(self) -> bool:
+        host = self._host
+        return host is not None and not host.dead
+
+    async def wait_ready(self) -> None:
+        """Return once the engine can take requests; EngineUnavailable once it never will
+        (too many failed starts). Cancel the wait to give up sooner."""
+        while not self.ready:
+            if self.gave_up:
+                raise EngineUnavailable(f"the engine of {self._name} could not be started")
+            self.start()
+            await self._ready.wait()
+            if not self.ready:
+                self._ready.clear()
 
     @property
     def gave_up(self) -> bool:
-        """Its engine could not be restarted in this process: the process must go."""
-        return self._failed_restarts >= self._restart_attempts
+        """Its engine could not be (re)started in this process: the process must go."""
+        return self._failed_starts >= self._restart_attempts
 
     async def submit(self, request: GenerateRequest) -> None:
         await self._live_host().submit(request)
@@ -125,34 +167,54 @@ class LocalEngineLink:
         await self._live_host().check_health()
 
     def shutdown(self) -> None:
-        if self._restarting is not None:
-            self._restarting.cancel()
+        if self._starting is not None:
+            self._starting.cancel()
         if self._host is not None:
             self._host.shutdown()
 
     def _live_host(self) -> EngineHost:
-        """The host, if its engine lives; else start replacing it and fail the call."""
+        """The host, if its engine lives; else (re)start it and fail the call."""
         host = self._host
         if host is not None and not host.dead:
             return host
-        if self._restarting is None and not self.gave_up:
-            self._restarting = asyncio.get_running_loop().create_task(self._restart())
-        raise EngineUnavailable(f"the engine of {self._name} died; a new one is starting")
+        if self._starting is None and not self.gave_up:
+            self._starting = asyncio.get_running_loop().create_task(self._replace(host))
+        state = "is starting" if host is None else "died; a new one is starting"
+        raise EngineUnavailable(f"the engine of {self._name} {state}")
 
-    async def _restart(self) -> None:
-        dead, self._host = self._host, None
+    async def _replace(self, dead: EngineHost | None) -> None:
+        self._host = None
+        self._ready.clear()
         try:
             if dead is not None:
                 logger.warning("engine %s died; starting a new one", self._name)
                 dead.close_streams()  # subscribers resubscribe, to the new host
                 await asyncio.to_thread(dead.shutdown)
             self._host = await asyncio.to_thread(self._start_host)
-            self._failed_restarts = 0
+            self._failed_starts = 0
         except Exception:
-            self._failed_restarts += 1
-            logger.exception("engine %s did not start again", self._name)
+            self._failed_starts += 1
+            logger.exception("engine %s did not start", self._name)
         finally:
-            self._restarting = None
+            self._starting = None
+            self._ready.set()  # waiters look again: ready, or start anew
+
+
+class _GatePass:
+    """One request's place in a prefill gate: entered once, left once."""
+
+    def __init__(self, gate: PrefillGate) -> None:
+        self._gate = gate
+        self._inside = False
+
+    async def enter(self, priority: int) -> None:
+        await self._gate.enter(priority)
+        self._inside = True
+
+    def leave(self) -> None:
+        if self._inside:
+            self._inside = False
+            self._gate.leave()
 
 
 class EngineClient:
@@ -163,6 +225,7 @@ class EngineClient:
         link: EngineLink,
         submit_timeout_s: float,
         state: ReplicaState | None = None,
+        gate: PrefillGate | None = None,
     ) -> None:
         self.name = name
         self.role = role
@@ -171,6 +234,7 @@ class EngineClient:
         # the dispatcher routes around unhealthy replicas where it has a choice.
         self.healthy = True
         self._submit_timeout_s = submit_timeout_s
+        self._gate = gate or PrefillGate(None)
         self._link = link
         self._subscriber = f"router-{uuid.uuid4().hex[:12]}"
         self._pending: dict[str, asyncio.Queue[GenerateChunk | GenerateFailure]] = {}
@@ -219,14 +283,17 @@ class EngineClient:
         self._pending[request.request_id] = queue
         if prefill_tokens is None:
             prefill_tokens = len(request.prompt_token_ids)
-        ticket = self.state.enqueue_prefill(prefill_tokens, time.perf_counter())
+        ticket = self.state.enqueue_prefill(prefill_tokens, time.perf_counter(), request.priority)
         finished = False
         timer = None
+        loop = asyncio.get_running_loop()
         if request.deadline is not None:
-            timer = asyncio.get_running_loop().call_at(
-                request.deadline, queue.put_nowait, PAST_DEADLINE
-            )
+            timer = loop.call_at(request.deadline, queue.put_nowait, PAST_DEADLINE)
+        inside = _GatePass(self._gate) if prefill_tokens else None
         try:
+            if inside is not None:
+                wait_s = request.deadline - loop.time() if request.deadline else None
+                await asyncio.wait_for(inside.enter(request.priority), wait_s)
             try:
                 await asyncio.wait_for(self._link.submit(request), self._submit_timeout_s)
             except TimeoutError:
@@ -235,6 +302,8 @@ class EngineClient:
             if on_accepted is not None:
                 on_accepted()
             async for item in self._deltas(queue, ticket):
+                if inside is not None and item.token_ids:
+                    inside.leave()  # its prefill is done: the next one may enter the engine
                 finished = item.finish_reason is not None
                 yield item
                 if finished:
@@ -243,6 +312,8 @@ class EngineClient:
             finished = True  # nothing left to abort
             raise
         finally:
+            if inside is not None:
+                inside.leave()
             if timer is not None:
                 timer.cancel()
             self._pending.pop(request.request_id, None)
@@ -282,6 +353,7 @@ class EngineClient:
     async def _listen(self) -> None:
         while True:
             try:
+                await self._link.wait_ready()
                 async for batch in self._link.deltas(self._subscriber):
                     for request_id, item in batch:
                         queue = self._pending.get(request_id)
@@ -293,7 +365,7 @@ class EngineClient:
                 logger.warning("delta stream from %s broke: %s", self.name, error)
             self.healthy = False
             # Whatever was in flight on that stream is lost with it.
-            lost = GenerateFailure(f"engine replica {self.name} went away")
+            lost = GenerateFailure(f"engine replica {self.name} went away", engine_dead=True)
             for queue in self._pending.values():
                 queue.put_nowait(lost)
             await asyncio.sleep(RESUBSCRIBE_DELAY_S)

@@ -84,3 +84,10 @@ class EngineStatePoller:
         for source, tokens in stats.prompt_tokens.items():
             gauges.engine_prompt_tokens.labels(*labels, source).set(tokens)
         gauges.engine_stats_age.labels(*labels).set(max(0.0, time.time() - stats.reported_at))
+        state = replica.state
+        if state.prefill_s_per_token.value is not None:
+            gauges.prefill_seconds_per_token.labels(replica.name).set(
+                state.prefill_s_per_token.value
+            )
+        if state.step_s.value is not None:
+            gauges.decode_step_seconds.labels(replica.name).set(state.step_s.value)

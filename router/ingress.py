@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
 import uuid
@@ -31,6 +30,7 @@ from engines.model_source import resolve_model
 from engines.protocol import GenerateChunk, GenerateRequest
 from engines.settings import EngineSpec
 from kv_transfer import KVRouterSide, KVTransferCollector, make_kv_backend
+from router.calibration import calibrate_ttft
 from router.dispatch import Dispatch, Dispatcher, Plan
 from router.engine_client import (
     EngineClient,
@@ -41,12 +41,15 @@ from router.engine_client import (
     ServeEngineLink,
 )
 from router.engine_state import EngineStatePoller
-from router.errors import OpenAIError, bad_request
+from router.errors import OpenAIError
 from router.metrics import RouterMetrics
+from router.openapi import describe_request_bodies
 from router.pd import PREFILL_FALLBACK_REASONS, PrefillOutcome
-from router.qos import ENGINE_PRIORITY, AdmissionControl, Rejection, take_priority
+from router.prefill_gate import PrefillGate
+from router.qos import ENGINE_PRIORITY, AdmissionControl, Rejection
+from router.readiness import Readiness
 from router.replica_state import ReplicaState
-from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, parse_request
+from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, RequestValidator
 from router.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
 from router.settings import IngressSettings, Priority
 
@@ -54,37 +57,19 @@ logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
 
 app = FastAPI(title="splitserve router")
+describe_request_bodies(
+    app,
+    {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+)
 
 
-async def _json_body(raw: Request) -> Any:
-    body = await raw.body()
-    try:
-        parsed = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"malformed JSON in the request body: {error}") from None
-    # Valid UTF-8 bytes can still spell a lone UTF-16 surrogate as a \u escape, which no
-    # tokenizer or UTF-8 writer takes; the byte test keeps the full check off most bodies.
-    if b"\\ud" in body.lower() and not _encodable(parsed):
-        raise bad_request("the request holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
-    return parsed
-
-
-def _encodable(value: Any) -> bool:
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-async def _until(
-    stream: AsyncIterator[GenerateChunk], deadline: float
-) -> AsyncIterator[GenerateChunk]:
-    """The stream's chunks until the event loop's clock reaches ``deadline``; then
-    TimeoutError (the caller closes the stream, which aborts the request)."""
-    async with asyncio.timeout_at(deadline):
-        async for chunk in stream:
-            yield chunk
+async def _after(
+    first: tuple[GenerateChunk, float], stream: AsyncIterator[GenerateChunk]
+) -> AsyncIterator[tuple[GenerateChunk, float]]:
+    """The chunk already read, then the rest of the stream, each with when it came."""
+    yield first
+    async for chunk in stream:
+        yield chunk, time.perf_counter()
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -106,7 +91,8 @@ class Router:
         self._served_name = model.served_name
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
-        self._prompts = PromptBuilder(tokenizer, settings.model.max_model_len, vocab_size)
+        prompts = PromptBuilder(tokenizer, settings.model.max_model_len, vocab_size)
+        self._requests = RequestValidator(prompts, self._served_name, settings.qos.default_priority)
         submit_timeout_s = settings.router.submit_timeout_s
         qos = settings.qos
         # One after another: each engine's processes inherit its environment at spawn.
@@ -127,11 +113,18 @@ class Router:
                 link,
                 submit_timeout_s,
                 ReplicaState(qos.ema_weight, qos.min_prefill_tokens_per_sample),
+                PrefillGate(settings.router.max_prefills_per_engine),
             )
             for name, link in links.items()
         ]
         for replica in self._replicas:
             replica.start()
+        # Engines load in the background; until all are up the router says so (503), and
+        # before it admits anything it times a prefill on each (the TTFT estimate's seed).
+        calibration = functools.partial(
+            calibrate_ttft, self._replicas, qos.calibration_prompt_tokens, vocab_size
+        )
+        self._readiness = Readiness(self._replicas, on_engines_ready=calibration)
         self._kv: KVRouterSide | None = None
         if settings.kv_transfer is not None:
             self._kv = make_kv_backend(settings.kv_transfer).router_side()
@@ -162,7 +155,11 @@ class Router:
         return await self._generate(raw, ChatCompletionRequest, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self) -> Response:
+        if not self._readiness.is_ready:
+            # Clients take a model list as readiness; vLLM's server does not listen yet.
+            self._metrics.requests.labels("/v1/models", "503", "none").inc()
+            return self._starting().response()
         card = ModelCard(
             id=self._served_name,
             owned_by="splitserve",
@@ -174,10 +171,11 @@ class Router:
     @app.get("/health")
     async def health(self) -> JSONResponse:
         states = await asyncio.gather(*(self._replica_health(r) for r in self._replicas))
-        healthy = all(state == "ok" for state in states)
+        healthy = self._readiness.is_ready and all(state == "ok" for state in states)
         status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
+        overall = "ok" if healthy else "degraded" if self._readiness.is_ready else "starting"
         body = {
-            "status": "ok" if healthy else "degraded",
+            "status": overall,
             # Which router replica answered: an application may run several.
             "router": serve.get_replica_context().replica_id.unique_id,
             "replicas": {r.name: state for r, state in zip(self._replicas, states, strict=True)},
@@ -197,11 +195,12 @@ class Router:
         headers: dict[str, str] = {}
         priority = self._config.qos.default_priority
         try:
-            body = await _json_body(raw)
-            priority = take_priority(body, raw.headers, priority)
-            request = parse_request(model_cls, body)
-            self._check_model(request.model)
-            prepared = self._prompts.prepare(request)
+            priority, body = self._requests.read(await raw.body(), raw.headers)
+            # Before the costly part (validation, tokenization): a priority whose queue
+            # alone already breaks its limit is refused here, in microseconds, so that a
+            # burst's refusals do not wait behind its admitted requests' parsing.
+            self._admit_early(priority)
+            prepared = self._requests.prepare(model_cls, body)
             engine_request = GenerateRequest(
                 # vLLM needs ids unique among running requests; clients may reuse theirs.
                 request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
@@ -211,6 +210,8 @@ class Router:
                 priority=ENGINE_PRIORITY[priority],
                 deadline=asyncio.get_running_loop().time() + self._config.router.request_timeout_s,
             )
+            if not await self._readiness.wait(self._config.router.ready_wait_s):
+                raise self._starting()
             plan = self._dispatcher.plan(engine_request, priority)
             self._admit(plan)
         except OpenAIError as error:
@@ -223,14 +224,74 @@ class Router:
             response_id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             return_token_ids=prepared.return_token_ids,
         )
-        dispatch = self._dispatcher.start(plan, on_accepted=self._queue_timer(arrival))
-        self._count_choices(plan)
+        try:
+            dispatch, first = await self._open(plan, arrival)
+        except Exception as error:  # nothing was sent yet: the status says what happened
+            logger.warning("a request failed before its first token: %s", error)
+            failure = self._failure(error, plan.prefill_replica.name, started=False)
+            self._metrics.requests.labels(route, str(int(failure.status)), priority).inc()
+            return failure.response(headers)
+        self._count_choices(dispatch.plan)
         headers.update(dispatch.headers)
-        events = self._events(dispatch, prepared, writer, arrival)
+        events = self._events(dispatch, first, prepared, writer, arrival)
         if prepared.stream:
             self._metrics.requests.labels(route, "200", priority).inc()
-            return EventStreamResponse(events, headers)
+            # Closed by the response however it ends, even if it never started streaming.
+            return EventStreamResponse(
+                events, headers, on_close=functools.partial(self._release, dispatch)
+            )
         return await self._collect(events, writer, route, headers, priority)
+
+    async def _open(
+        self, plan: Plan, arrival: float
+    ) -> tuple[Dispatch, tuple[GenerateChunk, float]]:
+        """Start the plan and wait for its first chunk (and when it came), so that a
+        failure before it is an HTTP status, and a DP request whose replica was
+        unavailable is re-planned once on another healthy replica (nothing was sent)."""
+        retried = False
+        while True:
+            dispatch = self._dispatcher.start(plan, on_accepted=self._queue_timer(arrival))
+            self._track(dispatch.replicas, +1)
+            try:
+                chunk = await anext(dispatch.stream, None)
+                if chunk is None:
+                    raise EngineFailed("the engine ended the request without output")
+                return dispatch, (chunk, time.perf_counter())
+            except BaseException as error:
+                await self._release(dispatch)
+                elsewhere = None
+                if isinstance(error, EngineUnavailable) and not retried:
+                    elsewhere = self._dispatcher.replan_elsewhere(plan)
+                if elsewhere is None:
+                    raise
+                logger.warning(
+                    "%s unavailable (%s); retrying on %s",
+                    plan.main.replica.name,
+                    error,
+                    elsewhere.main.replica.name,
+                )
+                plan, retried = elsewhere, True
+
+    async def _release(self, dispatch: Dispatch) -> None:
+        """Once per dispatch, however the request ends: close its stream (which aborts
+        it in the engine if it still runs) and count it."""
+        if dispatch.released:
+            return
+        dispatch.released = True
+        self._track(dispatch.replicas, -1)
+        await dispatch.stream.aclose()
+        outcome = dispatch.outcome
+        self._metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
+
+    def _admit_early(self, priority: Priority) -> None:
+        if not self._readiness.is_ready:
+            return  # nothing measured yet; the request waits for readiness below
+        earliest = self._dispatcher.earliest_ttft_s(priority)
+        try:
+            self._admission.check(priority, self._dispatcher.queued_requests(), earliest)
+        except Rejection as rejection:
+            self._metrics.rejections.labels(rejection.reason, priority).inc()
+            raise
 
     def _admit(self, plan: Plan) -> None:
         estimate = plan.ttft_estimate_s()
@@ -280,30 +341,30 @@ class Router:
     async def _events(
         self,
         dispatch: Dispatch,
+        first: tuple[GenerateChunk, float],
         prepared: PreparedRequest,
         writer: ResponseWriter,
         arrival: float,
     ) -> AsyncGenerator[Any, None]:
-        """SSE strings when streaming; for non-stream requests, the final Transcript."""
+        """SSE strings when streaming; for non-stream requests, the final Transcript.
+        ``first``: the stream's first chunk, already read (``_open``), and when."""
         transcript = Transcript(prompt_token_ids=prepared.prompt_token_ids)
-        self._track(dispatch.replicas, +1)
         last_token_at: float | None = None
-        # Closing `stream` early (client gone) aborts the request in the engine.
+        # Closing the stream early (client gone) aborts the request in the engine.
         stream = dispatch.stream
         try:
             if prepared.stream and (opening := writer.first_event(transcript)):
                 yield opening
-            async for chunk in stream:
-                now = time.perf_counter()
+            async for chunk, now in _after(first, stream):
                 if chunk.token_ids and prepared.stream:
                     self._observe_token_timing(arrival, last_token_at, now, dispatch.outcome)
                     last_token_at = now
-                first = not transcript.token_ids
-                if first:
+                is_first = not transcript.token_ids
+                if is_first:
                     self._observe_prefix_estimate(dispatch, chunk)
                 transcript.add(chunk)
                 if prepared.stream:
-                    yield writer.delta_event(chunk, transcript, first)
+                    yield writer.delta_event(chunk, transcript, is_first)
             self._metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
             self._metrics.tokens.labels("prompt").inc(len(transcript.prompt_token_ids))
             self._metrics.tokens.labels("generation").inc(len(transcript.token_ids))
@@ -322,10 +383,15 @@ class Router:
             yield writer.error_event(failure)
             yield SSE_DONE
         finally:
-            self._track(dispatch.replicas, -1)
-            await stream.aclose()
-            outcome = dispatch.outcome
-            self._metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
+            await self._release(dispatch)
+
+    def _starting(self) -> OpenAIError:
+        waiting = ", ".join(self._readiness.starting()) or "the router"
+        return OpenAIError(
+            f"the model is not ready yet: {waiting} starting; retry",
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            retry_after_s=max(1.0, self._config.router.ready_wait_s),
+        )
 
     def _failure(self, error: Exception, names: str, started: bool) -> OpenAIError:
         """503 with Retry-After where the engine never took the request, 504 past the
@@ -371,14 +437,6 @@ class Router:
             if delta > 0:
                 self._metrics.replica_requests.labels(*labels).inc()
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self._served_name:
-            raise OpenAIError(
-                f"The model '{model}' does not exist; this server serves '{self._served_name}'.",
-                HTTPStatus.NOT_FOUND,
-                "model",
-            )
-
     async def check_health(self) -> None:
         # Serve restarts this replica when this raises. An engine in this process that
         # dies is restarted here (LocalEngineLink) while the others serve; only one that
@@ -397,6 +455,8 @@ class Router:
             kv.shutdown()  # what the KV backend holds for this application goes with it
 
     async def _replica_health(self, replica: EngineClient) -> str:
+        if not replica.link.ready:
+            return "starting"
         timeout = self._config.router.health_check_timeout_s
         try:
             await asyncio.wait_for(replica.link.check_health(), timeout)

@@ -68,6 +68,19 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.prefill_seconds_per_token = Gauge(
+            "splitserve_prefill_seconds_per_token",
+            "The router's moving average of seconds of time to first token per prefill token"
+            " queued or computed, per replica (seeded by the calibration prefill).",
+            ["replica"],
+            registry=r,
+        )
+        self.decode_step_seconds = Gauge(
+            "splitserve_decode_step_seconds",
+            "The router's moving average of seconds between tokens, per replica.",
+            ["replica"],
+            registry=r,
+        )
         self.prefix_cache_tokens = Counter(
             "splitserve_prefix_cache_tokens",
             "Prompt tokens found in a replica's prefix cache: as the router estimated before"

@@ -95,6 +95,11 @@ def should_offload_prefill(
         if prefill_available:
             return OffloadDecision("remote", "long_prompt")
         if inputs.priority == "high" and policy.high_priority_bypasses_queue:
+            # The prefill pool is full of other work, which high priority overtakes; it
+            # still goes where its own priority's queue gives the earlier first token.
+            remote, local = inputs.remote_ttft_s, inputs.local_ttft_s
+            if remote is not None and local is not None and local < remote:
+                return OffloadDecision("local", "high_priority_sooner_local")
             return OffloadDecision("remote", "high_priority")
         return OffloadDecision("local", "prefill_queue_full")
     decode_busy = inputs.decode_active >= policy.decode_load_threshold

@@ -35,6 +35,7 @@ class PrefillTicket:
     tokens: int
     tokens_ahead: int
     submitted_at: float
+    priority: int = 0
     closed: bool = False
 
 
@@ -45,6 +46,9 @@ class ReplicaState:
     in_flight: int = 0
     queued_prefills: int = 0
     queued_prefill_tokens: int = 0
+    # Of those, by vLLM priority (lower first): a request waits behind its own and
+    # better priorities only (the router's prefill gate and the engine order them so).
+    queued_tokens_by_priority: dict[int, int] = field(default_factory=dict)
     engine: EngineStats | None = None
     prefix: PrefixIndex | None = None
     # Seconds of time-to-first-token per prefill token queued ahead or in the prompt.
@@ -99,22 +103,30 @@ class ReplicaState:
 
     # ---- time to first token --------------------------------------------------------------
 
-    def estimate_ttft_s(self, prefill_tokens: int) -> float | None:
-        """Queued prefill work plus this prompt's, at the measured per-token time, plus one
-        decode step; None until the replica has been measured."""
+    def tokens_ahead(self, priority: int) -> int:
+        """Queued prefill tokens that go before a new request of ``priority``."""
+        return sum(t for p, t in self.queued_tokens_by_priority.items() if p <= priority)
+
+    def estimate_ttft_s(self, prefill_tokens: int, priority: int = 0) -> float | None:
+        """Queued prefill work ahead of this priority plus this prompt's, at the measured
+        per-token time, plus one decode step; None until the replica has been measured
+        (the router measures it before admitting anything: router/calibration.py)."""
         per_token = self.prefill_s_per_token.value
         if per_token is None:
             return None
         step = self.step_s.value or 0.0
-        return (self.queued_prefill_tokens + prefill_tokens) * per_token + step
+        return (self.tokens_ahead(priority) + prefill_tokens) * per_token + step
 
-    def enqueue_prefill(self, tokens: int, now: float) -> PrefillTicket:
+    def enqueue_prefill(self, tokens: int, now: float, priority: int = 0) -> PrefillTicket:
         """A request that must compute ``tokens`` prompt tokens here before its first token;
         one whose KV was transferred computes none and does not queue."""
-        ticket = PrefillTicket(tokens, self.queued_prefill_tokens, now, closed=tokens == 0)
+        ahead = self.tokens_ahead(priority)
+        ticket = PrefillTicket(tokens, ahead, now, priority, closed=tokens == 0)
         if tokens:
             self.queued_prefills += 1
             self.queued_prefill_tokens += tokens
+            by_priority = self.queued_tokens_by_priority
+            by_priority[priority] = by_priority.get(priority, 0) + tokens
         return ticket
 
     def finish_prefill(self, ticket: PrefillTicket, now: float, first_token: bool) -> None:
@@ -124,6 +136,7 @@ class ReplicaState:
         ticket.closed = True
         self.queued_prefills -= 1
         self.queued_prefill_tokens -= ticket.tokens
+        self.queued_tokens_by_priority[ticket.priority] -= ticket.tokens
         work = ticket.tokens_ahead + ticket.tokens
         if first_token and work >= self.min_prefill_tokens_per_sample:
             self.prefill_s_per_token.add((now - ticket.submitted_at) / work)

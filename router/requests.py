@@ -6,8 +6,10 @@ is refused here with a 400 that names the parameter.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from pydantic import ValidationError
@@ -16,6 +18,8 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
 
 from router.errors import OpenAIError, bad_request
+from router.qos import take_priority
+from router.settings import Priority
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
@@ -64,9 +68,10 @@ def parse_request(model_cls: type[OpenAIRequest], body: Any) -> OpenAIRequest:
         raise bad_request(f"invalid value for '{param}': {first['msg']}", param) from None
     except VLLMValidationError as error:
         raise _from_vllm(error) from None
-    except (TypeError, ValueError) as error:
-        # A validator of vLLM's that met a shape it did not expect: still the client's.
-        raise bad_request(f"invalid request: {error}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as error:
+        # A validator of vLLM's that met a shape it did not expect (``structured_outputs:
+        # []`` reaches ``.get`` on a list): still the client's mistake, not a 500.
+        raise bad_request(f"invalid request: {type(error).__name__}: {error}") from None
 
 
 def _from_vllm(error: VLLMValidationError) -> OpenAIError:
@@ -198,3 +203,51 @@ def _plain_message(message: Any, index: int) -> dict[str, str]:
             )
         texts.append(part.get("text", ""))
     return {"role": role, "content": "".join(texts)}
+
+
+class RequestValidator:
+    """Everything between a request's raw body and what the engines get, in the order
+    the router runs it; anything the client got wrong is an OpenAIError (4xx) in
+    OpenAI's format, never an exception of another kind (tests/test_hostile_input.py
+    throws generated bodies at exactly this path)."""
+
+    def __init__(self, prompts: PromptBuilder, served_name: str, default: Priority) -> None:
+        self._prompts = prompts
+        self._served_name = served_name
+        self._default_priority = default
+
+    def read(self, raw: bytes, headers: Mapping[str, str]) -> tuple[Priority, Any]:
+        """The JSON body, and the request's priority (taken out of it or its headers)."""
+        body = decode_json_body(raw)
+        return take_priority(body, headers, self._default_priority), body
+
+    def prepare(self, model_cls: type[OpenAIRequest], body: Any) -> PreparedRequest:
+        request = parse_request(model_cls, body)
+        if request.model is not None and request.model != self._served_name:
+            raise OpenAIError(
+                f"The model '{request.model}' does not exist; this server serves"
+                f" '{self._served_name}'.",
+                HTTPStatus.NOT_FOUND,
+                "model",
+            )
+        return self._prompts.prepare(request)
+
+
+def decode_json_body(raw: bytes) -> Any:
+    try:
+        parsed = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"malformed JSON in the request body: {error}") from None
+    # Valid UTF-8 bytes can still spell a lone UTF-16 surrogate as a \u escape, which no
+    # tokenizer or UTF-8 writer takes; the byte test keeps the full check off most bodies.
+    if b"\\ud" in raw.lower() and not _encodable(parsed):
+        raise bad_request("the request holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
+    return parsed
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

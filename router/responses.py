@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
@@ -39,15 +39,25 @@ class EventStreamResponse(StreamingResponse):
     ``yield`` until garbage collection, and so would the request inside the engine.
     """
 
-    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        headers: dict[str, str],
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """``on_close``: what must happen when the response ends, even one that never
+        started iterating ``events`` (whose ``finally`` would then never run)."""
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
+            if self._on_close is not None:
+                await self._on_close()
 
 
 @dataclass(slots=True)

@@ -49,6 +49,19 @@ class RouterConfig(StrictModel):
         description="A request still generating after this long is aborted in its engine"
         " and answered with 504 (or an error event, if streaming).",
     )
+    max_prefills_per_engine: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts inside one engine at once, from submission to first token; the"
+        " rest wait in the router, high priority first (None: all go in at once, and the"
+        " engine's own scheduler orders them).",
+    )
+    ready_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="A request that arrives while the engines are still starting waits this"
+        " long for them, then gets 503 with Retry-After (0: at once).",
+    )
     health_check_timeout_s: float = Field(5.0, gt=0)
     unhealthy_after_failed_polls: int = Field(
         3, ge=1, description="Consecutive failed stats polls before a replica is skipped."
@@ -168,6 +181,13 @@ class QoSConfig(StrictModel):
         ge=1,
         description="A first token after fewer prefill tokens than this says more about fixed"
         " overhead than per-token cost, so it does not update the average.",
+    )
+    calibration_prompt_tokens: int = Field(
+        512,
+        ge=0,
+        description="Once its engines are up, the router times one prefill of this many"
+        " tokens on each before admitting anything, so the TTFT estimate holds from the"
+        " first request (0: none; the estimate then admits all until a first token).",
     )
 
     @model_validator(mode="after")

@@ -55,6 +55,13 @@ class FakeEngineLink:
     async def check_health(self) -> None:
         return None
 
+    async def wait_ready(self) -> None:
+        return None
+
+    @property
+    def ready(self) -> bool:
+        return True
+
     async def _answer(self, request: GenerateRequest) -> None:
         outbox = self._streams.outbox(request.subscriber)
         await asyncio.sleep(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from http import HTTPStatus
 
 import pytest
@@ -227,3 +228,61 @@ def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> 
 
 def test_admission_off_admits_everything() -> None:
     AdmissionControl(QoSConfig(enabled=False)).check("low", queued=10**6, ttft_estimate_s=1e6)
+
+
+# ---- prefill gate --------------------------------------------------------------------------
+
+
+async def test_the_prefill_gate_lets_high_priority_overtake_waiting_work() -> None:
+    from router.prefill_gate import PrefillGate
+
+    gate = PrefillGate(limit=1)
+    order: list[str] = []
+
+    async def request(name: str, priority: int) -> None:
+        await gate.enter(priority)
+        order.append(name)
+
+    await gate.enter(0)  # the engine is busy with one prompt
+    arrivals = (("low-1", 2), ("normal", 1), ("low-2", 2), ("high", 0))
+    tasks = [asyncio.create_task(request(name, priority)) for name, priority in arrivals]
+    await asyncio.sleep(0)
+    assert gate.waiting == 4 and order == []
+    for _ in range(4):
+        gate.leave()  # a first token: the next prompt may enter
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == ["high", "normal", "low-1", "low-2"]
+
+
+async def test_a_waiter_that_gives_up_passes_its_turn_on() -> None:
+    from router.prefill_gate import PrefillGate
+
+    gate = PrefillGate(limit=1)
+    await gate.enter(1)
+    gone = asyncio.create_task(gate.enter(0))
+    after = asyncio.create_task(gate.enter(2))
+    await asyncio.sleep(0)
+    gone.cancel()
+    gate.leave()
+    await asyncio.wait_for(after, 1)  # the cancelled high-priority waiter is skipped
+    assert gate.waiting == 0
+
+
+def test_the_estimate_counts_only_work_of_the_same_or_better_priority() -> None:
+    state = ReplicaState()
+    state.prefill_s_per_token.add(0.001)
+    state.enqueue_prefill(1000, now=0.0, priority=2)  # low priority queued
+    state.enqueue_prefill(200, now=0.0, priority=0)  # high priority queued
+    assert state.estimate_ttft_s(100, priority=0) == pytest.approx(0.3)
+    assert state.estimate_ttft_s(100, priority=2) == pytest.approx(1.3)
+
+
+def test_high_priority_facing_a_full_prefill_pool_goes_where_it_starts_sooner() -> None:
+    def decide(remote: float | None, local: float | None) -> tuple[str, str]:
+        inputs = OffloadInputs(1000, 0, 10, 0, "high", remote, local)
+        return tuple(should_offload_prefill(inputs, CHAPTER, QOS))  # type: ignore[return-value]
+
+    assert decide(remote=3.0, local=1.0) == ("local", "high_priority_sooner_local")
+    assert decide(remote=1.0, local=3.0) == ("remote", "high_priority")
+    assert decide(remote=None, local=1.0) == ("remote", "high_priority")  # unmeasured

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from http import HTTPStatus
 
 import pytest
@@ -12,8 +11,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from engines.tiny_model import embedded_model_path
 from router.errors import OpenAIError
-from router.ingress import _json_body
-from router.requests import PromptBuilder, parse_request
+from router.requests import PromptBuilder, decode_json_body, parse_request
 
 MAX_MODEL_LEN = 64
 
@@ -105,17 +103,9 @@ def test_a_user_message_without_content_is_a_400_as_openai_answers(
 def test_lone_surrogates_are_a_400_and_errors_quoting_them_render() -> None:
     body = b'{"model": "\\udcff", "prompt": "a \\ud83d\\ude00 is fine"}'
     with pytest.raises(OpenAIError) as raised:
-        asyncio.run(_json_body(_RawBody(body)))
+        decode_json_body(body)
     assert raised.value.status == 400 and "surrogate" in raised.value.message
     paired = b'{"model": "m", "prompt": "a \\ud83d\\ude00 is fine"}'
-    assert asyncio.run(_json_body(_RawBody(paired)))["prompt"] == "a \U0001f600 is fine"
+    assert decode_json_body(paired)["prompt"] == "a \U0001f600 is fine"
     error = OpenAIError("The model '\udcff' does not exist", HTTPStatus.NOT_FOUND, "model")
     assert b"\\\\udcff" in error.response().body
-
-
-class _RawBody:
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-
-    async def body(self) -> bytes:
-        return self._body
