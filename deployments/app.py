@@ -17,7 +17,6 @@ from ray.serve import Application
 from deployments.config import AppConfig, parse_app_config
 from deployments.launcher import ENGINE_NAME_ENV
 from engines.host import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica
-from engines.niceness import ENV_VAR as ENGINE_NICENESS_ENV
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from engines.settings import EngineSpec, PoolConfig
 from kv_transfer.backend import make_kv_backend
@@ -58,8 +57,6 @@ def engine_process_env(config: AppConfig, pool: PoolConfig, replica_index: int) 
     env: dict[str, str] = {}
     if config.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(pool.kv_cache_gib)
-        if config.resources.engine_niceness is not None:
-            env[ENGINE_NICENESS_ENV] = str(config.resources.engine_niceness)
         if pool.cpu_binds is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = pool.cpu_binds[replica_index]
     return env

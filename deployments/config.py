@@ -28,14 +28,6 @@ class ResourcesConfig(StrictModel):
 
     router_num_cpus: float = Field(0.1, ge=0)
     engine_num_cpus: float = Field(0.1, ge=0)
-    engine_niceness: int | None = Field(
-        19,
-        ge=0,
-        le=19,
-        description="CPU only: niceness of engine processes, above the router's (Ray"
-        " workers run at 15) so that a router sharing cores with busy engines answers at"
-        " once. None: the engines keep the router's.",
-    )
 
 
 class AppConfig(StrictModel):
