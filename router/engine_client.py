@@ -294,6 +294,7 @@ class EngineClient:
             if inside is not None:
                 wait_s = request.deadline - loop.time() if request.deadline else None
                 await asyncio.wait_for(inside.enter(request.priority), wait_s)
+            self.state.enter_engine(ticket)
             try:
                 await asyncio.wait_for(self._link.submit(request), self._submit_timeout_s)
             except TimeoutError:

@@ -36,6 +36,7 @@ class PrefillTicket:
     tokens_ahead: int
     submitted_at: float
     priority: int = 0
+    inside: bool = False  # let into the engine (past the router's prefill gate)
     closed: bool = False
 
 
@@ -46,9 +47,12 @@ class ReplicaState:
     in_flight: int = 0
     queued_prefills: int = 0
     queued_prefill_tokens: int = 0
-    # Of those, by vLLM priority (lower first): a request waits behind its own and
-    # better priorities only (the router's prefill gate and the engine order them so).
-    queued_tokens_by_priority: dict[int, int] = field(default_factory=dict)
+    # Of those: inside the engine already (any priority: it runs them whatever comes),
+    # and still waiting at the router's prefill gate, by vLLM priority (lower first): a
+    # new request waits behind what is inside and what waits with its own or a better
+    # priority, as the gate and the engine order them.
+    inside_tokens: int = 0
+    waiting_tokens_by_priority: dict[int, int] = field(default_factory=dict)
     engine: EngineStats | None = None
     prefix: PrefixIndex | None = None
     # Seconds of time-to-first-token per prefill token queued ahead or in the prompt.
@@ -105,7 +109,8 @@ class ReplicaState:
 
     def tokens_ahead(self, priority: int) -> int:
         """Queued prefill tokens that go before a new request of ``priority``."""
-        return sum(t for p, t in self.queued_tokens_by_priority.items() if p <= priority)
+        waiting = self.waiting_tokens_by_priority
+        return self.inside_tokens + sum(t for p, t in waiting.items() if p <= priority)
 
     def estimate_ttft_s(self, prefill_tokens: int, priority: int = 0) -> float | None:
         """Queued prefill work ahead of this priority plus this prompt's, at the measured
@@ -125,9 +130,17 @@ class ReplicaState:
         if tokens:
             self.queued_prefills += 1
             self.queued_prefill_tokens += tokens
-            by_priority = self.queued_tokens_by_priority
-            by_priority[priority] = by_priority.get(priority, 0) + tokens
+            waiting = self.waiting_tokens_by_priority
+            waiting[priority] = waiting.get(priority, 0) + tokens
         return ticket
+
+    def enter_engine(self, ticket: PrefillTicket) -> None:
+        """The router let the prefill into the engine: no later arrival overtakes it."""
+        if ticket.closed or ticket.inside:
+            return
+        ticket.inside = True
+        self.waiting_tokens_by_priority[ticket.priority] -= ticket.tokens
+        self.inside_tokens += ticket.tokens
 
     def finish_prefill(self, ticket: PrefillTicket, now: float, first_token: bool) -> None:
         """The first token arrived (a time sample) or the request ended without one."""
@@ -136,7 +149,10 @@ class ReplicaState:
         ticket.closed = True
         self.queued_prefills -= 1
         self.queued_prefill_tokens -= ticket.tokens
-        self.queued_tokens_by_priority[ticket.priority] -= ticket.tokens
+        if ticket.inside:
+            self.inside_tokens -= ticket.tokens
+        else:
+            self.waiting_tokens_by_priority[ticket.priority] -= ticket.tokens
         work = ticket.tokens_ahead + ticket.tokens
         if first_token and work >= self.min_prefill_tokens_per_sample:
             self.prefill_s_per_token.add((now - ticket.submitted_at) / work)

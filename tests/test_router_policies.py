@@ -269,13 +269,18 @@ async def test_a_waiter_that_gives_up_passes_its_turn_on() -> None:
     assert gate.waiting == 0
 
 
-def test_the_estimate_counts_only_work_of_the_same_or_better_priority() -> None:
+def test_the_estimate_counts_what_is_inside_and_what_waits_ahead_of_the_priority() -> None:
     state = ReplicaState()
     state.prefill_s_per_token.add(0.001)
-    state.enqueue_prefill(1000, now=0.0, priority=2)  # low priority queued
-    state.enqueue_prefill(200, now=0.0, priority=0)  # high priority queued
-    assert state.estimate_ttft_s(100, priority=0) == pytest.approx(0.3)
-    assert state.estimate_ttft_s(100, priority=2) == pytest.approx(1.3)
+    inside = state.enqueue_prefill(500, now=0.0, priority=2)
+    state.enter_engine(inside)  # a low-priority prompt already in the engine
+    state.enqueue_prefill(1000, now=0.0, priority=2)  # low priority waiting at the gate
+    state.enqueue_prefill(200, now=0.0, priority=0)  # high priority waiting
+    assert state.estimate_ttft_s(100, priority=0) == pytest.approx(0.8)
+    assert state.estimate_ttft_s(100, priority=2) == pytest.approx(1.8)
+    state.finish_prefill(inside, now=1.0, first_token=True)  # it left: only high ahead
+    per_token = state.prefill_s_per_token.value
+    assert state.estimate_ttft_s(100, priority=0) == pytest.approx(300 * per_token)
 
 
 def test_high_priority_facing_a_full_prefill_pool_goes_where_it_starts_sooner() -> None:
