@@ -36,8 +36,12 @@ Llama-3.2-1B's KV shape, where a request's KV weighs what it would on the study'
 (62.5 MiB for 1,000 tokens), not 1.5 MiB. ``--rounds N`` measures the cases in turn N
 times; part (c)'s verdict takes the median of the per-round ratios.
 
-    python bench/kv_transfer.py [--part a|b|c|all] [--out results/kv_transfer.json]
-        a: [--tokens 2048] [--repeats 10]
+Part (d), across nodes: part (a)'s transfer with the decode side on a second Ray node
+of this machine (its own object store; Ray's object manager moves the bytes), against
+both on one node: what the object-store path costs per MiB when it crosses machines.
+
+    python bench/kv_transfer.py [--part a|b|c|d|all] [--out results/kv_transfer.json]
+        a, d: [--tokens 2048] [--repeats 10]
         b, c: [--requests 30] [--prompt-tokens 1500] [--model embedded] [--rounds 1]
 Parts b and c start Ray Serve apps on port 8000: run them under
 ``flock /tmp/splitserve-serving.lock``. Each run updates its parts in the JSON.
@@ -85,7 +89,7 @@ from loadgen.server_view import parse_metrics  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 console = Console()
 GRANULARITIES = ("request", "request-staged", "layer")
-PARTS = ("a", "b", "c", "all")
+PARTS = ("a", "b", "c", "d", "all")
 TARGET_RATIO = 0.5
 # Part (a)'s object store: room for a few transfers in flight, small enough that the
 # warm-up below writes all of it (see warmup_transfers).
@@ -122,8 +126,7 @@ class KVEndpoint:
             staged = np.stack([np.concatenate(runs) for runs in self._cache.pack(block_ids)])
             refs = [ray.put(staged)]
         else:
-            layers = range(self._cache.num_layers)
-            refs = [ray.put(self._cache.pack_layer(layer, block_ids)) for layer in layers]
+            refs = [ray.put(runs) for runs in self._cache.pack(block_ids)]
         return refs, time.perf_counter() - started
 
     def get(self, refs: list[ray.ObjectRef], block_ids: list[int], granularity: str) -> float:
@@ -134,8 +137,7 @@ class KVEndpoint:
             staged = ray.get(refs[0])
             self._cache.unpack([[layer] for layer in staged], 0, block_ids)
         else:
-            for layer, ref in enumerate(refs):
-                self._cache.unpack_layer(layer, ray.get(ref), 0, block_ids)
+            self._cache.unpack([ray.get(ref) for ref in refs], 0, block_ids)
         return time.perf_counter() - started
 
     def checksum(self, block_ids: list[int]) -> float:
@@ -700,6 +702,63 @@ def save_results(path: Path, results: dict[str, Any]) -> None:
     console.print(f"saved {path}")
 
 
+def run_part_d(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (d): the same put and get between two Ray nodes of this machine, each with
+    an object store of its own (Ray's object manager moves the bytes between them),
+    against both sides on one node; milliseconds per MiB."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.pop("RAY_ADDRESS", None)
+    store = (args.object_store_mib or DEFAULT_OBJECT_STORE_MIB) * 2**20
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"kv_head": 1}, "object_store_memory": store},
+    )
+    cluster.add_node(num_cpus=1, resources={"kv_remote": 1}, object_store_memory=store)
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        rows = {path: _placed_transfers(args, path) for path in ("same-node", "cross-node")}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    table = Table(title="(d) one request's KV, put on one node, got on the same or the other")
+    for column in ("path", "MiB", "put ms", "get ms", "get ms/MiB", "vs same node"):
+        table.add_column(column, justify="right")
+    same = rows["same-node"]["get_ms_per_mib"]
+    for path, row in rows.items():
+        table.add_row(
+            path, f"{row['mib']:.1f}", f"{row['put_ms']:.1f}", f"{row['get_ms']:.1f}",
+            f"{row['get_ms_per_mib']:.3f}", f"{row['get_ms_per_mib'] / same:.2f}x",
+        )  # fmt: skip
+    console.print(table)
+    return rows
+
+
+def _placed_transfers(args: argparse.Namespace, path: str) -> dict[str, float]:
+    shape = {key: getattr(args, key) for key in LLAMA_3_2_1B}
+    blocks = -(-args.tokens // args.block_size)
+    ids = list(range(1, blocks + 1))
+    producer = KVEndpoint.options(resources={"kv_head": 0.01}).remote(shape, blocks + 1, 1)
+    where = "kv_head" if path == "same-node" else "kv_remote"
+    consumer = KVEndpoint.options(resources={where: 0.01}).remote(shape, blocks + 1, 2)
+    puts, gets = [], []
+    for _ in range(args.repeats + 2):  # the first two fault the stores' pages in
+        refs, put_s = ray.get(producer.put.remote(ids, "request"))
+        gets.append(ray.get(consumer.get.remote(refs, ids, "request")))
+        puts.append(put_s)
+        del refs
+    if ray.get(producer.checksum.remote(ids)) != ray.get(consumer.checksum.remote(ids)):
+        raise SystemExit(f"part (d), {path}: the decode side's pages differ")
+    mib = blocks * args.block_size * _token_bytes(args) / 2**20
+    get_s = statistics.median(gets[2:])
+    return {
+        "mib": mib,
+        "put_ms": 1000 * statistics.median(puts[2:]),
+        "get_ms": 1000 * get_s,
+        "get_ms_per_mib": 1000 * get_s / mib,
+    }
+
+
 def run_part_a(args: argparse.Namespace) -> dict[str, Any]:
     shape = {key: getattr(args, key) for key in LLAMA_3_2_1B}
     # Whole blocks move, K and V.
@@ -771,6 +830,9 @@ def main() -> None:
         save_results(args.out, results)
     if args.part in ("b", "c", "all"):
         results.update(run_end_to_end(args))
+        save_results(args.out, results)
+    if args.part in ("d", "all"):
+        results["d"] = run_part_d(args)
         save_results(args.out, results)
 
 

@@ -98,6 +98,12 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
     actor_options = engine_actor_options(
         config, config.resources.engine_num_cpus, pool.ranks_per_replica
     )
+    if pool.placement is not None:
+        # Ray schedules the replica on a node that has these labels and resources.
+        if pool.placement.node_labels:
+            actor_options["label_selector"] = dict(pool.placement.node_labels)
+        if pool.placement.resources:
+            actor_options["resources"] = dict(pool.placement.resources)
     return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
         spec
     )

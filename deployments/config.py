@@ -108,8 +108,23 @@ class AppConfig(StrictModel):
     @property
     def hosts_engines_in_router(self) -> bool:
         """The router's process runs every engine's front end, which saves every token a
-        hop between processes through Ray (docs/DECISIONS.md)."""
-        return self.router.engine_in_router in ("auto", True)
+        hop between processes through Ray (docs/DECISIONS.md); ``auto`` does so unless a
+        pool is placed on named nodes, whose replicas must be actors of their own there."""
+        setting = self.router.engine_in_router
+        return setting is True or (setting == "auto" and not self.placed)
+
+    @property
+    def placed(self) -> bool:
+        return any(pool.placement is not None for pool in self.pools)
+
+    @model_validator(mode="after")
+    def _placed_pools_run_apart(self) -> AppConfig:
+        if self.placed and self.router.engine_in_router is True:
+            raise ValueError(
+                "pools placed on named nodes run as engine replicas of their own, each on its"
+                " node: set router.engine_in_router to auto or false, not true"
+            )
+        return self
 
     def _check_replica_choice_roles(self) -> AppConfig:
         choice = self.router.replica_choice

@@ -31,6 +31,33 @@ class ModelConfig(StrictModel):
     enable_prefix_caching: bool = True
 
 
+class PlacementConfig(StrictModel):
+    """Which Ray nodes a pool's replicas run on: nodes with these labels (``ray start
+    --labels``) and enough of these custom resources (``ray start --resources``)."""
+
+    node_labels: dict[str, str] = Field(
+        default_factory=dict, description="e.g. {splitserve-pool: prefill}; every one must match."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom resources each replica takes, e.g. {prefill_node: 1}.",
+    )
+
+    @model_validator(mode="after")
+    def _says_something(self) -> PlacementConfig:
+        if not self.node_labels and not self.resources:
+            raise ValueError("placement needs node_labels, resources or both")
+        bad = {name: amount for name, amount in self.resources.items() if amount <= 0}
+        if bad:
+            raise ValueError(f"placement.resources must be positive amounts; got {bad}")
+        reserved = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(self.resources))
+        if reserved:
+            raise ValueError(
+                f"placement.resources names Ray's own {reserved}; use custom resource names"
+            )
+        return self
+
+
 class PoolConfig(StrictModel):
     """A group of identical engine replicas with one role."""
 
@@ -49,6 +76,11 @@ class PoolConfig(StrictModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra vllm AsyncEngineArgs fields, passed as is."
+    )
+    placement: PlacementConfig | None = Field(
+        None,
+        description="Run this pool's replicas on named Ray nodes (e.g. prefill on one"
+        " node, decode on another). Placed pools run as engine replicas of their own.",
     )
 
     @model_validator(mode="after")

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kv_transfer.directory import disconnect_ray
@@ -110,7 +110,7 @@ class ObjectStoreConnector(KVConnectorBase_V1):
     # ---- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker_half.register_kv_caches(kv_caches)
+        self._worker_half.register_kv_caches(kv_caches, attention_backend_name(self._vllm_config))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -177,3 +177,17 @@ def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
             "ObjectStoreConnector supports models with one full-attention KV cache group, "
             f"this one has {[type(group.kv_cache_spec).__name__ for group in groups]}"
         )
+    if isinstance(groups[0].kv_cache_spec, MLAAttentionSpec):
+        raise NotImplementedError(
+            f"ObjectStoreConnector does not move MLA KV caches (attention backend"
+            f" {attention_backend_name(vllm_config)}); MLA models need a connector that"
+            " knows its latent layout"
+        )
+
+
+def attention_backend_name(vllm_config: VllmConfig) -> str:
+    """The attention backend and KV layout, as errors name them."""
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    layout = vllm_config.cache_config.kv_cache_layout
+    name = getattr(backend, "name", None) or "auto"
+    return f"{name}, layout {layout}" if layout else name

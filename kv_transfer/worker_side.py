@@ -84,8 +84,11 @@ class TransferWorker:
         self._finished_loads: queue.SimpleQueue[_LoadResult] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._cache = PagedKVCache(kv_caches, self._block_size)
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], backend: str = "unknown"
+    ) -> None:
+        """``backend``: the attention backend and KV layout, named in errors."""
+        self._cache = PagedKVCache(kv_caches, self._block_size, backend)
         # Join Ray now, at engine start-up, rather than inside the first request.
         if self._directory is None:
             self._directory = get_kv_directory(self._settings.namespace)
@@ -98,8 +101,11 @@ class TransferWorker:
     # ---- prefill ------------------------------------------------------------------
 
     def save(self, orders: Iterable[SaveOrder]) -> None:
+        assert self._cache is not None
+        # Marks this step's KV writes (a CUDA event on a GPU): the put reads after them.
+        written = self._cache.writes_done()
         for order in orders:
-            self._saves[order.request_id] = self._saver.submit(self._save_logged, order)
+            self._saves[order.request_id] = self._saver.submit(self._save_logged, order, written)
 
     def settle_saves(self, finished_request_ids: Iterable[str]) -> None:
         """Before a forward pass: wait for puts whose blocks vLLM could hand out."""
@@ -108,9 +114,9 @@ class TransferWorker:
             if request_id not in self._finished_saves:
                 put.result()
 
-    def _save_logged(self, order: SaveOrder) -> None:
+    def _save_logged(self, order: SaveOrder, written: Any) -> None:
         try:
-            self._save(order)
+            self._save(order, written)
         except Exception:
             # The decode side will find no part, report the load failed and recompute.
             logger.exception("KV transfer %s: put failed", order.transfer_id)
@@ -127,11 +133,12 @@ class TransferWorker:
         put = self._saves.get(request_id)
         return put is None or put.done()  # None: no put here ever read its blocks
 
-    def _save(self, order: SaveOrder) -> None:
+    def _save(self, order: SaveOrder, written: Any = None) -> None:
         assert self._cache is not None
         started = time.perf_counter()
-        # The only copy: vLLM keeps the pages until we report this put done.
-        ref = self._store.put(self._cache.pack(order.block_ids))
+        # CPU: the only copy (views of the pages); GPU: gathered on a side stream into
+        # pinned memory first. vLLM keeps the pages until we report this put done.
+        ref = self._store.put(self._cache.pack(order.block_ids, after=written))
         seconds = time.perf_counter() - started
         nbytes = len(order.block_ids) * self._cache.page_bytes * self._cache.num_layers
         # Not awaited: a claim that comes first waits for it (claim_wait_s). Ray keeps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -241,3 +242,63 @@ def test_serve_overrides_of_an_engine_deployment_are_refused(
     assert "args.pools[].replicas" in str(raised.value)
     for name in ("single", "dp", "pd"):
         refuse_engine_overrides(DEPLOYMENTS / f"{name}.yaml")  # the shipped ones pass
+
+
+def _pd_args(**router: object) -> dict:
+    placed = {"node_labels": {"splitserve-pool": "prefill"}}
+    return {
+        "strategy": "pd",
+        "pools": [
+            {"role": "prefill", "placement": placed},
+            {"role": "decode", "placement": {"resources": {"decode_node": 1}}},
+        ],
+        "router": router,
+    }
+
+
+def test_placed_pools_run_as_engine_replicas_on_their_nodes() -> None:
+    from deployments.app import build_app_from_config
+
+    config = parse_app_config(_pd_args())
+    assert config.placed and not config.hosts_engines_in_router  # auto: apart
+    app = build_app_from_config(config)
+    options = {
+        name: deployment.ray_actor_options
+        for name, deployment in _bound_deployments(app).items()
+        if name != "Router"
+    }
+    assert options["prefill-0"]["label_selector"] == {"splitserve-pool": "prefill"}
+    assert options["decode-0"]["resources"] == {"decode_node": 1.0}
+
+
+def _bound_deployments(app: object) -> dict[str, Any]:
+    """Every deployment of a built application graph, by name."""
+    found: dict[str, Any] = {}
+    stack = [app._bound_deployment]  # type: ignore[attr-defined]
+    while stack:
+        deployment = stack.pop()
+        found[deployment.name] = deployment
+        for value in [*deployment.init_args, *deployment.init_kwargs.values()]:
+            children = value.values() if isinstance(value, dict) else [value]
+            stack += [c._bound_deployment for c in children if hasattr(c, "_bound_deployment")]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"router": {"engine_in_router": True}}, "set router.engine_in_router to auto or false"),
+        ({"placement": {}}, "placement needs node_labels, resources or both"),
+        ({"placement": {"resources": {"GPU": 1}}}, "names Ray's own ['GPU']"),
+        ({"placement": {"resources": {"fast": 0}}}, "must be positive amounts"),
+    ],
+)
+def test_bad_placement_is_refused(change: dict, message: str) -> None:
+    args = _pd_args()
+    if "router" in change:
+        args["router"] = change["router"]
+    else:
+        args["pools"][0]["placement"] = change["placement"]
+    with pytest.raises(ConfigError) as raised:
+        parse_app_config(args)
+    assert message in str(raised.value)

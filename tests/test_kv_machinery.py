@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
 from kv_transfer.handle import LayoutFingerprint, TransferHandle, prompt_digest
 from kv_transfer.orders import LoadOrder, SaveOrder
-from kv_transfer.paged_cache import PagedKVCache, contiguous_runs
+from kv_transfer.paged_cache import PagedKVCache, UnsupportedKVCacheError, contiguous_runs
 from kv_transfer.scheduler_side import TransferScheduler
 from kv_transfer.settings import ObjectStoreSettings
 from kv_transfer.worker_side import TransferWorker
@@ -304,3 +305,133 @@ def test_a_fully_cached_prompt_releases_the_transfer_unloaded() -> None:
     assert scheduler.get_num_new_matched_tokens(request, 8) == (0, False)
     scheduler.update_state_after_alloc(request, SimpleNamespace(), 0)  # type: ignore[arg-type]
     assert directory.calls == [("release", ("t9",))]
+
+
+# ---- every KV layout of vLLM's attention backends, CPU tensors shaped like them --------
+
+LAYOUTS = [layout.name for layout in KVCacheLayout]
+
+
+def _backend_caches(
+    layout: str,
+    seed: int,
+    layers: int = 3,
+    blocks: int = 11,
+    heads: int = 2,
+    tokens: int = BLOCK,
+    content: int = 8,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Per-layer ``[B, H, N, C]`` views of one allocation laid out as ``layout`` says
+    (vLLM's own KVCacheLayout stride orders), as vLLM hands them to a connector."""
+    order = KVCacheLayout[layout].stride_order  # logical axes in physical order
+    logical = (layers, blocks, heads, tokens, content)
+    generator = torch.Generator().manual_seed(seed)
+    physical = torch.randn([logical[axis] for axis in order], generator=generator).to(dtype)
+    view = physical.permute([order.index(axis) for axis in range(5)])
+    return {f"layer.{i}": view[i] for i in range(layers)}
+
+
+def _equal_blocks(a: torch.Tensor, a_ids: list[int], b: torch.Tensor, b_ids: list[int]) -> bool:
+    return all(torch.equal(a[x], b[y]) for x, y in zip(a_ids, b_ids, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_round_trips_byte_exact(layout: str, dtype: torch.dtype) -> None:
+    source, target = (
+        _backend_caches(layout, 1, dtype=dtype),
+        _backend_caches(layout, 2, dtype=dtype),
+    )
+    sent = [9, 2, 3, 4, 7, 0, 10]  # an odd count, out of order, one run of three
+    packed = PagedKVCache(source, BLOCK, layout).pack(sent)
+    landing = [1, 5, 6, 8, 3]
+    PagedKVCache(target, BLOCK, layout).unpack(packed, 2, landing)  # from the third on
+    for name in source:
+        assert _equal_blocks(source[name], sent[2:], target[name], landing)
+
+
+def test_only_the_cpu_backends_contiguous_layout_moves_as_views() -> None:
+    assert PagedKVCache(_backend_caches("LBHNC", 1), BLOCK).moves_views
+    for layout in ("LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"):
+        assert not PagedKVCache(_backend_caches(layout, 1), BLOCK).moves_views, layout
+
+
+@pytest.mark.parametrize(
+    ("source_layout", "target_layout"), [("LBNHC", "BLHNC"), ("BLHNC", "LBHNC")]
+)
+def test_a_prefill_backend_hands_kv_to_a_decode_backend_of_another_layout(
+    source_layout: str, target_layout: str
+) -> None:
+    """FlashAttention's token-major pages into FlashInfer's block-outermost ones, and a
+    GPU layout into the CPU backend's: parts travel in the logical order."""
+    source = _backend_caches(source_layout, 3)
+    target = _backend_caches(target_layout, 4)
+    sending, receiving = PagedKVCache(source, BLOCK), PagedKVCache(target, BLOCK)
+    assert sending.layout == receiving.layout
+    receiving.unpack(sending.pack([4, 5, 6]), 0, [0, 9, 1])
+    for name in source:
+        assert _equal_blocks(source[name], [4, 5, 6], target[name], [0, 9, 1])
+
+
+def test_kernel_blocks_smaller_than_the_schedulers_move_together() -> None:
+    """A kernel that splits each 8-token scheduler block into two of 4 tokens."""
+    source = _backend_caches("LBNHC", 5, blocks=12, tokens=4)
+    target = _backend_caches("LBNHC", 6, blocks=12, tokens=4)
+    cache = PagedKVCache(source, block_size=8)
+    assert cache.layout["kernel_blocks_per_block"] == 2
+    PagedKVCache(target, block_size=8).unpack(cache.pack([1, 4]), 0, [2, 0])
+    for name in source:
+        assert _equal_blocks(source[name], [2, 3, 8, 9], target[name], [4, 5, 0, 1])
+
+
+def test_tensor_parallel_ranks_move_their_own_heads() -> None:
+    """Two TP ranks, each holding half the KV heads, each with a part of its own."""
+    for rank in range(2):
+        source = _backend_caches("LBNHC", 10 + rank, heads=1)
+        target = _backend_caches("LBNHC", 20 + rank, heads=1)
+        PagedKVCache(target, BLOCK).unpack(PagedKVCache(source, BLOCK).pack([3, 1]), 0, [7, 8])
+        for name in source:
+            assert _equal_blocks(source[name], [3, 1], target[name], [7, 8])
+
+
+def test_unsupported_caches_are_refused_with_the_backend_named() -> None:
+    flat = {"layer.0": torch.zeros(16, 64)}
+    with pytest.raises(UnsupportedKVCacheError, match="FLASHMLA"):
+        PagedKVCache(flat, BLOCK, backend="FLASHMLA")
+    meta = {"layer.0": torch.empty(SHAPE, device="meta")}
+    with pytest.raises(UnsupportedKVCacheError, match="meta"):
+        PagedKVCache(meta, BLOCK, backend="X")
+    with pytest.raises(UnsupportedKVCacheError, match="do not divide"):
+        PagedKVCache(_backend_caches("LBHNC", 1, tokens=3), 8, backend="X")
+
+
+def test_pages_of_another_shape_are_refused_on_the_gather_path() -> None:
+    packed = PagedKVCache(_backend_caches("LBNHC", 1, heads=1), BLOCK).pack([0])
+    with pytest.raises(ValueError, match="do not fit"):
+        PagedKVCache(_backend_caches("LBNHC", 2, heads=2), BLOCK).unpack(packed, 0, [0])
+
+
+def test_mla_models_are_refused_at_start_with_the_backend_named() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from kv_transfer.connector import _check_supported
+
+    def configs(spec: Any) -> tuple[Any, Any]:
+        vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(
+                pipeline_parallel_size=1,
+                decode_context_parallel_size=1,
+                prefill_context_parallel_size=1,
+            ),
+            attention_config=SimpleNamespace(backend=SimpleNamespace(name="FLASHMLA")),
+            cache_config=SimpleNamespace(kv_cache_layout="LBHNC"),
+        )
+        kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+        return vllm_config, kv_cache_config
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"MLA KV caches.*FLASHMLA"):
+        _check_supported(*configs(mla))
+    full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=torch.bfloat16)
+    _check_supported(*configs(full))  # a Llama-class model's cache passes

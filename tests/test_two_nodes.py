@@ -1,0 +1,181 @@
+"""PD across two Ray nodes on this machine: the prefill pool on one node, the decode
+pool (and the router) on the other, each node with an object store of its own.
+
+A head and a second ``ray start --address`` make the cluster; the pools are placed by
+node labels (``placement.node_labels`` in the YAML). Checked: greedy token ids equal a
+single engine's, the KV really crossed object stores (Ray's object manager on the
+decode node counts received chunks; our transfer metrics count the loads), nothing is
+left in either store, and killing the second node's raylet leaves the application
+answering, every prompt then prefilled on the decode replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from local_ports import free_port
+
+from deployments.launcher import DEPLOYMENTS_DIR, cluster_env, serve_run
+
+pytestmark = pytest.mark.serving
+
+MODEL = "splitserve-tiny-llama"
+NODE_MARKER = "SPLITSERVE_TWO_NODE_CLUSTER"
+LABEL = "splitserve-pool"
+OBJECT_STORE_BYTES = 300 * 1024 * 1024
+_rng = random.Random(3)
+PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (300, 700, 129, 1000, 513, 2)]
+MAX_TOKENS = 8
+KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # one block of the embedded model, fp32
+
+
+@dataclass(frozen=True)
+class TwoNodes:
+    address: str
+    dashboard_url: str
+    metrics_ports: dict[str, int]  # node role -> its metrics export port
+    marker: str
+
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _start_node(args: list[str], role: str, marker: str, metrics_port: int) -> None:
+    env = cluster_env() | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env[NODE_MARKER] = f"{marker}:{role}"
+    command = [_ray_cli(), "start", *args, "--num-cpus=2", f"--labels={LABEL}={role}"]
+    command += [f"--object-store-memory={OBJECT_STORE_BYTES}"]
+    command += [f"--metrics-export-port={metrics_port}", "--disable-usage-stats"]
+    started = subprocess.run(command, env=env, capture_output=True, text=True)
+    if started.returncode != 0:
+        pytest.fail(f"`ray start` ({role}) failed:\n{started.stderr[-3000:]}")
+
+
+def _node_pids(marker: str, role: str | None = None) -> set[int]:
+    wanted = f"{NODE_MARKER}={marker}:{role or ''}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                if any(var.startswith(wanted) for var in environ):
+                    pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def two_nodes(ray_address: str) -> Iterator[TwoNodes]:
+    """A cluster of its own: the session's stays as it is for the other modules."""
+    marker = uuid.uuid4().hex[:12]
+    port, dashboard_port = free_port(), free_port()
+    ports = {"decode": free_port(), "prefill": free_port()}
+    try:
+        _start_node(
+            ["--head", f"--port={port}", "--include-dashboard=true",
+             f"--dashboard-port={dashboard_port}"],
+            "decode", marker, ports["decode"],
+        )  # fmt: skip
+        _start_node([f"--address=127.0.0.1:{port}"], "prefill", marker, ports["prefill"])
+        yield TwoNodes(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", ports, marker)
+    finally:
+        for signum, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            for pid in _node_pids(marker):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            deadline = time.monotonic() + wait_s
+            while _node_pids(marker) and time.monotonic() < deadline:
+                time.sleep(0.5)
+
+
+def _placed_pd(tmp_path: Path) -> Path:
+    document = yaml.safe_load((DEPLOYMENTS_DIR / "pd_always.yaml").read_text())
+    args = document["applications"][0]["args"]
+    for pool in args["pools"]:
+        pool["placement"] = {"node_labels": {LABEL: pool["role"]}}
+    path = tmp_path / "pd-two-nodes.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def _complete(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"], response.headers["x-splitserve-prefill"]
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for row in httpx.get(url, timeout=10).text.splitlines():
+        is_sample = row.startswith(name) and row[len(name)] in " {"
+        if is_sample and all(f'{k}="{v}"' in row for k, v in labels.items()):
+            total += float(row.split()[-1])
+    return total
+
+
+def _eventually(check: object, timeout_s: float = 40.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(1)
+    return False
+
+
+def _large_objects(dashboard_url: str) -> list[object]:
+    from ray.util.state import list_objects
+
+    objects = list_objects(address=dashboard_url, limit=10_000, raise_on_missing_output=False)
+    return [o for o in objects if (o.object_size or 0) >= KV_PAGE_BYTES]
+
+
+def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Path) -> None:
+    with serve_run("single", ray_address=two_nodes.address, log_dir=serve_logs) as app:
+        reference = [_complete(app.base_url, prompt)[0] for prompt in PROMPTS]
+
+    with serve_run(
+        str(_placed_pd(tmp_path)), ray_address=two_nodes.address, log_dir=serve_logs
+    ) as app:
+        answers = [_complete(app.base_url, prompt) for prompt in PROMPTS]
+        assert [ids for ids, _ in answers] == reference
+        assert {where for _, where in answers} == {"remote:always"}
+        metrics = f"{app.base_url}/metrics"
+        assert _metric(metrics, "splitserve_kv_transfers_total", outcome="loaded") >= 5
+        assert _metric(metrics, "splitserve_kv_transfer_bytes_total", op="get") > 0
+        # Ray moved the bytes: the decode node's object manager received chunks.
+        decode_node = f"http://127.0.0.1:{two_nodes.metrics_ports['decode']}/metrics"
+        assert _eventually(
+            lambda: _metric(decode_node, "ray_object_manager_received_chunks") > 0
+        ), "the decode node's object store received nothing from the other node"
+        # Freed on both nodes once loaded.
+        assert _eventually(lambda: _metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
+        assert _eventually(lambda: not _large_objects(two_nodes.dashboard_url))
+
+        # The prefill node goes away: its raylet dies, its replica with it.
+        raylets = {
+            pid
+            for pid in _node_pids(two_nodes.marker, "prefill")
+            if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        }
+        assert raylets, "no raylet found for the prefill node"
+        for pid in raylets:
+            os.kill(pid, signal.SIGKILL)
+        fresh = [[_rng.randrange(3, 256) for _ in range(400)] for _ in range(4)]
+        after = [_complete(app.base_url, prompt) for prompt in fresh]
+        assert all(where.startswith("local:") for _, where in after), after
+        assert _metric(metrics, "splitserve_prefill_decisions_total", where="local") >= 4
