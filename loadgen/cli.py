@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from rich.console import Console
 
+from loadgen import knee
 from loadgen.burstgpt import (
     BURSTGPT_URL,
     STUDY_MEANS,
@@ -36,10 +37,13 @@ from loadgen.fake_server import FakeServerConfig, run_fake_server
 from loadgen.launcher import LaunchError
 from loadgen.panels import render_report  # its ReportError is a ValueError
 from loadgen.report import (
+    plot_knee,
     plot_run,
+    print_knee,
     print_run_table,
     print_trace_stats,
     summary_row,
+    write_knee,
     write_run_json,
     write_summary_csv,
 )
@@ -59,7 +63,7 @@ from loadgen.vllm_result import write_vllm_result
 from loadgen.workloads import load_trace
 from splitserve.packaging import PackageConflictError, check_top_level_packages
 
-SUBCOMMANDS = ("run", "sweep", "demo", "fake-server", "trace-stats", "report")
+SUBCOMMANDS = ("run", "sweep", "knee", "demo", "fake-server", "trace-stats", "report")
 RESULTS_ROOT = Path("results/loadgen")
 
 RUN_EXAMPLES = """examples:
@@ -266,6 +270,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_knee_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen knee",
+        description=knee.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_target_options(parser)
+    _add_workload_options(parser)
+    _add_load_options(parser, "1")
+    _add_report_options(parser)
+    group = parser.add_argument_group("search")
+    defaults = knee.KneeSearchConfig()
+    group.add_argument("--attainment", type=float, default=defaults.attainment,
+                       help="share of requests that must meet every SLO")  # fmt: skip
+    group.add_argument("--qps-start", type=float, default=defaults.qps_start)
+    group.add_argument("--qps-max", type=float, default=defaults.qps_max)
+    group.add_argument("--tolerance", type=float, default=defaults.tolerance)
+    group.add_argument("--max-steps", type=int, default=defaults.max_steps)
+    return parser
+
+
 def build_sweep_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadgen sweep",
@@ -469,6 +494,39 @@ def command_run(argv: list[str], console: Console) -> int:
     return 0
 
 
+def command_knee(argv: list[str], console: Console) -> int:
+    args = build_knee_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
+        raise ValueError("the knee is where the SLOs stop being met: give --slo-ttft-ms and/or"
+                         " --slo-tpot-ms")  # fmt: skip
+    search = knee.KneeSearchConfig(
+        attainment=args.attainment,
+        qps_start=args.qps_start,
+        qps_max=args.qps_max,
+        tolerance=args.tolerance,
+        max_steps=args.max_steps,
+    )
+    workload = workload_config(args, args.workload)
+    out = _out_dir(args, "knee")
+    args.no_progress = True  # one line per step instead
+
+    async def run_at(qps: float) -> knee.KneeStep:
+        result = await execute_run(run_config(args, workload, qps), console)
+        write_run_json(result, out)
+        step = knee.step_of(qps, result.summary)
+        console.print(f"qps {qps:g}: {100 * step.attainment:.0f}% met the SLOs,"
+                      f" goodput {step.goodput:.2f} req/s")  # fmt: skip
+        return step
+
+    result = run_event_loop(knee.find_knee(run_at, search))
+    print_knee(console, result)
+    console.print(f"knee: {write_knee(result, out)}")
+    if not args.no_plots:
+        console.print(f"plot: {plot_knee(result, out / 'knee.png')}")
+    return 0
+
+
 def command_sweep(argv: list[str], console: Console) -> int:
     args = build_sweep_parser().parse_args(argv)
     _configure_logging(args.verbose)
@@ -564,6 +622,7 @@ def command_report(argv: list[str], console: Console) -> int:
 
 
 COMMANDS = {
+    "knee": command_knee,
     "run": command_run,
     "sweep": command_sweep,
     "demo": command_demo,

@@ -53,6 +53,13 @@ class FakeServerConfig(StrictModel):
     )
     reject_status: int = Field(503, description="Status of rejected requests (503 or 429).")
     retry_after_s: int = Field(1, ge=0)
+    max_concurrent: int = Field(
+        0,
+        ge=0,
+        description="Paced streams served at once (0: no limit); the rest wait in line, so"
+        " TTFT grows with load: a known capacity of max_concurrent / (ttft + (n-1) itl)"
+        " requests a second, for the goodput search's tests.",
+    )
     mode: str = Field("fake", description="The 'mode' label of the emulated router metrics.")
     gpus: int = Field(2, ge=0, description="Emulated GPUs in splitserve_gpu_utilization_percent.")
 
@@ -118,6 +125,15 @@ class _ServerState:
     kv_tokens: int = 0
     # Zero-latency streams depend only on the request's shape: render each shape once.
     rendered: dict[tuple[object, ...], bytes] = field(default_factory=dict)
+    _slots: asyncio.Semaphore | None = None
+
+    def slot(self) -> contextlib.AbstractAsyncContextManager[object]:
+        """A place among ``max_concurrent`` streams (or none to wait for)."""
+        if self.config.max_concurrent <= 0:
+            return contextlib.nullcontext()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_concurrent)
+        return self._slots
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
@@ -386,9 +402,14 @@ class _Connection(asyncio.Protocol):
 
     async def _paced_stream(self, generation: _Generation) -> None:
         state = self._state
-        config = state.config
         state.metrics.in_flight += 1
         state.kv_tokens += generation.prompt_tokens + generation.max_tokens
+        async with state.slot():
+            await self._pace(generation)
+
+    async def _pace(self, generation: _Generation) -> None:
+        state = self._state
+        config = state.config
         try:
             self._write(self._stream_head())
             if opening := generation.opening():

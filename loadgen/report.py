@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from loadgen.knee import KneeResult
 from loadgen.runner import RunResult
 
 LATENCY_FIELDS = ("mean", "p50", "p90", "p95", "p99")
@@ -387,3 +388,55 @@ def print_trace_stats(
             f"{target[0]}/{target[1]}" if target else "-",
         )
     console.print(table)
+
+
+# ---- the knee (python -m loadgen knee) ---------------------------------------------------
+
+
+def print_knee(console: Console, result: KneeResult) -> None:
+    target = result.config["attainment"]
+    table = Table(title=f"goodput search: {100 * target:.0f}% of requests within the SLOs")
+    for column in ("req/s offered", "met SLOs", "goodput", "throughput", "TTFT p50", "TPOT p50"):
+        table.add_column(column, justify="right")
+    knee = result.knee
+    for step in result.curve:
+        mark = " <- knee" if knee is not None and step.qps == knee.qps else ""
+        table.add_row(
+            f"{step.qps:.3g}{mark}",
+            f"{100 * step.attainment:.0f}%",
+            f"{step.goodput:.2f}",
+            f"{step.request_throughput:.2f}",
+            _cell(step.ttft_p50_s and 1000 * step.ttft_p50_s) + " ms",
+            _cell(step.tpot_p50_s and 1000 * step.tpot_p50_s, 2) + " ms",
+        )
+    console.print(table)
+    console.print(f"knee: {knee.qps:.3g} req/s" if knee else "knee: no rate tried met the target")
+
+
+def write_knee(result: KneeResult, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "knee.json"
+    path.write_text(json.dumps(jsonable(result.to_dict()), indent=1))
+    return path
+
+
+def plot_knee(result: KneeResult, path: Path) -> Path:
+    plt = _pyplot()
+    curve = result.curve
+    figure, attainment_axis = plt.subplots(figsize=(7, 4))
+    qps = [step.qps for step in curve]
+    attainment_axis.plot(qps, [100 * s.attainment for s in curve], "o-", label="met SLOs (%)")
+    attainment_axis.axhline(100 * result.config["attainment"], linestyle=":", color="grey")
+    attainment_axis.set_xlabel("offered load (req/s)")
+    attainment_axis.set_ylabel("requests within the SLOs (%)")
+    goodput_axis = attainment_axis.twinx()
+    goodput_axis.plot(qps, [s.goodput for s in curve], "s--", color="tab:green", label="goodput")
+    goodput_axis.set_ylabel("goodput (req/s)")
+    if result.knee is not None:
+        attainment_axis.axvline(result.knee.qps, color="tab:red", alpha=0.5)
+        attainment_axis.set_title(f"knee at {result.knee.qps:.3g} req/s")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
