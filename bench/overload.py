@@ -93,9 +93,13 @@ def prompt_text(chars: int, seed: int) -> str:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
     priority: str,
-) -> Outcome:  # fmt: skip
+) -> Outcome:
     outcome = Outcome(priority)
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
@@ -211,30 +215,45 @@ def verdicts(entry: str, summary: dict[str, Any], slo_s: float) -> list[str]:
     for phase, rows in summary.items():
         everything = rows["all"]
         if everything["server_errors"] or everything["connection_errors"]:
-            problems.append(f"{phase}: {everything['server_errors']} 5xx,"
-                            f" {everything['connection_errors']} connection errors")  # fmt: skip
+            problems.append(
+                f"{phase}: {everything['server_errors']} 5xx,"
+                f" {everything['connection_errors']} connection errors"
+            )
         high = rows["high"]["ttft_p95_s"]
         if high is not None and high > slo_s:
             problems.append(f"{phase}: high-priority TTFT p95 {high:.2f} s > SLO {slo_s:g} s")
         refusal = everything["refusal_p95_ms"]
         if refusal is not None and refusal > REFUSAL_P95_TARGET_MS[entry]:
-            problems.append(f"{phase}: refusal p95 {refusal:.0f} ms >"
-                            f" {REFUSAL_P95_TARGET_MS[entry]:.0f} ms")  # fmt: skip
+            problems.append(
+                f"{phase}: refusal p95 {refusal:.0f} ms > {REFUSAL_P95_TARGET_MS[entry]:.0f} ms"
+            )
     return problems
 
 
 def print_entry(entry: str, summary: dict[str, Any]) -> None:
     table = Table(title=f"{entry} entry point")
-    for column in ("phase", "priority", "statuses", "TTFT p50", "TTFT p95", "refusal p50",
-                   "refusal p95"):  # fmt: skip
+    for column in (
+        "phase",
+        "priority",
+        "statuses",
+        "TTFT p50",
+        "TTFT p95",
+        "refusal p50",
+        "refusal p95",
+    ):
         table.add_column(column, justify="right")
     for phase, rows in summary.items():
         for priority in PRIORITIES:
             row = rows[priority]
             table.add_row(
-                phase, priority, json.dumps(row["statuses"]), _s(row["ttft_p50_s"]),
-                _s(row["ttft_p95_s"]), _msf(row["refusal_p50_ms"]), _msf(row["refusal_p95_ms"]),
-            )  # fmt: skip
+                phase,
+                priority,
+                json.dumps(row["statuses"]),
+                _s(row["ttft_p50_s"]),
+                _s(row["ttft_p95_s"]),
+                _msf(row["refusal_p50_ms"]),
+                _msf(row["refusal_p95_ms"]),
+            )
     console.print(table)
 
 

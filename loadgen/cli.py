@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from rich.console import Console
 
-from loadgen import knee
+from loadgen import advisor, knee
 from loadgen.burstgpt import (
     BURSTGPT_URL,
     STUDY_MEANS,
@@ -34,7 +34,7 @@ from loadgen.demo import DEMO_CONFIG, DEMO_RATE, DEMO_REQUESTS, DemoOptions, run
 from loadgen.eventloop import run_event_loop
 from loadgen.exposition import Exposition
 from loadgen.fake_server import FakeServerConfig, run_fake_server
-from loadgen.launcher import LaunchError
+from loadgen.launcher import DEFAULT_DEPLOYMENTS_DIR, LaunchError
 from loadgen.panels import render_report  # its ReportError is a ValueError
 from loadgen.report import (
     plot_knee,
@@ -63,7 +63,7 @@ from loadgen.vllm_result import write_vllm_result
 from loadgen.workloads import load_trace
 from splitserve.packaging import PackageConflictError, check_top_level_packages
 
-SUBCOMMANDS = ("run", "sweep", "knee", "demo", "fake-server", "trace-stats", "report")
+SUBCOMMANDS = ("run", "sweep", "knee", "advise", "demo", "fake-server", "trace-stats", "report")
 RESULTS_ROOT = Path("results/loadgen")
 
 RUN_EXAMPLES = """examples:
@@ -153,11 +153,14 @@ def _add_workload_options(parser: argparse.ArgumentParser, single: bool = True) 
         )
     group.add_argument(
         "--trace",
-        choices=("burstgpt", "burstgpt-synthetic"),
-        help="source of the T-* workloads (default burstgpt: the real CSV)",
+        choices=("burstgpt", "burstgpt-synthetic", "recorded"),
+        help="source of the T-* workloads (default burstgpt: the real CSV); recorded: a"
+        " record of the router's own traffic (router.traffic_record), replayed",
     )
     group.add_argument(
-        "--trace-file", type=Path, help="the BurstGPT CSV (else cache, else download)"
+        "--trace-file",
+        type=Path,
+        help="the BurstGPT CSV (else cache, else download), or the router's traffic record",
     )
     group.add_argument(
         "--trace-cache-dir",
@@ -282,8 +285,12 @@ def build_knee_parser() -> argparse.ArgumentParser:
     _add_report_options(parser)
     group = parser.add_argument_group("search")
     defaults = knee.KneeSearchConfig()
-    group.add_argument("--attainment", type=float, default=defaults.attainment,
-                       help="share of requests that must meet every SLO")  # fmt: skip
+    group.add_argument(
+        "--attainment",
+        type=float,
+        default=defaults.attainment,
+        help="share of requests that must meet every SLO",
+    )
     group.add_argument("--qps-start", type=float, default=defaults.qps_start)
     group.add_argument("--qps-max", type=float, default=defaults.qps_max)
     group.add_argument("--tolerance", type=float, default=defaults.tolerance)
@@ -392,7 +399,8 @@ def workload_config(args: argparse.Namespace, name: str | None) -> WorkloadConfi
         if getattr(args, "input_len", None) or getattr(args, "output_len", None):
             name = "custom"
         else:
-            name = "T-burst-replay" if args.trace else "general"
+            replays = {"recorded": "recorded-replay"}
+            name = replays.get(args.trace, "T-burst-replay") if args.trace else "general"
     return WorkloadConfig(
         name=name,
         input_len=getattr(args, "input_len", None),
@@ -498,8 +506,9 @@ def command_knee(argv: list[str], console: Console) -> int:
     args = build_knee_parser().parse_args(argv)
     _configure_logging(args.verbose)
     if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
-        raise ValueError("the knee is where the SLOs stop being met: give --slo-ttft-ms and/or"
-                         " --slo-tpot-ms")  # fmt: skip
+        raise ValueError(
+            "the knee is where the SLOs stop being met: give --slo-ttft-ms and/or --slo-tpot-ms"
+        )
     search = knee.KneeSearchConfig(
         attainment=args.attainment,
         qps_start=args.qps_start,
@@ -515,8 +524,10 @@ def command_knee(argv: list[str], console: Console) -> int:
         result = await execute_run(run_config(args, workload, qps), console)
         write_run_json(result, out)
         step = knee.step_of(qps, result.summary)
-        console.print(f"qps {qps:g}: {100 * step.attainment:.0f}% met the SLOs,"
-                      f" goodput {step.goodput:.2f} req/s")  # fmt: skip
+        console.print(
+            f"qps {qps:g}: {100 * step.attainment:.0f}% met the SLOs,"
+            f" goodput {step.goodput:.2f} req/s"
+        )
         return step
 
     result = run_event_loop(knee.find_knee(run_at, search))
@@ -524,6 +535,86 @@ def command_knee(argv: list[str], console: Console) -> int:
     console.print(f"knee: {write_knee(result, out)}")
     if not args.no_plots:
         console.print(f"plot: {plot_knee(result, out / 'knee.png')}")
+    return 0
+
+
+ADVISE_MODES = ("single", "dp", "pd_always", "pd")
+ADVISE_SMOKE_QPS = "1,2,4"
+ADVISE_SMOKE_REQUESTS = 24
+
+
+def build_advise_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen advise",
+        description=advisor.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--sweep", type=Path, help="a sweep's folder (with runs/*.json)")
+    source.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"run a small sweep first: {','.join(ADVISE_MODES)}, QPS {ADVISE_SMOKE_QPS},"
+        f" {ADVISE_SMOKE_REQUESTS} requests a cell (minutes on the embedded model)",
+    )
+    parser.add_argument("--modes", type=_name_list, default=list(ADVISE_MODES))
+    parser.add_argument("--workload", default="general", help="--smoke's workload")
+    parser.add_argument("--trace", choices=("burstgpt", "burstgpt-synthetic", "recorded"))
+    parser.add_argument("--trace-file", type=Path, help="with --trace recorded: the record")
+    parser.add_argument("--qps", default=ADVISE_SMOKE_QPS, help="--smoke's rates")
+    parser.add_argument("--num-requests", type=int, default=ADVISE_SMOKE_REQUESTS)
+    parser.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token objective")
+    parser.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token objective")
+    parser.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="share of requests that must meet the objectives",
+    )
+    parser.add_argument("--deployments-dir", type=Path, default=DEFAULT_DEPLOYMENTS_DIR)
+    parser.add_argument("--yaml", type=Path, help="default: deployments/advised-<workload>.yaml")
+    parser.add_argument(
+        "--out", type=Path, help="report folder (default results/loadgen/advice-<time>)"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def command_advise(argv: list[str], console: Console) -> int:
+    args = build_advise_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
+        raise ValueError("advice needs objectives: give --slo-ttft-ms and/or --slo-tpot-ms")
+    out = _out_dir(args, "advice")
+    sweep_dir = args.sweep
+    if args.smoke:
+        sweep_dir = out / "sweep"
+        sweep_argv = [
+            "--modes", ",".join(args.modes), "--workloads", args.workload, "--qps", args.qps,
+            "--num-requests", str(args.num_requests), "--warmup-requests", "2",
+            "--out", str(sweep_dir), "--no-plots", "--no-progress",
+            "--deployments-dir", str(args.deployments_dir),
+        ]  # fmt: skip
+        if args.trace:
+            sweep_argv += ["--trace", args.trace]
+        if args.trace_file:
+            sweep_argv += ["--trace-file", str(args.trace_file)]
+        command_sweep(sweep_argv, console)
+    objectives = advisor.Objectives(
+        ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
+        tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else None,
+        attainment=args.attainment,
+    )
+    points = advisor.load_points(sweep_dir, objectives)
+    modes = sorted({p.mode for p in points})
+    devices = {mode: advisor.devices_of(mode, args.deployments_dir) for mode in modes}
+    advice = advisor.advise(points, objectives, devices)
+    slug = "".join(c if c.isalnum() else "-" for c in advice.workload).strip("-")
+    yaml_path = args.yaml or args.deployments_dir / f"advised-{slug}.yaml"
+    advisor.write_yaml(advice, args.deployments_dir, yaml_path)
+    markdown, png = advisor.write_report(advice, out, yaml_path)
+    console.print(markdown.read_text())
+    console.print(f"YAML: {yaml_path}\nreport: {markdown}\nplot: {png}")
     return 0
 
 
@@ -623,6 +714,7 @@ def command_report(argv: list[str], console: Console) -> int:
 
 COMMANDS = {
     "knee": command_knee,
+    "advise": command_advise,
     "run": command_run,
     "sweep": command_sweep,
     "demo": command_demo,

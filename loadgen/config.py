@@ -18,10 +18,12 @@ from splitserve.registry import Registry
 # Workloads by name (loadgen/workloads.py registers the built-in ones: the study's
 # synthetic shapes, custom, mixed and the BurstGPT subsets) and arrival processes by
 # name (loadgen/arrivals.py). A new one is a class and a register line there.
-WORKLOADS: Registry = Registry("workload", __name__, builtins=("loadgen.workloads",))
+WORKLOADS: Registry = Registry(
+    "workload", __name__, builtins=("loadgen.workloads", "loadgen.recorded")
+)
 ARRIVALS: Registry = Registry("arrival process", __name__, builtins=("loadgen.arrivals",))
 CUSTOM_WORKLOAD = "custom"
-TraceSource = Literal["burstgpt", "burstgpt-synthetic"]
+TraceSource = Literal["burstgpt", "burstgpt-synthetic", "recorded"]
 STUDY_REQUESTS_PER_CELL = 200
 DEFAULT_WARMUP_REQUESTS = 2
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -63,7 +65,7 @@ class WorkloadConfig(StrictModel):
 
     @property
     def is_replay(self) -> bool:
-        return self.name == REPLAY_SUBSET
+        return self.name in (REPLAY_SUBSET, "recorded-replay")
 
     @property
     def label(self) -> str:

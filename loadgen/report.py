@@ -74,6 +74,9 @@ def summary_row(result: RunResult) -> dict[str, Any]:
             "kv_cache_usage_max": max(server.kv_cache_usage_max.values(), default=None),
             "prefill_local": server.prefill_local,
             "prefill_remote": server.prefill_remote,
+            "prefill_s_per_token": _pool_figure(server.prefill_s_per_token, "prefill"),
+            "decode_step_s": _pool_figure(server.decode_step_s, "decode"),
+            "kv_transfer_s_per_mib": server.kv_transfer_s_per_mib,
             "server_rejections": server.rejections,
             "model": result.model,
             "trace_source": result.workload.source,
@@ -81,6 +84,13 @@ def summary_row(result: RunResult) -> dict[str, Any]:
         }
     )
     return row
+
+
+def _pool_figure(by_replica: dict[str, float], role: str) -> float | None:
+    """The mean over a pool's replicas (``prefill-0``...), or over all when no such pool."""
+    values = [v for name, v in by_replica.items() if name.startswith(f"{role}-")]
+    values = values or list(by_replica.values())
+    return sum(values) / len(values) if values else None
 
 
 def _cell(value: Any, digits: int = 1) -> str:

@@ -37,6 +37,7 @@ from loadgen.client import (
 from loadgen.config import RunConfig
 from loadgen.exposition import Exposition, RunMetrics
 from loadgen.progress import RunProgress
+from loadgen.recorded import PrefixedPrompts
 from loadgen.server_view import ServerView, ServerViewRecorder, discover_mode, parse_metrics
 from loadgen.stats import (
     RequestMetrics,
@@ -47,6 +48,8 @@ from loadgen.stats import (
     summarize_run,
 )
 from loadgen.workloads import (
+    PROMPT_TOKEN_HIGH,
+    PROMPT_TOKEN_LOW,
     RequestShape,
     TextCalibration,
     TextPrompts,
@@ -57,6 +60,7 @@ from loadgen.workloads import (
 )
 
 logger = logging.getLogger("loadgen.runner")
+PromptSource = TokenPrompts | TextPrompts | PrefixedPrompts
 
 DEFAULT_CONTEXT_TOKENS = 4096
 MAX_POOL_CONNECTIONS = 1024
@@ -301,7 +305,7 @@ class Run:
             endpoint.max_model_len,
         )
         calibration = await self._chat_calibration(endpoint.model)
-        prompts = self._prompt_source(calibration)
+        prompts = self._prompt_source(calibration, plan.prefix_block_tokens)
         arrivals = arrival_process(config, plan)
         items = self._prepare(plan.shapes, endpoint.model, prompts, warmup=False)
         return PreparedRun(
@@ -329,16 +333,22 @@ class Run:
             probes.append((chars, record.prompt_tokens))
         return TextCalibration.from_probes(probes[0], probes[1])
 
-    def _prompt_source(self, calibration: TextCalibration | None) -> TokenPrompts | TextPrompts:
+    def _prompt_source(
+        self, calibration: TextCalibration | None, prefix_block_tokens: int | None
+    ) -> PromptSource:
         if self.config.endpoint == "chat":
             return TextPrompts(self.config.seed, calibration)
+        if prefix_block_tokens is not None:  # a recorded replay: its prefixes shared again
+            return PrefixedPrompts(
+                self.config.seed, prefix_block_tokens, PROMPT_TOKEN_LOW, PROMPT_TOKEN_HIGH
+            )
         return TokenPrompts(self.config.seed)
 
     def _prepare(
         self,
         shapes: list[RequestShape],
         model: str,
-        prompts: TokenPrompts | TextPrompts,
+        prompts: PromptSource,
         warmup: bool,
     ) -> PreparedItems:
         items = []
@@ -346,7 +356,9 @@ class Run:
             payload = build_payload(
                 self.config.endpoint,
                 model,
-                prompts.prompt(shape.input_len),
+                prompts.prompt(shape)
+                if isinstance(prompts, PrefixedPrompts)
+                else prompts.prompt(shape.input_len),
                 shape.output_len,
                 self.sampling,
             )

@@ -35,6 +35,12 @@ ENGINE_REQUESTS = "splitserve_engine_requests"
 PREFILL_DECISIONS = "splitserve_prefill_decisions_total"
 REJECTIONS = "splitserve_rejections_total"
 SERVER_REQUESTS = "splitserve_requests_total"
+PREFILL_S_PER_TOKEN = "splitserve_prefill_seconds_per_token"
+DECODE_STEP_S = "splitserve_decode_step_seconds"
+KV_SECONDS_SUM = "splitserve_kv_transfer_seconds_sum"
+KV_BYTES = "splitserve_kv_transfer_bytes_total"
+KV_TRANSFERS = "splitserve_kv_transfers_total"
+MIB = 2**20
 SCRAPE_TIMEOUT_S = 5.0
 
 
@@ -81,6 +87,13 @@ class ServerView:
     prefill_remote: float | None = None
     rejections: float | None = None
     requests_by_status: dict[str, float] = field(default_factory=dict)
+    # The router's own estimates, per replica, at the end of the run: seconds of TTFT
+    # per prefill token and seconds per decode step (the split advisor's inputs).
+    prefill_s_per_token: dict[str, float] = field(default_factory=dict)
+    decode_step_s: dict[str, float] = field(default_factory=dict)
+    # PD: seconds of put + get per MiB of KV loaded, and per transfer loaded, in the run.
+    kv_transfer_s_per_mib: float | None = None
+    kv_transfer_s_per_request: float | None = None
     notes: list[str] = field(default_factory=list)
 
     def set_gpu_utilization(self, per_gpu: dict[str, float]) -> None:
@@ -119,6 +132,16 @@ def build_view(before: Samples | None, during: list[Samples], after: Samples | N
         for status, count in _delta(before, after, SERVER_REQUESTS, "status").items()
         if count
     }
+    view.prefill_s_per_token = _sum_by(after, PREFILL_S_PER_TOKEN, "replica")
+    view.decode_step_s = _sum_by(after, DECODE_STEP_S, "replica")
+    if KV_SECONDS_SUM in after and KV_BYTES in after:
+        seconds = sum(_delta(before, after, KV_SECONDS_SUM, None).values())
+        loaded = _delta(before, after, KV_BYTES, "op").get("get", 0.0)
+        if loaded > 0:
+            view.kv_transfer_s_per_mib = seconds / (loaded / MIB)
+        transfers = _delta(before, after, KV_TRANSFERS, "outcome").get("loaded", 0.0)
+        if transfers > 0:
+            view.kv_transfer_s_per_request = seconds / transfers
     return view
 
 

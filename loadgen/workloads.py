@@ -50,6 +50,8 @@ LENGTHS_STREAM, WARMUP_STREAM, TOKENS_STREAM, TEXT_STREAM, ARRIVALS_STREAM = ran
 class RequestShape:
     input_len: int
     output_len: int
+    # A recorded request's salted prefix block hashes (loadgen/recorded.py), else empty.
+    prefix: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class WorkloadPlan:
     warmup_shapes: list[RequestShape]
     source: str
     synthetic_trace: bool = False
-    trace_arrivals: list[float] | None = None  # T-burst-replay: the trace's own seconds
+    trace_arrivals: list[float] | None = None  # replays: the trace's own seconds
+    prefix_block_tokens: int | None = None  # recorded replays: tokens per prefix block
 
     def mean_lengths(self) -> tuple[float, float]:
         if not self.shapes:

@@ -34,9 +34,11 @@ async def calibrate_ttft(replicas: list[EngineClient], prompt_tokens: int, vocab
         return
     rng = random.Random(0)
     await asyncio.gather(
-        *(_calibrate(replica, [rng.randrange(vocab) for _ in range(prompt_tokens)])
-          for replica in replicas)
-    )  # fmt: skip
+        *(
+            _calibrate(replica, [rng.randrange(vocab) for _ in range(prompt_tokens)])
+            for replica in replicas
+        )
+    )
 
 
 async def _calibrate(replica: EngineClient, prompt: list[int]) -> None:

@@ -52,6 +52,7 @@ from router.replica_state import ReplicaState
 from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, RequestValidator
 from router.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
 from router.settings import IngressSettings, Priority
+from router.traffic_record import TrafficRecorder
 
 logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
@@ -130,6 +131,10 @@ class Router:
             self._kv = make_kv_backend(settings.kv_transfer).router_side()
         self._dispatcher = Dispatcher(settings, self._replicas, self._kv)
         self._admission = AdmissionControl(settings.qos)
+        record = settings.router.traffic_record
+        self._recorder = (
+            TrafficRecorder(record, settings.router.traffic_record_block_tokens) if record else None
+        )
         self._metrics = RouterMetrics()
         self._mode = settings.strategy
         self._engine_state = EngineStatePoller(
@@ -368,6 +373,13 @@ class Router:
             self._metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
             self._metrics.tokens.labels("prompt").inc(len(transcript.prompt_token_ids))
             self._metrics.tokens.labels("generation").inc(len(transcript.token_ids))
+            if self._recorder is not None:
+                self._recorder.record(
+                    arrival,
+                    transcript.prompt_token_ids,
+                    len(transcript.token_ids),
+                    dispatch.plan.priority,
+                )
             if not prepared.stream:
                 yield transcript
                 return

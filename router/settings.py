@@ -79,6 +79,15 @@ class RouterConfig(StrictModel):
         " this many failed starts in a row the router fails its health check and Serve"
         " restarts it.",
     )
+    traffic_record: str | None = Field(
+        None,
+        description="Append a content-free record of every answered request (arrival,"
+        " lengths, priority, salted prefix block hashes; never text) to this file on the"
+        " router's node, for python -m loadgen --trace recorded and the split advisor.",
+    )
+    traffic_record_block_tokens: int = Field(
+        16, ge=1, description="Prefix sharing is recorded in blocks of this many tokens."
+    )
     engine_in_router: Literal["auto"] | bool = Field(
         "auto",
         description="Host every engine in the router's own process, each engine core in"

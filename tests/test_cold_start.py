@@ -144,8 +144,10 @@ def test_the_first_burst_is_shed_by_priority(started: tuple[RunningApp, StartupP
     app, _ = started
     outcomes = asyncio.run(_burst(app.base_url))
     statuses = sorted({o.status for o in outcomes}, key=str)
-    summary = {p: [(o.status, o.ttft_s and round(o.ttft_s, 2)) for o in outcomes
-                   if o.priority == p] for p in PRIORITIES}  # fmt: skip
+    summary = {
+        p: [(o.status, o.ttft_s and round(o.ttft_s, 2)) for o in outcomes if o.priority == p]
+        for p in PRIORITIES
+    }
     assert all(o.status in (200, 429, 503) for o in outcomes), summary
     assert not any(o.stream_error for o in outcomes), summary
     admitted = [o for o in outcomes if o.status == 200]

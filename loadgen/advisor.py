@@ -1,0 +1,426 @@
+"""``python -m loadgen advise``: which split to serve a workload with, from measurements.
+
+Input: a sweep's runs (``runs/*.json`` of ``python -m loadgen sweep``; ``--smoke`` runs a
+small one first) and the service-level objectives. The method is DistServe's
+goodput-optimal placement, simplified where said:
+
+1. **Goodput per device, per mode.** For every mode, the share of each run's requests
+   that met every SLO is recomputed from the run's per-request records (the SLOs given
+   now, not the sweep's); a mode's goodput is the highest request rate whose share is at
+   least ``--attainment`` (linear between the two measured rates around the first
+   miss: a sweep's rates, not a search; ``python -m loadgen knee`` searches finely),
+   divided by the devices the mode's YAML takes. The mode with the highest goodput per
+   device wins; modes within 5% of it count as equal and the simplest is chosen
+   (single, dp, tp, pp, pd_always, pd). DistServe searches parallelism per phase
+   too; here the candidates are the YAMLs the sweep measured.
+2. **PD, fitted to measured rates.** From the PD runs: seconds of prefill per token
+   and decode step time (the router's own estimates, exported as gauges), decode step
+   against decode batch (a line fitted through the runs, batch by Little's law: rate x
+   output tokens x TPOT), and transfer time per request (the KV connector's
+   histograms). Then, with ``s`` the prefill seconds per token, ``step(B)`` the decode
+   step at batch ``B``, and the SLOs:
+   - prefill capacity ``C_p = 1 / (mean prompt tokens x s)`` req/s per prefill engine;
+     decode capacity ``C_d = B* / (mean output tokens x step(B*))`` at the largest
+     batch ``B*`` with ``step(B*) <= TPOT SLO``; P:D = ``C_d : C_p`` (DistServe's
+     ratio, without its simulator);
+   - ``prompt_length_threshold = TPOT SLO / s``: a longer prompt prefilled on the
+     decode engine stalls its running decodes past their TPOT objective (never, when a
+     transfer costs more than prefilling the prompt again);
+   - ``prefill_queue_max = TTFT SLO / (mean prompt tokens x s)``: queued prompts at
+     which a remote prefill would miss the TTFT objective;
+   - ``decode_load_threshold = B*``; ``decode_busy_min_length = step(1) / s``;
+   - QoS: ``ttft_slo_s`` the objective; low priority refused above
+     ``TTFT SLO - mean prompt tokens x s``, the room for one prompt ahead of it.
+3. **Output.** The winner's YAML with those values under ``deployments/``, and a report
+   (markdown and PNG) with every candidate's measured goodput and why the winner won.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Simplest first: the tie-break between modes within TIE_SHARE of the best.
+SIMPLICITY = ("single", "dp", "tp", "pp", "pd_always", "pd")
+TIE_SHARE = 0.05
+PD_MODES = ("pd", "pd_always")
+
+
+@dataclass(frozen=True)
+class Objectives:
+    ttft_s: float | None
+    tpot_s: float | None
+    attainment: float
+
+    def met(self, request: dict[str, Any]) -> bool:
+        if request.get("outcome") != "ok" or request.get("ttft_s") is None:
+            return False
+        if self.ttft_s is not None and request["ttft_s"] > self.ttft_s:
+            return False
+        tpot = request.get("tpot_s")
+        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+
+@dataclass(frozen=True)
+class RunPoint:
+    """One measured run, as the advisor reads it."""
+
+    mode: str
+    workload: str
+    qps: float
+    attainment: float
+    throughput: float
+    mean_input: float
+    mean_output: float
+    tpot_p50_s: float | None = None
+    prefill_s_per_token: float | None = None
+    decode_step_s: float | None = None
+    transfer_s_per_request: float | None = None
+
+
+@dataclass
+class Candidate:
+    mode: str
+    devices: int
+    knee_qps: float
+    curve: list[tuple[float, float]]  # (qps, attainment), by qps
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.knee_qps / self.devices
+
+
+@dataclass
+class PDFit:
+    prefill_s_per_token: float
+    step_base_s: float  # step(B) = step_base_s + step_per_request_s * B
+    step_per_request_s: float
+    transfer_s_per_request: float | None
+    max_decode_batch: int
+    prefill_capacity: float
+    decode_capacity: float
+    thresholds: dict[str, Any]
+    qos: dict[str, Any]
+
+    @property
+    def prefill_per_decode(self) -> float:
+        return self.decode_capacity / self.prefill_capacity
+
+
+@dataclass
+class Advice:
+    workload: str
+    objectives: Objectives
+    candidates: list[Candidate]
+    winner: str
+    reason: str
+    pd_fit: PDFit | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- reading a sweep -------------------------------------------------------------------
+
+
+def load_points(sweep_dir: Path, objectives: Objectives) -> list[RunPoint]:
+    """Every finite-rate run of a sweep, its SLO attainment recomputed for ``objectives``."""
+    points = []
+    for path in sorted((sweep_dir / "runs").glob("*.json")):
+        document = json.loads(path.read_text())
+        if "requests" not in document:
+            continue  # the vLLM-format copy of a run
+        point = point_of(document, objectives)
+        if point is not None:
+            points.append(point)
+    if not points:
+        raise ValueError(f"{sweep_dir}: no run with a finite rate in runs/*.json")
+    return points
+
+
+def point_of(document: dict[str, Any], objectives: Objectives) -> RunPoint | None:
+    qps = float(document["qps"]) if document["qps"] not in ("inf", "replay") else math.inf
+    if not math.isfinite(qps):
+        return None  # an unlimited run has no rate to place on the curve
+    requests = [r for r in document["requests"] if not r.get("warmup")]
+    row = document.get("summary_row", {})
+    workload = document["workload"]
+    return RunPoint(
+        mode=document["mode"],
+        workload=workload["label"],
+        qps=qps,
+        attainment=sum(objectives.met(r) for r in requests) / max(1, len(requests)),
+        throughput=float(document["summary"]["request_throughput"]),
+        mean_input=float(workload["mean_input_tokens"]),
+        mean_output=float(workload["mean_output_tokens"]),
+        tpot_p50_s=_ms_to_s(row.get("tpot_p50_ms")),
+        prefill_s_per_token=row.get("prefill_s_per_token"),
+        decode_step_s=row.get("decode_step_s"),
+        transfer_s_per_request=document.get("server", {}).get("kv_transfer_s_per_request"),
+    )
+
+
+def _ms_to_s(value: Any) -> float | None:
+    return (
+        None if value is None or (isinstance(value, float) and math.isnan(value)) else value / 1000
+    )
+
+
+def devices_of(mode: str, deployments_dir: Path) -> int:
+    """Engines x ranks the mode's YAML takes: GPUs on a GPU node, cores here."""
+    document = yaml.safe_load((deployments_dir / f"{mode}.yaml").read_text())
+    pools = document["applications"][0]["args"]["pools"]
+    return sum(
+        p.get("replicas", 1) * p.get("tensor_parallel_size", 1) * p.get("pipeline_parallel_size", 1)
+        for p in pools
+    )
+
+
+# ---- choosing --------------------------------------------------------------------------
+
+
+def knee_of(curve: list[tuple[float, float]], target: float) -> float:
+    """The highest rate meeting ``target``, linear up to the first miss after it."""
+    curve = sorted(curve)
+    knee = 0.0
+    for index, (qps, attainment) in enumerate(curve):
+        if attainment >= target:
+            knee = qps
+            continue
+        if index > 0 and curve[index - 1][1] >= target:
+            previous_qps, previous = curve[index - 1]
+            share = (previous - target) / (previous - attainment)
+            knee = previous_qps + share * (qps - previous_qps)
+        break
+    return knee
+
+
+def advise(points: list[RunPoint], objectives: Objectives, devices: dict[str, int]) -> Advice:
+    workloads = sorted({p.workload for p in points})
+    if len(workloads) != 1:
+        raise ValueError(f"advise one workload at a time; the runs hold {workloads}")
+    by_mode: dict[str, list[RunPoint]] = defaultdict(list)
+    for point in points:
+        by_mode[point.mode].append(point)
+    candidates = [
+        Candidate(
+            mode,
+            devices[mode],
+            knee_of([(p.qps, p.attainment) for p in runs], objectives.attainment),
+            sorted((p.qps, p.attainment) for p in runs),
+        )
+        for mode, runs in sorted(by_mode.items())
+    ]
+    winner, reason = choose(candidates)
+    pd_runs = [p for p in points if p.mode in PD_MODES]
+    advice = Advice(workloads[0], objectives, candidates, winner, reason)
+    if pd_runs:
+        try:
+            advice.pd_fit = fit_pd(pd_runs, objectives)
+        except ValueError as error:
+            advice.notes.append(f"PD not fitted: {error}")
+    return advice
+
+
+def choose(candidates: list[Candidate]) -> tuple[str, str]:
+    best = max(candidate.goodput_per_device for candidate in candidates)
+    if best <= 0:
+        simplest = min(candidates, key=lambda c: _simplicity(c.mode))
+        return simplest.mode, "no mode met the objectives at any measured rate"
+    close = [c for c in candidates if c.goodput_per_device >= (1 - TIE_SHARE) * best]
+    chosen = min(close, key=lambda c: _simplicity(c.mode))
+    top = max(candidates, key=lambda c: c.goodput_per_device)
+    if chosen.mode == top.mode:
+        runner_up = sorted(candidates, key=lambda c: -c.goodput_per_device)[1:2]
+        margin = (
+            f", {chosen.goodput_per_device / runner_up[0].goodput_per_device:.2f}x"
+            f" {runner_up[0].mode}'s"
+            if runner_up and runner_up[0].goodput_per_device > 0
+            else ""
+        )
+        return chosen.mode, (
+            f"the highest goodput per device: {chosen.goodput_per_device:.2f} req/s{margin}"
+        )
+    return chosen.mode, (
+        f"within {TIE_SHARE:.0%} of {top.mode}'s goodput per device"
+        f" ({chosen.goodput_per_device:.2f} vs {top.goodput_per_device:.2f} req/s) and simpler"
+    )
+
+
+def _simplicity(mode: str) -> int:
+    return SIMPLICITY.index(mode) if mode in SIMPLICITY else len(SIMPLICITY)
+
+
+def fit_pd(runs: list[RunPoint], objectives: Objectives) -> PDFit:
+    per_token = [p.prefill_s_per_token for p in runs if p.prefill_s_per_token]
+    if not per_token:
+        raise ValueError("the PD runs report no prefill seconds per token (an older router?)")
+    s = sorted(per_token)[len(per_token) // 2]
+    mean_in = sum(p.mean_input for p in runs) / len(runs)
+    mean_out = sum(p.mean_output for p in runs) / len(runs)
+    base, slope = _fit_step(runs)
+    tpot_slo = objectives.tpot_s or max(base + slope * 8, base * 2)
+    ttft_slo = objectives.ttft_s or 10 * mean_in * s
+    max_batch = max(1, int((tpot_slo - base) / slope)) if slope > 0 else 256
+    max_batch = min(max_batch, 1024)
+    step_at_max = base + slope * max_batch
+    prefill_capacity = 1.0 / (mean_in * s)
+    decode_capacity = max_batch / (mean_out * max(step_at_max, 1e-9))
+    transfers = [p.transfer_s_per_request for p in runs if p.transfer_s_per_request]
+    transfer = sorted(transfers)[len(transfers) // 2] if transfers else None
+    # Offloading pays only if moving the KV costs less than computing the prompt again.
+    worth_moving = transfer is None or transfer < mean_in * s
+    threshold = math.ceil(tpot_slo / s) if worth_moving else 1_000_000
+    thresholds = {
+        "prompt_length_threshold": max(1, threshold),
+        "prefill_queue_max": max(1, int(ttft_slo / (mean_in * s))),
+        "decode_load_threshold": max_batch,
+        "decode_busy_min_length": max(1, math.ceil(max(base + slope, 1e-9) / s)),
+    }
+    low_limit = max(ttft_slo - mean_in * s, 0.05 * ttft_slo)
+    qos = {
+        "enabled": True,
+        "ttft_slo_s": round(ttft_slo, 4),
+        "early_rejection_s": {"low": round(min(low_limit, ttft_slo), 4)},
+    }
+    return PDFit(
+        s, base, slope, transfer, max_batch, prefill_capacity, decode_capacity, thresholds, qos
+    )
+
+
+def _fit_step(runs: list[RunPoint]) -> tuple[float, float]:
+    """step(B) = base + slope x B through the runs' (decode batch, TPOT) points."""
+    points = [
+        (p.throughput * p.mean_output * p.tpot_p50_s, p.tpot_p50_s)
+        for p in runs
+        if p.tpot_p50_s and p.throughput > 0
+    ]
+    if not points:
+        steps = [p.decode_step_s for p in runs if p.decode_step_s]
+        if not steps:
+            raise ValueError("the PD runs measured no decode step")
+        return sorted(steps)[len(steps) // 2], 0.0
+    if len(points) == 1 or len({round(b, 6) for b, _ in points}) == 1:
+        return points[0][1], 0.0
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    covariance = sum((b - mean_b) * (t - mean_t) for b, t in points)
+    variance = sum((b - mean_b) ** 2 for b, _ in points)
+    slope = max(0.0, covariance / variance)
+    return max(1e-6, mean_t - slope * mean_b), slope
+
+
+# ---- output ----------------------------------------------------------------------------
+
+
+def write_yaml(advice: Advice, deployments_dir: Path, path: Path) -> Path:
+    """The winner's YAML, with the fitted PD thresholds where the winner is PD."""
+    document = yaml.safe_load((deployments_dir / f"{advice.winner}.yaml").read_text())
+    args = document["applications"][0]["args"]
+    if advice.winner in PD_MODES and advice.pd_fit is not None:
+        fit = advice.pd_fit
+        if advice.winner == "pd":
+            args["split_policy"] = {"mode": "conditional", **fit.thresholds}
+        args["qos"] = {**args.get("qos", {}), **fit.qos}
+    header = (
+        f"# Written by python -m loadgen advise for workload {advice.workload}:"
+        f" {advice.winner}, {advice.reason}.\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def write_report(advice: Advice, out_dir: Path, yaml_path: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = plot_advice(advice, out_dir / "advice.png")
+    objectives = advice.objectives
+    slo = ", ".join(
+        text
+        for text in (
+            objectives.ttft_s is not None and f"TTFT <= {objectives.ttft_s * 1000:.0f} ms",
+            objectives.tpot_s is not None and f"TPOT <= {objectives.tpot_s * 1000:.1f} ms",
+        )
+        if text
+    )
+    lines = [
+        f"# Split advice for {advice.workload}",
+        "",
+        f"Objectives: {slo}, for {objectives.attainment:.0%} of requests.",
+        "",
+        f"**Serve it as `{advice.winner}`**: {advice.reason}. YAML: `{yaml_path}`.",
+        "",
+        "| mode | devices | goodput (req/s) | per device | measured (req/s: share met) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for c in sorted(advice.candidates, key=lambda c: -c.goodput_per_device):
+        measured = ", ".join(f"{q:g}: {a:.0%}" for q, a in c.curve)
+        lines.append(
+            f"| {c.mode} | {c.devices} | {c.knee_qps:.2f} | {c.goodput_per_device:.2f} |"
+            f" {measured} |"
+        )
+    if advice.pd_fit is not None:
+        fit = advice.pd_fit
+        lines += [
+            "",
+            "## PD, fitted to the measured rates",
+            "",
+            f"- prefill: {fit.prefill_s_per_token * 1000:.4f} ms per prompt token"
+            f" ({fit.prefill_capacity:.2f} req/s per prefill engine)",
+            f"- decode step: {fit.step_base_s * 1000:.2f} ms + {fit.step_per_request_s * 1000:.3f}"
+            f" ms per request in the batch; largest batch within the TPOT objective"
+            f" {fit.max_decode_batch} ({fit.decode_capacity:.2f} req/s per decode engine)",
+            "- KV transfer: "
+            + (
+                f"{fit.transfer_s_per_request * 1000:.2f} ms per request"
+                if fit.transfer_s_per_request is not None
+                else "not measured"
+            ),
+            f"- P:D = 1 : {1 / fit.prefill_per_decode:.2f} (prefill engines per decode engine"
+            f" {fit.prefill_per_decode:.2f})",
+            f"- split_policy: {fit.thresholds}",
+            f"- qos: {fit.qos}",
+        ]
+    lines += ["", *[f"- note: {note}" for note in advice.notes], "", f"![goodput]({png.name})"]
+    markdown = out_dir / "advice.md"
+    markdown.write_text("\n".join(lines) + "\n")
+    (out_dir / "advice.json").write_text(json.dumps(_jsonable(advice), indent=1))
+    return markdown, png
+
+
+def _jsonable(advice: Advice) -> dict[str, Any]:
+    document = asdict(advice)
+    document["candidates"] = [
+        {**asdict(c), "goodput_per_device": c.goodput_per_device} for c in advice.candidates
+    ]
+    return document
+
+
+def plot_advice(advice: Advice, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (bars, curves) = plt.subplots(1, 2, figsize=(11, 4))
+    ordered = sorted(advice.candidates, key=lambda c: -c.goodput_per_device)
+    colors = ["tab:green" if c.mode == advice.winner else "tab:grey" for c in ordered]
+    bars.bar([c.mode for c in ordered], [c.goodput_per_device for c in ordered], color=colors)
+    bars.set_ylabel("goodput per device (req/s)")
+    bars.set_title(f"{advice.workload}: {advice.winner} wins")
+    for candidate in advice.candidates:
+        qps, attainment = zip(*candidate.curve, strict=True)
+        curves.plot(qps, [100 * a for a in attainment], "o-", label=candidate.mode)
+    curves.axhline(100 * advice.objectives.attainment, linestyle=":", color="grey")
+    curves.set_xlabel("offered load (req/s)")
+    curves.set_ylabel("requests within the objectives (%)")
+    curves.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
