@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -215,6 +216,19 @@ def serve_ray_llm_forever(like_ours: bool, batching_ms: float | None) -> None:
     signal.sigwait({signal.SIGINT, signal.SIGTERM})
     serve.shutdown()
     ray.shutdown()
+
+
+def peer_tool(package: str, version: str, command: str) -> Path:
+    """A peer's command-line tool from PyPI, in a virtualenv of its own under
+    .splitserve-cache/ (created on first use), so its pins never touch ours."""
+    venv = REPO_ROOT / ".splitserve-cache" / f"{package}-{version}"
+    binary = venv / "bin" / command
+    if not binary.exists():
+        console.print(f"installing {package} {version} into {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "pip"), "install", "-q", f"{package}=={version}"]
+        subprocess.run(pip, check=True)
+    return binary
 
 
 @contextlib.contextmanager

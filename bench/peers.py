@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -37,6 +35,7 @@ import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from overhead import (
     bare_vllm,
     engines_apart_url,
+    peer_tool,
     run_client,
     serve_run_url,
     served,
@@ -50,7 +49,6 @@ console = Console(width=160)  # the table stays readable in a log file
 VLLM_ROUTER_VERSION = "0.1.17"
 VLLM_ROUTER_PORT = 8100
 BARE_WORKER_PORTS = (8101, 8102)
-PEER_VENV = REPO_ROOT / ".splitserve-cache" / f"vllm-router-{VLLM_ROUTER_VERSION}"
 
 
 @dataclass(frozen=True)
@@ -84,14 +82,7 @@ TARGETS: dict[tuple[str, str], dict[str, float]] = {
 
 
 def vllm_router_binary() -> Path:
-    """vllm-router from PyPI in a virtualenv of its own, so its pins never touch ours."""
-    binary = PEER_VENV / "bin" / "vllm-router"
-    if not binary.exists():
-        console.print(f"installing vllm-router {VLLM_ROUTER_VERSION} into {PEER_VENV}")
-        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True)
-        pip = [str(PEER_VENV / "bin" / "pip"), "install", "-q"]
-        subprocess.run([*pip, f"vllm-router=={VLLM_ROUTER_VERSION}"], check=True)
-    return binary
+    return peer_tool("vllm-router", VLLM_ROUTER_VERSION, "vllm-router")
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, SerializeAsAny, model_validator
 
 from splitserve.config_base import StrictModel
-from splitserve.registry import validate_settings
+from splitserve.registry import split_named_block
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,16 +76,7 @@ class KVTransferConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _settings_of_backend(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or "settings" in data:
-            return data
-        fields = dict(data)
-        backend = fields.pop("backend", "object_store")
-        if not isinstance(backend, str):
-            raise ValueError(f"backend must be a KV backend's name, not {backend!r}")
-        backends = _backends()
-        backends.check(backend)
-        settings = validate_settings(backends, backend, fields, "kv_transfer")
-        return {"backend": backend, "settings": settings}
+        return split_named_block(data, "backend", "object_store", _backends(), "kv_transfer")
 
     def flat(self) -> dict[str, Any]:
         """As the YAML writes it: ``backend`` and its fields in one block."""

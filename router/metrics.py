@@ -26,6 +26,29 @@ LATENCY_BUCKETS_S = (
     20.0,
     60.0,
 )
+# Finer where inter-token gaps live (0.5 to 50 ms), so that a p50 read from the
+# histogram can be set against a client's (bench/itl_agreement.py).
+ITL_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0015,
+    0.002,
+    0.0025,
+    0.003,
+    0.004,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    5.0,
+)
 
 
 class RouterMetrics:
@@ -111,7 +134,7 @@ class RouterMetrics:
             "splitserve_inter_token_latency_seconds",
             "Router-side time between consecutive streamed tokens.",
             ["mode"],
-            buckets=LATENCY_BUCKETS_S,
+            buckets=ITL_BUCKETS_S,
             registry=r,
         )
         self.e2e = Histogram(

@@ -14,7 +14,7 @@ from engines.protocol import EngineRole
 from engines.settings import ModelConfig
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
-from splitserve.registry import validate_settings
+from splitserve.registry import split_named_block, validate_settings
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
@@ -141,15 +141,7 @@ class SplitPolicyConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _settings_of_mode(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or "settings" in data:
-            return data
-        fields = dict(data)
-        mode = fields.pop("mode", "conditional")
-        if not isinstance(mode, str):
-            raise ValueError(f"mode must be a policy's name, not {mode!r}")
-        policies = _offload_policies()
-        policies.check(mode)
-        return {"mode": mode, "settings": validate_settings(policies, mode, fields, "split_policy")}
+        return split_named_block(data, "mode", "conditional", _offload_policies(), "split_policy")
 
     def flat(self) -> dict[str, Any]:
         """As the YAML writes it: ``mode`` and the policy's fields in one block."""

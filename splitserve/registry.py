@@ -99,3 +99,19 @@ def validate_settings(registry: Registry[Any], name: str, raw: Any, where: str) 
             f"{where}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()
         )
         raise ValueError(problems) from None
+
+
+def split_named_block(
+    data: Any, key: str, default: str, registry: Registry[Any], where: str
+) -> Any:
+    """A flat YAML block that names an entry under ``key`` beside that entry's own fields
+    (``{mode: conditional, prompt_length_threshold: 256}``), as ``{key: name, "settings":
+    its validated settings model}``; anything else is returned for pydantic to judge."""
+    if not isinstance(data, dict) or "settings" in data:
+        return data
+    fields = dict(data)
+    name = fields.pop(key, default)
+    if not isinstance(name, str):
+        raise ValueError(f"{key} must name a registered {registry.kind}, not {name!r}")
+    registry.check(name)
+    return {key: name, "settings": validate_settings(registry, name, fields, where)}
