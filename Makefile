@@ -30,7 +30,8 @@ test: setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Everything that needs no Ray cluster and no vLLM engine (the PD flow against fake
-# engine links, policies, configs, the load generator's parts): about a minute.
+# engine links, the KV connector's halves, policies, configs, hostile input, the load
+# generator's parts, the advisor): about two minutes.
 test-fast: setup
 	$(VENV)/bin/python -m pytest -m "not serving" $(PYTEST_ARGS)
 

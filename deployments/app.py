@@ -18,7 +18,7 @@ from deployments.config import AppConfig, parse_app_config
 from deployments.launcher import ENGINE_NAME_ENV
 from engines.host import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
-from engines.settings import EngineSpec, PoolConfig
+from engines.settings import EngineSpec, PlacementConfig, PoolConfig
 from kv_transfer.backend import make_kv_backend
 from router.ingress import Router
 from splitserve.packaging import check_top_level_packages
@@ -93,17 +93,22 @@ def engine_actor_options(config: AppConfig, num_cpus: float, num_gpus: int) -> d
     return actor_options
 
 
+def place(actor_options: dict[str, Any], placement: PlacementConfig | None) -> None:
+    """Ray schedules the replica on a node that has these labels and resources."""
+    if placement is None:
+        return
+    if placement.node_labels:
+        actor_options["label_selector"] = dict(placement.node_labels)
+    if placement.resources:
+        actor_options["resources"] = dict(placement.resources)
+
+
 def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
     spec = engine_spec(config, name, pool, replica_index)
     actor_options = engine_actor_options(
         config, config.resources.engine_num_cpus, pool.ranks_per_replica
     )
-    if pool.placement is not None:
-        # Ray schedules the replica on a node that has these labels and resources.
-        if pool.placement.node_labels:
-            actor_options["label_selector"] = dict(pool.placement.node_labels)
-        if pool.placement.resources:
-            actor_options["resources"] = dict(pool.placement.resources)
+    place(actor_options, pool.placement)
     return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
         spec
     )
@@ -124,12 +129,12 @@ def build_app_from_config(config: AppConfig) -> Application:
     for name, pool, index in engine_names(config):
         engines[name] = build_engine(config, name, pool, index)
         roles[name] = pool.role
-    router = Router.options(
-        ray_actor_options={
-            "num_cpus": config.resources.router_num_cpus,
-            "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
-        }
-    )
+    actor_options: dict[str, Any] = {
+        "num_cpus": config.resources.router_num_cpus,
+        "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
+    }
+    place(actor_options, config.router.placement)
+    router = Router.options(ray_actor_options=actor_options)
     return router.bind(config.ingress_settings(), roles, engines)
 
 
@@ -147,9 +152,10 @@ def _router_hosting_engines(config: AppConfig) -> Application:
         roles[name] = pool.role
         devices += pool.ranks_per_replica
     num_cpus = resources.router_num_cpus + config.engine_replicas * resources.engine_num_cpus
+    actor_options = engine_actor_options(config, num_cpus, devices)
+    place(actor_options, config.router.placement)
     router = Router.options(
-        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
-        ray_actor_options=engine_actor_options(config, num_cpus, devices),
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S, ray_actor_options=actor_options
     )
     return router.bind(config.ingress_settings(), roles, {}, specs)
 

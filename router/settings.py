@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
 from engines.protocol import EngineRole
-from engines.settings import ModelConfig
+from engines.settings import ModelConfig, PlacementConfig
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
 from splitserve.registry import split_named_block, validate_settings
@@ -42,6 +42,11 @@ class RouterConfig(StrictModel):
         default_factory=dict,
         description="Settings of a replica choice, by its name, e.g. {prefix_affinity:"
         " {max_load_imbalance: 4}}; unset fields take the policy's defaults.",
+    )
+    placement: PlacementConfig | None = Field(
+        None,
+        description="Run the router (the HTTP ingress) on named Ray nodes, e.g. beside the"
+        " decode pool, so that losing another node never takes the entry point with it.",
     )
     request_timeout_s: float = Field(
         600.0,

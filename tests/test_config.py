@@ -269,6 +269,18 @@ def test_placed_pools_run_as_engine_replicas_on_their_nodes() -> None:
     }
     assert options["prefill-0"]["label_selector"] == {"splitserve-pool": "prefill"}
     assert options["decode-0"]["resources"] == {"decode_node": 1.0}
+    assert "label_selector" not in _bound_deployments(app)["Router"].ray_actor_options
+
+
+def test_the_router_is_placed_where_the_yaml_says() -> None:
+    from deployments.app import build_app_from_config
+
+    beside_decode = {"node_labels": {"splitserve-pool": "decode"}}
+    app = build_app_from_config(parse_app_config(_pd_args(placement=beside_decode)))
+    router_options = _bound_deployments(app)["Router"].ray_actor_options
+    assert router_options["label_selector"] == {"splitserve-pool": "decode"}
+    with pytest.raises(ValueError, match="placement needs node_labels"):
+        parse_app_config(_pd_args(placement={}))
 
 
 def _bound_deployments(app: object) -> dict[str, Any]:

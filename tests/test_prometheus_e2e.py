@@ -207,9 +207,10 @@ def _scraped_names(prometheus: RunningPrometheus) -> set[str]:
 
 
 def _sampler_sources(prometheus: RunningPrometheus) -> set[str]:
-    return {
-        s["metric"]["source"] for s in _query(prometheus, "splitserve_utilization_samples_total")
-    }
+    # Over the whole run, not at this instant: Ray stops exporting an idle replica's series
+    # a while after the load ends, and an instant query then sees none (a CI run did).
+    expr = "last_over_time(splitserve_utilization_samples_total[1h])"
+    return {s["metric"]["source"] for s in _query(prometheus, expr)}
 
 
 def test_every_metric_the_dashboard_names_was_scraped(stack: tuple, settled: list) -> None:

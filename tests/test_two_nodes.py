@@ -6,7 +6,8 @@ node labels (``placement.node_labels`` in the YAML). Checked: greedy token ids e
 single engine's, the KV really crossed object stores (Ray's object manager on the
 decode node counts received chunks; our transfer metrics count the loads), nothing is
 left in either store, and killing the second node's raylet leaves the application
-answering, every prompt then prefilled on the decode replica.
+answering: every request gets its answer, and once Ray declares the node dead every
+prompt is prefilled on the decode replica and nothing of the node is left running.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -40,6 +43,10 @@ _rng = random.Random(3)
 PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (300, 700, 129, 1000, 513, 2)]
 MAX_TOKENS = 8
 KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # one block of the embedded model, fp32
+# The GCS declares a node dead after its health checks fail (~15 s by default); and more.
+NODE_DEATH_TIMEOUT_S = 90.0
+# Process titles of a Serve replica and of vLLM's engine processes.
+ENGINE_TITLES = ("ServeReplica", "VLLM", "EngineCore")
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,11 @@ def two_nodes(ray_address: str) -> Iterator[TwoNodes]:
             deadline = time.monotonic() + wait_s
             while _node_pids(marker) and time.monotonic() < deadline:
                 time.sleep(0.5)
+        # `ray start` recorded this head for later clients; it is gone now.
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(OSError):
+            if current.read_text().strip().endswith(f":{port}"):
+                current.unlink()
 
 
 def _placed_pd(tmp_path: Path) -> Path:
@@ -106,6 +118,8 @@ def _placed_pd(tmp_path: Path) -> Path:
     args = document["applications"][0]["args"]
     for pool in args["pools"]:
         pool["placement"] = {"node_labels": {LABEL: pool["role"]}}
+    # The entry point beside the decode pool: losing the prefill node must not take it.
+    args["router"]["placement"] = {"node_labels": {LABEL: "decode"}}
     path = tmp_path / "pd-two-nodes.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
@@ -116,7 +130,9 @@ def _complete(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
             "ignore_eos": True, "return_token_ids": True}  # fmt: skip
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["token_ids"], response.headers["x-splitserve-prefill"]
+    return response.json()["choices"][0]["token_ids"], response.headers.get(
+        "x-splitserve-prefill", ""
+    )
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -137,7 +153,7 @@ def _eventually(check: object, timeout_s: float = 40.0) -> bool:
     return False
 
 
-def _large_objects(dashboard_url: str) -> list[object]:
+def _large_objects(dashboard_url: str) -> list[Any]:
     from ray.util.state import list_objects
 
     objects = list_objects(address=dashboard_url, limit=10_000, raise_on_missing_output=False)
@@ -151,6 +167,8 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
     with serve_run(
         str(_placed_pd(tmp_path)), ray_address=two_nodes.address, log_dir=serve_logs
     ) as app:
+        # Serve keeps objects of its own (configs, handles): only new ones would be ours.
+        baseline = {o.object_id for o in _large_objects(two_nodes.dashboard_url)}
         answers = [_complete(app.base_url, prompt) for prompt in PROMPTS]
         assert [ids for ids, _ in answers] == reference
         assert {where for _, where in answers} == {"remote:always"}
@@ -164,7 +182,15 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
         ), "the decode node's object store received nothing from the other node"
         # Freed on both nodes once loaded.
         assert _eventually(lambda: _metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
-        assert _eventually(lambda: not _large_objects(two_nodes.dashboard_url))
+        assert _eventually(
+            lambda: (
+                not [
+                    o
+                    for o in _large_objects(two_nodes.dashboard_url)
+                    if o.object_id not in baseline
+                ]
+            )
+        ), "KV objects left in an object store"
 
         # The prefill node goes away: its raylet dies, its replica with it.
         raylets = {
@@ -175,7 +201,32 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
         assert raylets, "no raylet found for the prefill node"
         for pid in raylets:
             os.kill(pid, signal.SIGKILL)
-        fresh = [[_rng.randrange(3, 256) for _ in range(400)] for _ in range(4)]
-        after = [_complete(app.base_url, prompt) for prompt in fresh]
+        # Ray's actor calls go worker to worker, so the replica may answer until the GCS
+        # declares its node dead; every request is answered meanwhile, then all go local.
+        assert _eventually(
+            lambda: _complete(app.base_url, _fresh_prompt())[1].startswith("local:"),
+            timeout_s=NODE_DEATH_TIMEOUT_S,
+        ), "still prefilling on a dead node"
+        after = [_complete(app.base_url, _fresh_prompt()) for _ in range(4)]
         assert all(where.startswith("local:") for _, where in after), after
         assert _metric(metrics, "splitserve_prefill_decisions_total", where="local") >= 4
+        # No engine outlives its node: the replica and its engine core exit with the raylet.
+        assert _eventually(
+            lambda: not _engine_commands(two_nodes.marker), timeout_s=NODE_DEATH_TIMEOUT_S
+        ), f"left running on the dead node: {_engine_commands(two_nodes.marker)}"
+
+
+def _fresh_prompt() -> list[int]:
+    return [_rng.randrange(3, 256) for _ in range(400)]
+
+
+def _engine_commands(marker: str) -> list[str]:
+    """The prefill node's replica and engine processes still running (Ray's own daemons,
+    such as its log monitor, are the cluster's to stop)."""
+    commands = []
+    for pid in _node_pids(marker, "prefill"):
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if any(title in command for title in ENGINE_TITLES):
+                commands.append(command[:120])
+    return commands
