@@ -12,7 +12,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,7 +30,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
-from local_ports import free_port  # noqa: E402
+from local_ports import forget_cluster, free_port  # noqa: E402
 
 from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
 
@@ -91,18 +90,9 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _signal_all(_session_pids(token), signal.SIGTERM)
         _signal_all(_wait_gone(lambda: _session_pids(token), timeout_s=10), signal.SIGKILL)
         leftovers = _wait_gone(lambda: _session_pids(token), timeout_s=10)
-        _forget_cluster(port)
+        forget_cluster(port)
         assert not leaked_engines, f"vLLM engines outlived their apps: {sorted(leaked_engines)}"
         assert not leftovers, f"processes survived SIGKILL: {sorted(leftovers)}"
-
-
-def _forget_cluster(port: int) -> None:
-    # `ray start` records its address for later clients; `serve run` would otherwise try
-    # to join this stopped cluster and hang. `ray stop` deletes the file; we do too.
-    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-    with contextlib.suppress(OSError):
-        if current.read_text().strip().endswith(f":{port}"):
-            current.unlink()
 
 
 def _is_engine(pid: int) -> bool:

@@ -18,20 +18,19 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
-from local_ports import free_port
+from local_ports import forget_cluster, free_port
 
-from deployments.launcher import DEPLOYMENTS_DIR, cluster_env, serve_run
+from deployments.launcher import DEPLOYMENTS_DIR, ENGINE_PROCESS_MARKERS, cluster_env, serve_run
+from splitserve.processes import command_lines
 
 pytestmark = pytest.mark.serving
 
@@ -43,10 +42,11 @@ _rng = random.Random(3)
 PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (300, 700, 129, 1000, 513, 2)]
 MAX_TOKENS = 8
 KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # one block of the embedded model, fp32
-# The GCS declares a node dead after its health checks fail (~15 s by default); and more.
+# The GCS declares a node dead after its health checks fail (~15 s by default); its
+# processes then exit. Room for both on a busy two-core box.
 NODE_DEATH_TIMEOUT_S = 90.0
-# Process titles of a Serve replica and of vLLM's engine processes.
-ENGINE_TITLES = ("ServeReplica", "VLLM", "EngineCore")
+# A Serve replica's process title; vLLM's engine processes are ENGINE_PROCESS_MARKERS.
+REPLICA_TITLE = "ray::ServeReplica"
 
 
 @dataclass(frozen=True)
@@ -106,11 +106,7 @@ def two_nodes(ray_address: str) -> Iterator[TwoNodes]:
             deadline = time.monotonic() + wait_s
             while _node_pids(marker) and time.monotonic() < deadline:
                 time.sleep(0.5)
-        # `ray start` recorded this head for later clients; it is gone now.
-        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-        with contextlib.suppress(OSError):
-            if current.read_text().strip().endswith(f":{port}"):
-                current.unlink()
+        forget_cluster(port)
 
 
 def _placed_pd(tmp_path: Path) -> Path:
@@ -153,11 +149,12 @@ def _eventually(check: object, timeout_s: float = 40.0) -> bool:
     return False
 
 
-def _large_objects(dashboard_url: str) -> list[Any]:
+def _large_object_ids(dashboard_url: str) -> set[str]:
+    """Objects in any store of the cluster at least one KV page big."""
     from ray.util.state import list_objects
 
     objects = list_objects(address=dashboard_url, limit=10_000, raise_on_missing_output=False)
-    return [o for o in objects if (o.object_size or 0) >= KV_PAGE_BYTES]
+    return {o.object_id for o in objects if (o.object_size or 0) >= KV_PAGE_BYTES}
 
 
 def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Path) -> None:
@@ -168,7 +165,7 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
         str(_placed_pd(tmp_path)), ray_address=two_nodes.address, log_dir=serve_logs
     ) as app:
         # Serve keeps objects of its own (configs, handles): only new ones would be ours.
-        baseline = {o.object_id for o in _large_objects(two_nodes.dashboard_url)}
+        baseline = _large_object_ids(two_nodes.dashboard_url)
         answers = [_complete(app.base_url, prompt) for prompt in PROMPTS]
         assert [ids for ids, _ in answers] == reference
         assert {where for _, where in answers} == {"remote:always"}
@@ -182,22 +179,13 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
         ), "the decode node's object store received nothing from the other node"
         # Freed on both nodes once loaded.
         assert _eventually(lambda: _metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
-        assert _eventually(
-            lambda: (
-                not [
-                    o
-                    for o in _large_objects(two_nodes.dashboard_url)
-                    if o.object_id not in baseline
-                ]
-            )
-        ), "KV objects left in an object store"
+        assert _eventually(lambda: not _large_object_ids(two_nodes.dashboard_url) - baseline), (
+            "KV objects left in an object store"
+        )
 
         # The prefill node goes away: its raylet dies, its replica with it.
-        raylets = {
-            pid
-            for pid in _node_pids(two_nodes.marker, "prefill")
-            if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        }
+        node = _prefill_node_commands(two_nodes.marker)
+        raylets = {pid for pid, command in node.items() if "raylet" in command}
         assert raylets, "no raylet found for the prefill node"
         for pid in raylets:
             os.kill(pid, signal.SIGKILL)
@@ -220,13 +208,17 @@ def _fresh_prompt() -> list[int]:
     return [_rng.randrange(3, 256) for _ in range(400)]
 
 
+def _prefill_node_commands(marker: str) -> dict[int, str]:
+    pids = _node_pids(marker, "prefill")
+    return {pid: command for pid, command in command_lines().items() if pid in pids}
+
+
 def _engine_commands(marker: str) -> list[str]:
     """The prefill node's replica and engine processes still running (Ray's own daemons,
     such as its log monitor, are the cluster's to stop)."""
-    commands = []
-    for pid in _node_pids(marker, "prefill"):
-        with contextlib.suppress(OSError):
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if any(title in command for title in ENGINE_TITLES):
-                commands.append(command[:120])
-    return commands
+    titles = (REPLICA_TITLE, *ENGINE_PROCESS_MARKERS)
+    return [
+        command[:120]
+        for command in _prefill_node_commands(marker).values()
+        if any(title in command for title in titles)
+    ]
