@@ -31,8 +31,10 @@ goodput-optimal placement, simplified where said:
    - ``decode_load_threshold = B*``; ``decode_busy_min_length = step(1) / s``;
    - QoS: ``ttft_slo_s`` the objective; low priority refused above
      ``TTFT SLO - mean prompt tokens x s``, the room for one prompt ahead of it.
-3. **Output.** The winner's YAML with those values under ``deployments/``, and a report
-   (markdown and PNG) with every candidate's measured goodput and why the winner won.
+3. **Output.** The winner's YAML with those values under ``deployments/`` and what it
+   was chosen for (``router.traffic_profile``: mean lengths and the winner's knee; the
+   router reports drift from it), and a report (markdown and PNG) with every
+   candidate's measured goodput and why the winner won.
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ class Advice:
     reason: str
     pd_fit: PDFit | None = None
     notes: list[str] = field(default_factory=list)
+    # The workload as measured, for the YAML's traffic profile (the router's drift check).
+    mean_input: float = 0.0
+    mean_output: float = 0.0
 
 
 # ---- reading a sweep -------------------------------------------------------------------
@@ -217,7 +222,15 @@ def advise(points: list[RunPoint], objectives: Objectives, devices: dict[str, in
     ]
     winner, reason = choose(candidates)
     pd_runs = [p for p in points if p.mode in PD_MODES]
-    advice = Advice(workloads[0], objectives, candidates, winner, reason)
+    advice = Advice(
+        workloads[0],
+        objectives,
+        candidates,
+        winner,
+        reason,
+        mean_input=sum(p.mean_input for p in points) / len(points),
+        mean_output=sum(p.mean_output for p in points) / len(points),
+    )
     if pd_runs:
         try:
             advice.pd_fit = fit_pd(pd_runs, objectives)
@@ -319,7 +332,8 @@ def _fit_step(runs: list[RunPoint]) -> tuple[float, float]:
 
 
 def write_yaml(advice: Advice, deployments_dir: Path, path: Path) -> Path:
-    """The winner's YAML, with the fitted PD thresholds where the winner is PD."""
+    """The winner's YAML, with the fitted PD thresholds where the winner is PD and the
+    traffic profile it was chosen for."""
     document = yaml.safe_load((deployments_dir / f"{advice.winner}.yaml").read_text())
     args = document["applications"][0]["args"]
     if advice.winner in PD_MODES and advice.pd_fit is not None:
@@ -327,6 +341,7 @@ def write_yaml(advice: Advice, deployments_dir: Path, path: Path) -> Path:
         if advice.winner == "pd":
             args["split_policy"] = {"mode": "conditional", **fit.thresholds}
         args["qos"] = {**args.get("qos", {}), **fit.qos}
+    args.setdefault("router", {})["traffic_profile"] = traffic_profile(advice)
     header = (
         f"# Written by python -m loadgen advise for workload {advice.workload}:"
         f" {advice.winner}, {advice.reason}.\n"
@@ -334,6 +349,19 @@ def write_yaml(advice: Advice, deployments_dir: Path, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump(document, sort_keys=False))
     return path
+
+
+def traffic_profile(advice: Advice) -> dict[str, float]:
+    """What the winner was chosen for, as ``router.traffic_profile``: the router reports
+    how far live traffic drifts from it."""
+    profile = {
+        "prompt_tokens": round(advice.mean_input, 1),
+        "output_tokens": round(advice.mean_output, 1),
+    }
+    knee = next(c.knee_qps for c in advice.candidates if c.mode == advice.winner)
+    if knee > 0:
+        profile["request_rate"] = round(knee, 3)
+    return profile
 
 
 def write_report(advice: Advice, out_dir: Path, yaml_path: Path) -> tuple[Path, Path]:

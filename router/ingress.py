@@ -52,6 +52,7 @@ from router.replica_state import ReplicaState
 from router.requests import OpenAIRequest, PreparedRequest, PromptBuilder, RequestValidator
 from router.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
 from router.settings import IngressSettings, Priority
+from router.traffic_drift import TrafficDrift
 from router.traffic_record import TrafficRecorder
 
 logger = logging.getLogger("splitserve.router")
@@ -136,6 +137,12 @@ class Router:
             TrafficRecorder(record, settings.router.traffic_record_block_tokens) if record else None
         )
         self._metrics = RouterMetrics()
+        profile = settings.router.traffic_profile
+        self._drift = (
+            TrafficDrift(profile, self._metrics.traffic_drift, self._metrics.traffic_drifted)
+            if profile
+            else None
+        )
         self._mode = settings.strategy
         self._engine_state = EngineStatePoller(
             self._replicas,
@@ -379,6 +386,10 @@ class Router:
                     transcript.prompt_token_ids,
                     len(transcript.token_ids),
                     dispatch.plan.priority,
+                )
+            if self._drift is not None:
+                self._drift.observe(
+                    arrival, len(transcript.prompt_token_ids), len(transcript.token_ids)
                 )
             if not prepared.stream:
                 yield transcript

@@ -176,6 +176,20 @@ class RouterMetrics:
             ["replica", "role"],
             registry=r,
         )
+        self.traffic_drift = Gauge(
+            "splitserve_traffic_drift_ratio",
+            "Live traffic (the last router.traffic_profile.window_requests answered requests)"
+            " over the traffic profile the split was chosen for, by quantity (prompt_tokens,"
+            " output_tokens, request_rate); 1 is as profiled.",
+            ["quantity"],
+            registry=r,
+        )
+        self.traffic_drifted = Gauge(
+            "splitserve_traffic_drifted",
+            "1 while the quantity's drift ratio is outside router.traffic_profile.tolerance.",
+            ["quantity"],
+            registry=r,
+        )
         self.tokens = Counter(
             "splitserve_tokens",
             "Tokens processed, by kind (prompt or generation).",

@@ -32,6 +32,27 @@ def _offload_policies() -> Any:
     return OFFLOAD_POLICIES
 
 
+class TrafficProfile(StrictModel):
+    """What a split was chosen for; live traffic is compared with it over a window."""
+
+    prompt_tokens: float = Field(gt=0, description="Mean prompt length, in tokens.")
+    output_tokens: float = Field(gt=0, description="Mean output length, in tokens.")
+    request_rate: float | None = Field(
+        None,
+        gt=0,
+        description="Requests per second the split was measured to serve within its"
+        " objectives (the advisor's knee); None: the rate is not compared.",
+    )
+    window_requests: int = Field(
+        200, ge=2, description="Live traffic is the last this many answered requests."
+    )
+    tolerance: float = Field(
+        1.5,
+        gt=1,
+        description="A ratio of live to profiled above this, or below its inverse, is drift.",
+    )
+
+
 class RouterConfig(StrictModel):
     replica_choice: str | dict[EngineRole, str] = Field(
         "round_robin",
@@ -92,6 +113,12 @@ class RouterConfig(StrictModel):
     )
     traffic_record_block_tokens: int = Field(
         16, ge=1, description="Prefix sharing is recorded in blocks of this many tokens."
+    )
+    traffic_profile: TrafficProfile | None = Field(
+        None,
+        description="The traffic this split was chosen for (python -m loadgen advise writes"
+        " it): the router exports how far live traffic has drifted from it"
+        " (splitserve_traffic_drift_ratio) and logs when it leaves the tolerance.",
     )
     engine_in_router: Literal["auto"] | bool = Field(
         "auto",

@@ -112,6 +112,12 @@ def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: P
     config = load_app_config(yaml_path)
     assert config.strategy == "pd" and config.split_policy.mode == "conditional"
     assert config.qos.enabled and config.qos.ttft_slo_s == pytest.approx(0.5)
+    # What the split was chosen for, so the router can tell when traffic drifts from it:
+    # pd met the objectives up to 4 req/s and missed them all at 8 (knee 4 + 4 x 0.1).
+    profile = config.router.traffic_profile
+    assert profile is not None
+    assert (profile.prompt_tokens, profile.output_tokens) == (1024, 128)
+    assert profile.request_rate == pytest.approx(4.4)
     report = (tmp_path / "report" / "advice.md").read_text()
     assert "Serve it as `pd`" in report and "| single | 1 |" in report
     assert (tmp_path / "report" / "advice.png").stat().st_size > 0
