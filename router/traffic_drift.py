@@ -19,8 +19,6 @@ from router.settings import TrafficProfile
 
 logger = logging.getLogger("splitserve.router")
 
-QUANTITIES = ("prompt_tokens", "output_tokens", "request_rate")
-
 
 @dataclass(frozen=True)
 class DriftReading:
@@ -35,9 +33,7 @@ class TrafficDrift:
         self._profile = profile
         self._ratio = ratio
         self._drifted_gauge = drifted
-        self._window: deque[tuple[float, int, int]] = deque()
-        self._prompt_sum = 0
-        self._output_sum = 0
+        self._window: deque[tuple[float, int, int]] = deque(maxlen=profile.window_requests)
         self._drifted: frozenset[str] = frozenset()
 
     def observe(
@@ -46,12 +42,6 @@ class TrafficDrift:
         """One answered request (``arrival``: its ``perf_counter()`` when it came in).
         None until the window is full: fewer requests say too little to act on."""
         self._window.append((arrival, prompt_tokens, output_tokens))
-        self._prompt_sum += prompt_tokens
-        self._output_sum += output_tokens
-        if len(self._window) > self._profile.window_requests:
-            _, old_prompt, old_output = self._window.popleft()
-            self._prompt_sum -= old_prompt
-            self._output_sum -= old_output
         if len(self._window) < self._profile.window_requests:
             return None
         reading = self._reading()
@@ -66,12 +56,12 @@ class TrafficDrift:
     def _reading(self) -> DriftReading:
         profile = self._profile
         count = len(self._window)
+        arrivals, prompts, outputs = zip(*self._window, strict=True)
         ratios = {
-            "prompt_tokens": self._prompt_sum / count / profile.prompt_tokens,
-            "output_tokens": self._output_sum / count / profile.output_tokens,
+            "prompt_tokens": sum(prompts) / count / profile.prompt_tokens,
+            "output_tokens": sum(outputs) / count / profile.output_tokens,
         }
         # Requests finish out of arrival order: the window's span is its arrivals' range.
-        arrivals = [arrival for arrival, _, _ in self._window]
         span = max(arrivals) - min(arrivals)
         if profile.request_rate is not None and span > 0:
             ratios["request_rate"] = (count - 1) / span / profile.request_rate
