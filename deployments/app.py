@@ -10,8 +10,10 @@ processes of its own, tokens over vLLM's ZMQ sockets instead of Ray.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import ray
 from ray.serve import Application
 
 from deployments.config import AppConfig, parse_app_config
@@ -22,6 +24,8 @@ from engines.settings import EngineSpec, PlacementConfig, PoolConfig
 from kv_transfer.backend import make_kv_backend
 from router.ingress import Router
 from splitserve.packaging import check_top_level_packages
+
+logger = logging.getLogger("splitserve.deployments")
 
 # Ray Serve settings for our replicas, read by Serve when the replica process starts.
 # Serve's defaults isolate arbitrary user code: it runs on a second thread and event
@@ -135,7 +139,7 @@ def build_app_from_config(config: AppConfig) -> Application:
     }
     place(actor_options, config.router.placement)
     router = Router.options(ray_actor_options=actor_options)
-    return router.bind(config.ingress_settings(), roles, engines)
+    return router.bind(config.ingress_settings(serve_http_host()), roles, engines)
 
 
 def _router_hosting_engines(config: AppConfig) -> Application:
@@ -157,7 +161,24 @@ def _router_hosting_engines(config: AppConfig) -> Application:
     router = Router.options(
         health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S, ray_actor_options=actor_options
     )
-    return router.bind(config.ingress_settings(), roles, {}, specs)
+    return router.bind(config.ingress_settings(serve_http_host()), roles, {}, specs)
+
+
+def serve_http_host() -> str | None:
+    """Where Serve's HTTP servers listen (the YAML's ``http_options.host``; direct
+    ingress binds the same), asked of the running Serve controller; None without one.
+    Serve has no public call for it: this reads its client (Ray 2.60), and says nothing
+    rather than fail where that changes."""
+    if not ray.is_initialized():
+        return None
+    try:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        return None if client is None else str(client.http_config.host)
+    except Exception:  # only a start-up warning depends on it
+        logger.debug("Serve's HTTP host is unknown", exc_info=True)
+        return None
 
 
 def build_app(args: dict[str, Any]) -> Application:

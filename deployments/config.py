@@ -16,7 +16,13 @@ from engines.protocol import EngineRole
 from engines.settings import EngineBackendConfig, ModelConfig, PoolConfig
 from kv_transfer.backend import make_kv_backend
 from kv_transfer.settings import KVTransferConfig
-from router.settings import IngressSettings, QoSConfig, RouterConfig, SplitPolicyConfig
+from router.settings import (
+    AuthConfig,
+    IngressSettings,
+    QoSConfig,
+    RouterConfig,
+    SplitPolicyConfig,
+)
 from splitserve.config_base import StrictModel
 
 Strategy = Literal["single", "dp", "tp", "pp", "pd"]
@@ -50,6 +56,11 @@ class AppConfig(StrictModel):
         " settings.",
     )
     qos: QoSConfig = QoSConfig()
+    auth: AuthConfig = Field(
+        default_factory=AuthConfig,
+        description="API keys (by environment variable name, key_env, or as they are), each"
+        " with its highest priority, queue cap and routes; and the routes open without one.",
+    )
 
     @model_validator(mode="after")
     def _synthetic_engines_in_router(self) -> AppConfig:
@@ -141,8 +152,9 @@ class AppConfig(StrictModel):
     def pool(self, role: EngineRole) -> PoolConfig:
         return next(pool for pool in self.pools if pool.role == role)
 
-    def ingress_settings(self) -> IngressSettings:
-        """What the router process is handed: its own settings objects, validated here."""
+    def ingress_settings(self, http_host: str | None = None) -> IngressSettings:
+        """What the router process is handed: its own settings objects, validated here;
+        ``http_host``: where Serve listens, if known."""
         return IngressSettings(
             strategy=self.strategy,
             model=self.model,
@@ -151,6 +163,8 @@ class AppConfig(StrictModel):
             qos=self.qos,
             kv_transfer=self.kv_transfer if self.strategy == "pd" else None,
             engine_backend=self.engine.backend,
+            auth=self.auth,
+            http_host=http_host,
         )
 
 

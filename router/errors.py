@@ -8,7 +8,10 @@ from fastapi.responses import JSONResponse
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.FORBIDDEN: "PermissionDeniedError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",

@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from router.settings import PRIORITIES
 
-REJECTION_REASONS = ("queue_full", "ttft_slo")
+# key_queue_full: an API key's own cap (router/auth.py).
+REJECTION_REASONS = ("queue_full", "ttft_slo", "key_queue_full")
 
 # From 1 ms (the tiny model on a CPU) to a minute (long prompts on a loaded GPU).
 LATENCY_BUCKETS_S = (
@@ -71,6 +72,14 @@ class RouterMetrics:
         for reason in REJECTION_REASONS:
             for priority in PRIORITIES:
                 self.rejections.labels(reason, priority)  # present at 0 from the start
+        self.priority_capped = Counter(
+            "splitserve_priority_capped",
+            "Requests served at a lower priority than they asked for, because their API key"
+            " allows no higher: by the key's configured name (never the key), the priority"
+            " requested and the one granted.",
+            ["key", "requested", "granted"],
+            registry=r,
+        )
         self.queue = Histogram(
             "splitserve_queue_seconds",
             "Router-side time from request arrival until an engine accepted it.",

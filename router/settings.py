@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, SerializeAsAny, field_validator, model_validator
+from pydantic import Field, SecretStr, SerializeAsAny, field_validator, model_validator
 
 from engines.protocol import EngineRole
 from engines.settings import ModelConfig, PlacementConfig
@@ -18,6 +18,11 @@ from splitserve.registry import split_named_block, validate_settings
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
+# The router's routes (router/ingress.py), by which keys are allowed and paths opened.
+Route = Literal["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
+# Routes that may answer without a key: never the ones that spend engine time.
+OpenRoute = Literal["/v1/models", "/health", "/metrics"]
+UnknownFields = Literal["ignore", "reject"]
 
 
 def _replica_choices() -> Any:
@@ -119,6 +124,40 @@ class RouterConfig(StrictModel):
         description="The traffic this split was chosen for (python -m loadgen advise writes"
         " it): the router exports how far live traffic has drifted from it"
         " (splitserve_traffic_drift_ratio) and logs when it leaves the tolerance.",
+    )
+    max_request_bytes: int = Field(
+        8 * 2**20,
+        ge=1,
+        description="A request body larger than this is refused with 413 before it is read"
+        " whole (a prompt of the longest context, as text or as token ids, is far smaller).",
+    )
+    inline_prepare_max_bytes: int = Field(
+        2 * 2**10,
+        ge=0,
+        description="A request body up to this size is parsed, templated and tokenized on"
+        " the event loop (about 1 ms for 2 KiB on the tiny model's tokenizer, about 0.5 us"
+        " per character, where the hop to a thread costs 0.13 ms); a larger one, or one with"
+        " its own chat template, in a worker thread, so that other requests' streams do"
+        " not wait for it (0: every request in a thread).",
+    )
+    prepare_threads: int = Field(
+        2,
+        ge=1,
+        description="Worker threads for large requests' parsing and tokenization; more"
+        " wait their turn, so a burst of large bodies cannot take every core.",
+    )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Render a chat template sent in a request (chat_template, or"
+        " chat_template_kwargs.chat_template); false: such a request is refused (400), as"
+        " vLLM's --trust-request-chat-template does. A template is code that the router"
+        " runs: a hostile one can hold a core for as long as it likes.",
+    )
+    unknown_fields: UnknownFields = Field(
+        "ignore",
+        description="Request fields that neither OpenAI's API nor vLLM's knows: ignore (as"
+        " vLLM does; their names are logged at debug level) or reject (400 naming the"
+        " first, as OpenAI's API does).",
     )
     engine_in_router: Literal["auto"] | bool = Field(
         "auto",
@@ -237,6 +276,89 @@ class QoSConfig(StrictModel):
         return self
 
 
+class ApiKeyConfig(StrictModel):
+    """One API key and what its holder may do. The key is given by the name of an
+    environment variable of the router's process (``key_env``), which keeps it out of
+    YAML files, or as it is (``key``)."""
+
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description="The key's name in metrics and logs, never the key itself (default:"
+        " key_env, or keys[<index>]).",
+    )
+    key: SecretStr | None = Field(None, description="The key itself.")
+    key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="The environment variable, in the router's process, that holds the key.",
+    )
+    max_priority: Priority = Field(
+        "high",
+        description="The highest priority this key's requests get; one that asks for more is"
+        " served at this one (and counted), not refused.",
+    )
+    max_queued: int | None = Field(
+        None,
+        ge=1,
+        description="This key's requests waiting for their first token at which another of"
+        " its requests is refused (429); None: only qos.queue_caps apply.",
+    )
+    routes: list[Route] | None = Field(
+        None, description="The routes this key may call (403 on others); None: all."
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _sendable(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_key_text(value.get_secret_value())
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKeyConfig:
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError("give the key either by key_env (preferred) or by key, not both")
+        return self
+
+
+def check_key_text(key: str) -> None:
+    """A key must fit ``Authorization: Bearer <key>``: visible ASCII, no spaces. The
+    message never quotes the key."""
+    if not key:
+        raise ValueError("the key is empty")
+    if not all("!" <= char <= "~" for char in key):
+        raise ValueError(
+            "a key must be visible ASCII characters without spaces, as an HTTP"
+            " Authorization header carries it"
+        )
+
+
+class AuthConfig(StrictModel):
+    """Who may call the router (the ``auth:`` block). With no key here and none in the
+    environment (SPLITSERVE_API_KEYS, VLLM_API_KEY), every route is open, as today."""
+
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    open_paths: list[OpenRoute] = Field(
+        default_factory=lambda: ["/health"],
+        description="Routes that answer without a key when keys are configured. /health"
+        " by default, for load balancers' and Kubernetes' probes; /metrics is not, since"
+        " it names the keys and shows the traffic (give Prometheus a key of its own with"
+        " routes: [/metrics]).",
+    )
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> AuthConfig:
+        names = self.key_names()
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"keys: each key needs a name of its own; repeated: {repeated}")
+        return self
+
+    def key_names(self) -> list[str]:
+        return [key.name or key.key_env or f"keys[{index}]" for index, key in enumerate(self.keys)]
+
+
 class IngressSettings(StrictModel):
     """What the application builder hands one router process: the settings objects of
     the YAML that concern it, validated once by the builder, never dumped and re-read."""
@@ -248,6 +370,10 @@ class IngressSettings(StrictModel):
     qos: QoSConfig
     kv_transfer: KVTransferConfig | None = None  # PD only
     engine_backend: str = "vllm"
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    # Where Serve listens for HTTP (the YAML's http_options.host), when the builder
+    # knows it: without keys, a router reachable beyond this machine says so at start.
+    http_host: str | None = None
 
     @property
     def disaggregated(self) -> bool:
