@@ -1,16 +1,22 @@
 """Turn a validated OpenAI request into token ids and sampling parameters for an engine.
 
 Parsing uses vLLM's own OpenAI protocol models; what they accept but we do not serve
-is refused here with a 400 that names the parameter.
+is refused here with a 400 that names the parameter. Untrusted input stays inside
+limits (``router.max_request_bytes``; a chat template only from a trusted client) and
+off the event loop: large bodies are parsed and tokenized in worker threads.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -19,9 +25,12 @@ from vllm.exceptions import VLLMValidationError
 
 from router.errors import OpenAIError, bad_request
 from router.qos import take_priority
-from router.settings import Priority
+from router.settings import Priority, RouterConfig, UnknownFields
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
+T = TypeVar("T")
+CHAT_TEMPLATE_PARAM = "chat_template"
+TEMPLATE_KWARGS_PARAM = "chat_template_kwargs"
 
 # (parameter, is it set to something we do not serve?, why)
 _UNSUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
@@ -54,9 +63,15 @@ class PreparedRequest:
     return_token_ids: bool
 
 
-def parse_request(model_cls: type[OpenAIRequest], body: Any) -> OpenAIRequest:
+def parse_request(
+    model_cls: type[OpenAIRequest], body: Any, unknown_fields: UnknownFields = "ignore"
+) -> OpenAIRequest:
+    """``unknown_fields``: what a field neither OpenAI's API nor vLLM's knows gets:
+    ignored (vLLM's models keep it aside and log its name at debug level) or a 400."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if unknown_fields == "reject" and (unknown := sorted(body.keys() - _field_names(model_cls))):
+        raise bad_request(f"unrecognized request argument: {unknown[0]!r}", unknown[0])
     if model_cls is ChatCompletionRequest and not isinstance(body.get("messages"), list):
         # vLLM's validators iterate it before pydantic checks its type (a TypeError).
         raise bad_request("'messages' must be a list of message objects", "messages")
@@ -74,6 +89,13 @@ def parse_request(model_cls: type[OpenAIRequest], body: Any) -> OpenAIRequest:
         raise bad_request(f"invalid request: {type(error).__name__}: {error}") from None
 
 
+@functools.cache
+def _field_names(model_cls: type[OpenAIRequest]) -> frozenset[str]:
+    names = set(model_cls.model_fields)
+    names.update(f.alias for f in model_cls.model_fields.values() if f.alias)
+    return frozenset(names)
+
+
 def _from_vllm(error: VLLMValidationError) -> OpenAIError:
     return bad_request(str(error.args[0]) if error.args else str(error), error.parameter)
 
@@ -85,12 +107,31 @@ def reject_unsupported(request: OpenAIRequest) -> None:
 
 
 class PromptBuilder:
-    """Tokenizes prompts with the model's own tokenizer and chat template."""
+    """Tokenizes prompts with the model's own tokenizer and chat template; a template
+    sent by the client only with ``trust_request_chat_template``, as vLLM."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
+        self._trust_templates = trust_request_chat_template
+        # apply_chat_template's own arguments, which chat_template_kwargs must not set:
+        # the router sets them (tokenize, add_generation_prompt), they change what comes
+        # back (return_dict, return_tensors), or they carry what the router refuses
+        # elsewhere (tools, documents). What is left are the template's own variables.
+        self._reserved_kwargs = _named_parameters(tokenizer.apply_chat_template) - {
+            CHAT_TEMPLATE_PARAM
+        }
+
+    @property
+    def trusts_request_templates(self) -> bool:
+        return self._trust_templates
 
     def prepare(self, request: OpenAIRequest) -> PreparedRequest:
         reject_unsupported(request)
@@ -143,18 +184,43 @@ class PromptBuilder:
         if not request.messages:
             raise bad_request("'messages' must not be empty", "messages")
         messages = [_plain_message(message, i) for i, message in enumerate(request.messages)]
+        template_kwargs = self._template_kwargs(request)
         try:
             text = self._tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tokenize=False,
-                **(request.chat_template_kwargs or {}),
+                **template_kwargs,
             )
         except Exception as error:  # a template's own error is the client's to see
             raise bad_request(f"the chat template failed: {error}", "messages") from None
+        if not isinstance(text, str):
+            raise bad_request("the chat template did not render text", "messages")
         # The template writes bos itself; adding special tokens again would double it.
         return self._encode(text, add_special_tokens=False)
+
+    def _template_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """``chat_template_kwargs`` as the template gets them, with the request's own
+        template (top level or among the kwargs) only from a trusted client."""
+        kwargs = dict(request.chat_template_kwargs or {})
+        reserved = sorted(kwargs.keys() & self._reserved_kwargs)
+        if reserved:
+            param = f"{TEMPLATE_KWARGS_PARAM}.{reserved[0]}"
+            raise bad_request(f"'{param}' is set by the router, not by requests", param)
+        for param, template in (
+            (CHAT_TEMPLATE_PARAM, request.chat_template),
+            (f"{TEMPLATE_KWARGS_PARAM}.{CHAT_TEMPLATE_PARAM}", kwargs.get(CHAT_TEMPLATE_PARAM)),
+        ):
+            if template is not None and not self._trust_templates:
+                raise bad_request(
+                    f"'{param}': a chat template sent with a request is refused; the server"
+                    " runs its model's own (router.trust_request_chat_template allows them)",
+                    param,
+                )
+        if request.chat_template is not None:
+            kwargs[CHAT_TEMPLATE_PARAM] = request.chat_template
+        return kwargs
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -180,6 +246,22 @@ class PromptBuilder:
                 "max_tokens",
             )
         return requested
+
+
+def _named_parameters(function: Callable[..., Any]) -> frozenset[str]:
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    parameters = inspect.signature(function).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind not in variadic)
+
+
+def has_request_template(body: Any) -> bool:
+    """Whether a body carries a chat template of its own (rendering one may take long)."""
+    if not isinstance(body, dict):
+        return False
+    kwargs = body.get(TEMPLATE_KWARGS_PARAM)
+    return body.get(CHAT_TEMPLATE_PARAM) is not None or (
+        isinstance(kwargs, dict) and kwargs.get(CHAT_TEMPLATE_PARAM) is not None
+    )
 
 
 def _plain_message(message: Any, index: int) -> dict[str, str]:
@@ -211,10 +293,55 @@ class RequestValidator:
     OpenAI's format, never an exception of another kind (tests/test_hostile_input.py
     throws generated bodies at exactly this path)."""
 
-    def __init__(self, prompts: PromptBuilder, served_name: str, default: Priority) -> None:
+    def __init__(
+        self,
+        prompts: PromptBuilder,
+        served_name: str,
+        default: Priority,
+        limits: RouterConfig | None = None,
+    ) -> None:
         self._prompts = prompts
         self._served_name = served_name
         self._default_priority = default
+        self._limits = limits or RouterConfig()
+        # Threads of their own, so that a burst of large bodies waits here and leaves
+        # asyncio's default executor (which the event loop's own work uses) alone.
+        self._threads = ThreadPoolExecutor(
+            self._limits.prepare_threads, thread_name_prefix="splitserve-prepare"
+        )
+
+    async def receive(self, headers: Mapping[str, str], chunks: AsyncIterator[bytes]) -> bytes:
+        """The request body, read no further than ``router.max_request_bytes`` (413)."""
+        limit = self._limits.max_request_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        body = bytearray()
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > limit:
+                raise _too_large(limit)
+        return bytes(body)
+
+    async def read_off_loop(self, raw: bytes, headers: Mapping[str, str]) -> tuple[Priority, Any]:
+        """``read``, in a worker thread when the body is large."""
+        large = len(raw) > self._limits.inline_prepare_max_bytes
+        return await self._run(large, self.read, raw, headers)
+
+    async def prepare_off_loop(
+        self, model_cls: type[OpenAIRequest], body: Any, size: int
+    ) -> PreparedRequest:
+        """``prepare``, in a worker thread when the body (of ``size`` bytes) is large or
+        brings a chat template of its own, so that the event loop keeps serving."""
+        template = self._prompts.trusts_request_templates and has_request_template(body)
+        slow = size > self._limits.inline_prepare_max_bytes or template
+        return await self._run(slow, self.prepare, model_cls, body)
+
+    async def _run(self, off_loop: bool, function: Callable[..., T], *args: Any) -> T:
+        if not off_loop:
+            return function(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, function, *args)
 
     def read(self, raw: bytes, headers: Mapping[str, str]) -> tuple[Priority, Any]:
         """The JSON body, and the request's priority (taken out of it or its headers)."""
@@ -222,7 +349,7 @@ class RequestValidator:
         return take_priority(body, headers, self._default_priority), body
 
     def prepare(self, model_cls: type[OpenAIRequest], body: Any) -> PreparedRequest:
-        request = parse_request(model_cls, body)
+        request = parse_request(model_cls, body, self._limits.unknown_fields)
         if request.model is not None and request.model != self._served_name:
             raise OpenAIError(
                 f"The model '{request.model}' does not exist; this server serves"
@@ -231,6 +358,14 @@ class RequestValidator:
                 "model",
             )
         return self._prompts.prepare(request)
+
+
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        f"the request body is larger than the {limit} bytes this server takes"
+        " (router.max_request_bytes)",
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+    )
 
 
 def decode_json_body(raw: bytes) -> Any:
