@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,6 +34,25 @@ ENDPOINT_PATHS: dict[str, str] = {
 }
 ERROR_BODY_LIMIT = 2000
 JSON_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+API_KEY_VARIABLE = "OPENAI_API_KEY"
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def request_headers(
+    extra: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Headers every request carries: ``Authorization: Bearer $OPENAI_API_KEY`` when the
+    variable is set (as vLLM's benchmark client sends it), then ``extra`` (``--header``),
+    which wins, compared without regard to case as HTTP does."""
+    environ = os.environ if environ is None else environ
+    headers: dict[str, str] = {}
+    if api_key := environ.get(API_KEY_VARIABLE):
+        headers["Authorization"] = f"Bearer {api_key}"
+    for name, value in (extra or {}).items():
+        for existing in [k for k in headers if k.lower() == name.lower()]:
+            del headers[existing]
+        headers[name] = value
+    return headers
 
 
 @dataclass(frozen=True)
@@ -60,8 +81,12 @@ class RequestRecord:
     retry_after_s: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
+    # Reads that carried chunks (events with choices), and how many: vLLM's unit.
+    event_times: list[float] = field(default_factory=list)
+    event_counts: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    request_id: str | None = None  # sent as x-request-id (--request-id-prefix)
 
     @property
     def status_key(self) -> str:
@@ -73,9 +98,11 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    temperature: float = 0.0
+    temperature: float | None = 0.0  # None: the server's default
     ignore_eos: bool = True
     return_token_ids: bool = True
+    # More body fields (vLLM's --top-p ..., --logprobs, --extra-body); they win.
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 def build_payload(
@@ -89,10 +116,11 @@ def build_payload(
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": max_tokens,
-        "temperature": sampling.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if sampling.temperature is not None:
+        body["temperature"] = sampling.temperature
     if sampling.ignore_eos:
         body["ignore_eos"] = True
     if sampling.return_token_ids:
@@ -101,6 +129,7 @@ def build_payload(
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    body.update(sampling.extra)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -119,10 +148,18 @@ class StreamingClient:
         endpoint: Endpoint,
         max_connections: int,
         timeouts: ClientTimeouts | None = None,
+        path: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        verify_tls: bool = True,
     ) -> None:
+        """``path``: the URL path (default: the endpoint's ``/v1/...``); ``headers``: sent
+        with every request (``request_headers``); ``verify_tls`` False accepts any
+        certificate (vLLM's ``--insecure``)."""
         self._timeouts = timeouts or ClientTimeouts()
-        self._url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
+        self._url = base_url.rstrip("/") + (path or ENDPOINT_PATHS[endpoint])
         self._max_connections = max_connections
+        self._headers = {**JSON_HEADERS, **(headers or {})}
+        self._verify_tls = verify_tls
         self._session: aiohttp.ClientSession | None = None
 
     def prepare(self, payload: bytes) -> bytes:
@@ -133,7 +170,11 @@ class StreamingClient:
         # Created on first use: a session belongs to the event loop it was made in.
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections,
+                    limit_per_host=0,
+                    ssl=None if self._verify_tls else False,
+                ),
                 # Waiting for a pooled connection is bounded by `total`, not `connect`.
                 timeout=aiohttp.ClientTimeout(
                     total=None,
@@ -141,7 +182,7 @@ class StreamingClient:
                     sock_connect=self._timeouts.connect,
                     sock_read=self._timeouts.read,
                 ),
-                headers=JSON_HEADERS,
+                headers=self._headers,
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
             )
@@ -168,7 +209,9 @@ class StreamingClient:
         record: RequestRecord,
         reads: list[tuple[float, bytes]],
     ) -> None:
-        async with session.post(self._url, data=payload) as response:
+        # Only requests with an id pay for headers of their own.
+        headers = {REQUEST_ID_HEADER: record.request_id} if record.request_id else None
+        async with session.post(self._url, data=payload, headers=headers) as response:
             record.status = response.status
             if response.status != 200:
                 await _classify_refusal(response, record)
@@ -228,6 +271,8 @@ def _finish_stream(record: RequestRecord, reads: list[tuple[float, bytes]]) -> N
     reading = read_stream(reads)
     record.chunk_times = reading.chunk_times
     record.chunk_tokens = reading.chunk_tokens
+    record.event_times = reading.event_times
+    record.event_counts = reading.event_counts
     record.prompt_tokens = reading.prompt_tokens
     record.completion_tokens = reading.completion_tokens
     if record.outcome != "pending":

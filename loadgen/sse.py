@@ -8,8 +8,13 @@ arrived, which is when the client could have shown it.
 Counting tokens: when the server sends vLLM's ``token_ids`` (we ask for them), a
 chunk's tokens are the ids it carries, counted with one regular expression over the
 whole read instead of one JSON parse per event. Servers without them fall back to
-one JSON parse per event and one token per content-bearing chunk, as vLLM's own
-benchmark client counts.
+one JSON parse per event and one token per content-bearing chunk.
+
+Counting chunks, as vLLM's benchmark client does: every event whose ``choices`` list is
+not empty is one chunk, whatever it carries (the chat stream's opening role
+announcement and a last chunk with only a finish reason included). Those reads are kept
+apart (``event_times``/``event_counts``) so that vLLM's figures (one ITL gap per chunk,
+``loadgen.vllm_result``) can be written beside ours (one gap per token).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ DONE = b"[DONE]"
 TOKEN_IDS = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
 USAGE_OBJECT = re.compile(rb'"usage":\s*\{')
 ERROR_OBJECT = re.compile(rb'"error":\s*\{')
+# A non-empty choices list. Generated text cannot fake it: quotes inside JSON strings
+# are escaped, so `"choices":` never matches there.
+CHOICES_EVENT = re.compile(rb'"choices":\s*\[\s*\{')
 
 
 @dataclass
@@ -33,6 +41,9 @@ class StreamReading:
 
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
+    # Reads that carried events with non-empty ``choices``, and how many each.
+    event_times: list[float] = field(default_factory=list)
+    event_counts: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
@@ -63,6 +74,9 @@ def read_stream(reads: list[tuple[float, bytes]]) -> StreamReading:
         if tokens:
             reading.chunk_times.append(timestamp)
             reading.chunk_tokens.append(tokens)
+        if events := len(CHOICES_EVENT.findall(complete)):
+            reading.event_times.append(timestamp)
+            reading.event_counts.append(events)
         _read_special_events(complete, reading)
     return reading
 

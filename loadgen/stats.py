@@ -11,6 +11,9 @@ Definitions (times relative to the moment the request was handed to the connecti
 - E2E: end of the response stream.
 - Send lag: actual send time minus scheduled send time (at QPS inf with
   ``--max-concurrency``, the wait for a free slot).
+- Chunks (``ChunkTimes``): the same request as vLLM's benchmark client sees it, for
+  ``loadgen.vllm_result``: TTFT at the first event with choices, one ITL gap per such
+  event (not per token), latency at the last one.
 
 Percentiles are numpy's linear interpolation over all samples of the run: every
 request's TTFT, every gap of every request for ITL. Never averages of averages.
@@ -34,6 +37,19 @@ PERCENTILES = (50, 90, 95, 99)
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkTimes:
+    """A completed request in vLLM's benchmark client's terms, seconds from the send.
+
+    Events that arrived in one network read are one read apart by 0 s: vLLM's client
+    times each of them separately, microseconds apart, which this client cannot see.
+    """
+
+    ttft_s: float
+    itl_s: tuple[float, ...]  # one gap per chunk after the first
+    latency_s: float  # arrival of the last chunk (the usage event and [DONE] not waited for)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestMetrics:
     """One request's figures, seconds; offsets are from the run's start."""
 
@@ -54,6 +70,7 @@ class RequestMetrics:
     tpot_s: float | None
     e2e_s: float | None
     itl_s: tuple[float, ...]
+    chunks: ChunkTimes | None = None  # completed requests only
 
     @property
     def input_tokens(self) -> int:
@@ -61,12 +78,18 @@ class RequestMetrics:
 
     @property
     def length_mismatch(self) -> bool:
-        prompt_off = self.prompt_tokens is not None and self.prompt_tokens != self.input_len
+        # input_len 0: a dataset's text prompt, whose length only the server knows.
+        prompt_off = (
+            self.input_len > 0
+            and self.prompt_tokens is not None
+            and self.prompt_tokens != self.input_len
+        )
         return prompt_off or self.output_tokens != self.output_len
 
     def to_json(self) -> dict[str, object]:
         record = asdict(self)
         record["itl_s"] = list(self.itl_s)
+        del record["chunks"]  # the per-token figures are ours; vLLM's go to .vllm.json
         return record
 
 
@@ -81,6 +104,18 @@ def token_gaps(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> lis
         share = (chunk_times[index] - chunk_times[index - 1]) / tokens
         gaps.extend([share] * tokens)
     return gaps
+
+
+def chunk_times(record: RequestRecord) -> ChunkTimes | None:
+    """vLLM's view of a record: one gap per chunk, 0 s between chunks of one read."""
+    times, counts = record.event_times, record.event_counts
+    if not times:
+        return None
+    gaps: list[float] = [0.0] * (counts[0] - 1)
+    for index in range(1, len(times)):
+        gaps.append(times[index] - times[index - 1])
+        gaps.extend([0.0] * (counts[index] - 1))
+    return ChunkTimes(times[0] - record.sent_at, tuple(gaps), times[-1] - record.sent_at)
 
 
 def request_metrics(record: RequestRecord, run_start: float) -> RequestMetrics:
@@ -114,6 +149,7 @@ def request_metrics(record: RequestRecord, run_start: float) -> RequestMetrics:
         tpot_s=tpot,
         e2e_s=e2e,
         itl_s=tuple(gaps),
+        chunks=chunk_times(record) if ok else None,
     )
 
 
@@ -153,15 +189,18 @@ class ServiceLevel:
 
     ttft_s: float | None = None
     tpot_s: float | None = None
+    e2e_s: float | None = None
 
     @property
     def defined(self) -> bool:
-        return self.ttft_s is not None or self.tpot_s is not None
+        return any(t is not None for t in (self.ttft_s, self.tpot_s, self.e2e_s))
 
     def met_by(self, metrics: RequestMetrics) -> bool:
         if metrics.outcome != "ok" or metrics.ttft_s is None:
             return False
         if self.ttft_s is not None and metrics.ttft_s > self.ttft_s:
+            return False
+        if self.e2e_s is not None and (metrics.e2e_s is None or metrics.e2e_s > self.e2e_s):
             return False
         # A one-token answer has no TPOT and cannot miss a TPOT target.
         return self.tpot_s is None or metrics.tpot_s is None or metrics.tpot_s <= self.tpot_s
