@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -103,6 +103,53 @@ class GammaArrivals:
     @property
     def label(self) -> str:
         return f"gamma{self.rate:g}"
+
+
+def ramp_up_rates(
+    strategy: Literal["linear", "exponential"], start_rps: float, end_rps: float, n: int
+) -> list[float]:
+    """Request i's rate, as vLLM's ``_get_current_request_rate``: from ``start_rps`` for
+    the first request to ``end_rps`` for the last, linearly or geometrically."""
+    rates = []
+    for index in range(n):
+        progress = index / max(n - 1, 1)
+        if strategy == "linear":
+            rates.append(start_rps + (end_rps - start_rps) * progress)
+        else:
+            rates.append(start_rps * (end_rps / start_rps) ** progress)
+    return rates
+
+
+@dataclass(frozen=True)
+class RampUpArrivals:
+    """vLLM's ``--ramp-up-strategy``: the gap before request i is drawn at request i's
+    rate (``ramp_up_rates``), as vLLM draws it: gamma with shape ``burstiness`` (Poisson
+    at 1), constant at inf. Unlike vLLM, the first request is sent at once."""
+
+    strategy: Literal["linear", "exponential"]
+    start_rps: float
+    end_rps: float
+    burstiness: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.start_rps <= self.end_rps:
+            raise ValueError(
+                f"a ramp-up needs 0 < start <= end, not {self.start_rps}..{self.end_rps}"
+            )
+
+    def schedule(self, n: int) -> list[float]:
+        rng = np.random.default_rng(self.seed)
+        rates = np.asarray(ramp_up_rates(self.strategy, self.start_rps, self.end_rps, n))
+        if math.isinf(self.burstiness):
+            gaps = 1.0 / rates
+        else:
+            gaps = rng.gamma(self.burstiness, 1.0 / (rates * self.burstiness))
+        return (np.cumsum(gaps) - gaps[0]).tolist() if n else []
+
+    @property
+    def label(self) -> str:
+        return f"ramp-{self.strategy}-{self.start_rps:g}-{self.end_rps:g}"
 
 
 @dataclass(frozen=True)

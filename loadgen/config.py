@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -19,10 +19,14 @@ from splitserve.registry import Registry
 # synthetic shapes, custom, mixed and the BurstGPT subsets) and arrival processes by
 # name (loadgen/arrivals.py). A new one is a class and a register line there.
 WORKLOADS: Registry = Registry(
-    "workload", __name__, builtins=("loadgen.workloads", "loadgen.recorded")
+    "workload",
+    __name__,
+    builtins=("loadgen.workloads", "loadgen.recorded", "loadgen.vllm_datasets"),
 )
 ARRIVALS: Registry = Registry("arrival process", __name__, builtins=("loadgen.arrivals",))
 CUSTOM_WORKLOAD = "custom"
+PREFIX_REPETITION_WORKLOAD = "prefix-repetition"
+PROMPT_FILE_WORKLOAD = "prompt-file"
 TraceSource = Literal["burstgpt", "burstgpt-synthetic", "recorded"]
 STUDY_REQUESTS_PER_CELL = 200
 DEFAULT_WARMUP_REQUESTS = 2
@@ -38,6 +42,29 @@ class WorkloadConfig(StrictModel):
     spread: float = Field(
         0.0, ge=0.0, lt=1.0, description="custom: lengths uniform in L*(1 +- spread)"
     )
+    input_range_ratio: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="custom, as vLLM's --random-range-ratio: prompt lengths uniform in"
+        " [floor(L*(1-r)), ceil(L*(1+r))], drawn as vLLM's random dataset draws them",
+    )
+    output_range_ratio: float | None = Field(
+        None, ge=0.0, lt=1.0, description="the same for output lengths"
+    )
+    prefix_len: int = Field(
+        0,
+        ge=0,
+        description="custom: tokens of one prefix every prompt starts with (vLLM's"
+        " --random-prefix-len, on top of input_len); prefix-repetition: each prefix's",
+    )
+    suffix_len: int | None = Field(None, gt=0, description="prefix-repetition: tokens after it")
+    num_prefixes: int = Field(1, gt=0, description="prefix-repetition: distinct prefixes")
+    prompt_file: Path | None = Field(
+        None, description='prompt-file: JSONL, one {"prompt": ..., "output_tokens": ...} a line'
+    )
+    shuffle: bool = Field(True, description="prompt-file, prefix-repetition: shuffle the rows")
+    oversample: bool = Field(True, description="prompt-file: repeat rows up to the count")
     trace: TraceSource = "burstgpt"
     trace_file: Path | None = None
     trace_cache_dir: Path | None = None
@@ -57,6 +84,15 @@ class WorkloadConfig(StrictModel):
     def _custom_has_lengths(self) -> WorkloadConfig:
         if self.name == CUSTOM_WORKLOAD and (self.input_len is None or self.output_len is None):
             raise ValueError("the custom workload needs both input_len and output_len")
+        ranged = self.input_range_ratio is not None or self.output_range_ratio is not None
+        if ranged and self.spread:
+            raise ValueError("give spread or range ratios, not both")
+        if self.name == PREFIX_REPETITION_WORKLOAD and (
+            self.suffix_len is None or self.output_len is None or not self.prefix_len
+        ):
+            raise ValueError("prefix-repetition needs prefix_len, suffix_len and output_len")
+        if self.name == PROMPT_FILE_WORKLOAD and self.prompt_file is None:
+            raise ValueError("the prompt-file workload needs prompt_file")
         return self
 
     @property
@@ -70,10 +106,36 @@ class WorkloadConfig(StrictModel):
     @property
     def label(self) -> str:
         if self.name == CUSTOM_WORKLOAD:
-            return f"custom-{self.input_len}x{self.output_len}"
+            prefix = f"{self.prefix_len}+" if self.prefix_len else ""
+            return f"custom-{prefix}{self.input_len}x{self.output_len}"
+        if self.name == PREFIX_REPETITION_WORKLOAD:
+            return (
+                f"prefix-repetition-{self.num_prefixes}x{self.prefix_len}"
+                f"+{self.suffix_len}x{self.output_len}"
+            )
+        if self.name == PROMPT_FILE_WORKLOAD and self.prompt_file is not None:
+            return f"prompts-{self.prompt_file.stem}"
         if self.is_trace and self.trace == "burstgpt-synthetic":
             return f"{self.name} (synthetic)"
         return self.name
+
+
+class RampUpConfig(StrictModel):
+    """vLLM's --ramp-up-strategy: the rate grows from start to end over the requests."""
+
+    strategy: Literal["linear", "exponential"]
+    start_rps: float = Field(gt=0, description="the first request's rate")
+    end_rps: float = Field(gt=0, description="the last request's rate")
+
+    @model_validator(mode="after")
+    def _grows(self) -> RampUpConfig:
+        if self.start_rps > self.end_rps:
+            raise ValueError("the ramp-up's start rate must not exceed its end rate")
+        return self
+
+    @property
+    def label(self) -> str:
+        return f"ramp-{self.strategy}-{self.start_rps:g}-{self.end_rps:g}"
 
 
 class RunConfig(StrictModel):
@@ -81,6 +143,17 @@ class RunConfig(StrictModel):
 
     base_url: str = DEFAULT_BASE_URL
     endpoint: Literal["completions", "chat"] = "completions"
+    endpoint_path: str | None = Field(
+        None, description="the URL path, when not /v1/completions or /v1/chat/completions"
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="sent with every request, after Authorization from $OPENAI_API_KEY",
+    )
+    verify_tls: bool = True
+    ready_timeout_s: float = Field(
+        0.0, ge=0, description="wait this long for GET /v1/models to answer (0: ask once)"
+    )
     model: str | None = Field(None, description="default: the first model of GET /v1/models")
     max_model_len: int | None = Field(None, gt=0, description="default: from GET /v1/models")
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
@@ -98,12 +171,27 @@ class RunConfig(StrictModel):
     request_timeout_s: float = Field(1800.0, gt=0)
     slo_ttft_ms: float | None = Field(None, gt=0)
     slo_tpot_ms: float | None = Field(None, gt=0)
+    slo_e2el_ms: float | None = Field(None, gt=0)
+    ramp_up: RampUpConfig | None = Field(
+        None, description="a growing rate instead of qps (which must then be inf)"
+    )
     mode: str | None = Field(None, description="label: tp, pp, dp, pd...; default: the router's")
     run_name: str | None = None
     prometheus_url: str | None = None
     server_metrics: bool = True
     server_sample_interval_s: float = Field(0.5, gt=0)
-    temperature: float = Field(0.0, ge=0)
+    temperature: float | None = Field(0.0, ge=0, description="None: the server's default")
+    ignore_eos: bool = Field(True, description="exact output lengths")
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict, description="more request body fields (sampling, --extra-body)"
+    )
+    request_id_prefix: str | None = Field(
+        None, description="send x-request-id: <prefix><index> with each measured request"
+    )
+    lora_modules: list[str] | None = Field(
+        None, description="model names to spread the measured requests over"
+    )
+    lora_assignment: Literal["random", "round-robin"] = "random"
     return_token_ids: bool = True
     show_progress: bool = True
 
@@ -118,3 +206,9 @@ class RunConfig(StrictModel):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, not {url!r}")
         return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _ramp_up_replaces_rate(self) -> RunConfig:
+        if self.ramp_up is not None and math.isfinite(self.qps):
+            raise ValueError("a ramp-up sets the rate itself: leave qps at inf")
+        return self

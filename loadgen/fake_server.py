@@ -61,6 +61,11 @@ class FakeServerConfig(StrictModel):
         " requests a second, for the goodput search's tests.",
     )
     mode: str = Field("fake", description="The 'mode' label of the emulated router metrics.")
+    required_headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Headers every /v1 request must carry (names without regard to case),"
+        " else 401: to test --header and $OPENAI_API_KEY.",
+    )
     gpus: int = Field(2, ge=0, description="Emulated GPUs in splitserve_gpu_utilization_percent.")
 
 
@@ -333,11 +338,26 @@ class _Connection(asyncio.Protocol):
         if handler is None:
             self._write(_error(404, f"no route {request.method} {request.path}"))
             return None
+        if request.path.startswith("/v1/") and (missing := self._missing_header(request)):
+            self._write(_error(401, f"missing or wrong header {missing}"))
+            return None
         return handler(request)
+
+    def _missing_header(self, request: _Request) -> str | None:
+        for name, value in self._state.config.required_headers.items():
+            if request.headers.get(name.lower()) != value:
+                return name
+        return None
 
     def _models(self, _request: _Request) -> None:
         config = self._state.config
-        card = {"id": config.model, "object": "model", "max_model_len": config.max_model_len}
+        # `root` as vLLM's server has it: vLLM's benchmark client reads it.
+        card = {
+            "id": config.model,
+            "object": "model",
+            "root": config.model,
+            "max_model_len": config.max_model_len,
+        }
         self._write(_json_response(200, {"object": "list", "data": [card]}))
 
     def _metrics_page(self, _request: _Request) -> None:

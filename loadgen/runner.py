@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import re
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from rich.console import Console
 
 from loadgen.arrivals import (
     ArrivalProcess,
+    RampUpArrivals,
     TraceReplayArrivals,
     format_qps,
     make_arrivals,
@@ -33,6 +35,7 @@ from loadgen.client import (
     SamplingOptions,
     StreamingClient,
     build_payload,
+    request_headers,
 )
 from loadgen.config import RunConfig
 from loadgen.exposition import Exposition, RunMetrics
@@ -70,6 +73,7 @@ SPIN_BELOW_S = 0.002  # the last stretch before a send is spent yielding, not sl
 LIVE_TICK_S = 0.25
 CHAT_PROBE_CHARS = (64, 512)
 CONTROL_TIMEOUT_S = 10.0
+READY_POLL_S = 1.0
 
 
 class RunError(RuntimeError):
@@ -95,6 +99,9 @@ class RunResult:
     requests: list[RequestMetrics]
     chat_calibration: TextCalibration | None = None
     notes: list[str] = field(default_factory=list)
+    # ``time.time()`` at ``clock_origin_s``: wall-clock times of the run's events.
+    wall_origin_s: float = math.nan
+    model_root: str | None = None  # the model card's ``root`` (vLLM's model_id), if any
 
 
 # Each request's record and its encoded body, built before the first send.
@@ -115,16 +122,12 @@ class PreparedRun:
 class Endpoint:
     model: str
     max_model_len: int
+    root: str | None = None
 
 
 async def discover_endpoint(http: httpx.AsyncClient, config: RunConfig) -> Endpoint:
     """The served model and its context, from ``GET /v1/models`` unless given."""
-    try:
-        response = await http.get(f"{config.base_url}/v1/models", timeout=CONTROL_TIMEOUT_S)
-        response.raise_for_status()
-        cards = response.json().get("data") or []
-    except (httpx.HTTPError, ValueError) as error:
-        raise RunError(f"cannot list models at {config.base_url}/v1/models: {error}") from error
+    cards = await _model_cards(http, config)
     if not cards and config.model is None:
         raise RunError(f"{config.base_url}/v1/models lists no model; pass --model")
     card = next((c for c in cards if c.get("id") == config.model), cards[0] if cards else {})
@@ -133,7 +136,22 @@ async def discover_endpoint(http: httpx.AsyncClient, config: RunConfig) -> Endpo
     if not max_model_len:
         logger.warning("the server does not say its context; assuming %d", DEFAULT_CONTEXT_TOKENS)
         max_model_len = DEFAULT_CONTEXT_TOKENS
-    return Endpoint(model, int(max_model_len))
+    return Endpoint(model, int(max_model_len), card.get("root") if card else None)
+
+
+async def _model_cards(http: httpx.AsyncClient, config: RunConfig) -> list[dict[str, object]]:
+    """``GET /v1/models``, asked again until it answers or ``ready_timeout_s`` is up."""
+    deadline = time.monotonic() + config.ready_timeout_s
+    while True:
+        try:
+            response = await http.get(f"{config.base_url}/v1/models", timeout=CONTROL_TIMEOUT_S)
+            response.raise_for_status()
+            return response.json().get("data") or []
+        except (httpx.HTTPError, ValueError) as error:
+            if time.monotonic() >= deadline:
+                message = f"cannot list models at {config.base_url}/v1/models: {error}"
+                raise RunError(message) from error
+        await asyncio.sleep(READY_POLL_S)
 
 
 def pool_size(config: RunConfig) -> int:
@@ -145,6 +163,8 @@ def pool_size(config: RunConfig) -> int:
 
 def run_identifier(config: RunConfig, mode: str) -> str:
     rate = "replay" if config.workload.is_replay else f"qps{format_qps(config.qps)}"
+    if config.ramp_up is not None:
+        rate = config.ramp_up.label
     name = config.run_name or f"{mode}-{config.workload.label}-{rate}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
@@ -152,6 +172,9 @@ def run_identifier(config: RunConfig, mode: str) -> str:
 def arrival_process(config: RunConfig, plan: WorkloadPlan) -> ArrivalProcess:
     if plan.trace_arrivals is not None:
         return TraceReplayArrivals(plan.trace_arrivals, config.workload.time_scale)
+    if (ramp := config.ramp_up) is not None:
+        seed = arrival_seed(config.seed)
+        return RampUpArrivals(ramp.strategy, ramp.start_rps, ramp.end_rps, config.burstiness, seed)
     return make_arrivals(
         config.qps, config.arrival_process, arrival_seed(config.seed), config.burstiness
     )
@@ -214,6 +237,7 @@ class Run:
         self.config = config
         self.console = console
         self.exposition = exposition
+        headers = request_headers(config.headers)
         self.client = StreamingClient(
             config.base_url,
             config.endpoint,
@@ -221,13 +245,24 @@ class Run:
             ClientTimeouts(
                 config.connect_timeout_s, config.read_timeout_s, config.request_timeout_s
             ),
+            path=config.endpoint_path,
+            headers=headers,
+            verify_tls=config.verify_tls,
         )
-        self.control = httpx.AsyncClient(timeout=CONTROL_TIMEOUT_S)
+        # The same headers on /v1/models and /metrics: a server that wants a key for
+        # generation wants it there too.
+        self.control = httpx.AsyncClient(
+            timeout=CONTROL_TIMEOUT_S, headers=headers, verify=config.verify_tls
+        )
         self.sampling = SamplingOptions(
-            temperature=config.temperature, return_token_ids=config.return_token_ids
+            temperature=config.temperature,
+            ignore_eos=config.ignore_eos,
+            return_token_ids=config.return_token_ids,
+            extra=config.extra_body,
         )
         self.notes: list[str] = []
         self.clock_origin = math.nan
+        self.wall_origin = math.nan
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -256,7 +291,7 @@ class Run:
             max_model_len=endpoint.max_model_len,
             workload=prepared.plan,
             qps_label=prepared.arrivals.label
-            if prepared.plan.trace_arrivals is not None
+            if prepared.plan.trace_arrivals is not None or config.ramp_up is not None
             else format_qps(config.qps),
             arrivals=type(prepared.arrivals).__name__,
             started_at=started_at,
@@ -266,6 +301,8 @@ class Run:
             requests=warmup_metrics + metrics,
             chat_calibration=prepared.calibration,
             notes=self.notes,
+            wall_origin_s=self.wall_origin,
+            model_root=endpoint.root,
         )
 
     async def _measure(
@@ -286,11 +323,9 @@ class Run:
         return metrics, await recorder.view()
 
     def _service_level(self) -> ServiceLevel:
-        ttft_ms, tpot_ms = self.config.slo_ttft_ms, self.config.slo_tpot_ms
-        return ServiceLevel(
-            None if ttft_ms is None else ttft_ms / 1000,
-            None if tpot_ms is None else tpot_ms / 1000,
-        )
+        config = self.config
+        targets = (config.slo_ttft_ms, config.slo_tpot_ms, config.slo_e2el_ms)
+        return ServiceLevel(*(None if ms is None else ms / 1000 for ms in targets))
 
     # ---- preparation -----------------------------------------------------------------------
 
@@ -304,7 +339,8 @@ class Run:
             config.seed,
             endpoint.max_model_len,
         )
-        calibration = await self._chat_calibration(endpoint.model)
+        needs_calibration = any(shape.text is None for shape in plan.shapes)
+        calibration = await self._chat_calibration(endpoint.model) if needs_calibration else None
         prompts = self._prompt_source(calibration, plan.prefix_block_tokens)
         arrivals = arrival_process(config, plan)
         items = self._prepare(plan.shapes, endpoint.model, prompts, warmup=False)
@@ -351,22 +387,36 @@ class Run:
         prompts: PromptSource,
         warmup: bool,
     ) -> PreparedItems:
+        config = self.config
+        # Warm-ups go to the base model without ids, as vLLM's client sends its own.
+        models = [model] * len(shapes) if warmup else self._models(model, len(shapes))
         items = []
         for index, shape in enumerate(shapes):
             payload = build_payload(
-                self.config.endpoint,
-                model,
-                prompts.prompt(shape)
-                if isinstance(prompts, PrefixedPrompts)
-                else prompts.prompt(shape.input_len),
+                config.endpoint,
+                models[index],
+                _prompt(prompts, shape),
                 shape.output_len,
                 self.sampling,
             )
             record = RequestRecord(
                 index=index, input_len=shape.input_len, output_len=shape.output_len, warmup=warmup
             )
+            if config.request_id_prefix is not None and not warmup:
+                record.request_id = f"{config.request_id_prefix}{index}"
             items.append((record, self.client.prepare(payload)))
         return items
+
+    def _models(self, model: str, count: int) -> list[str]:
+        """The model each measured request names: ``model``, or one of the LoRA modules
+        (at random from ``--seed``, or in turn)."""
+        modules = self.config.lora_modules
+        if not modules:
+            return [model] * count
+        if self.config.lora_assignment == "round-robin":
+            return [modules[i % len(modules)] for i in range(count)]
+        pick = random.Random(self.config.seed)
+        return [pick.choice(modules) for _ in range(count)]
 
     async def _discover_mode(self, recorder: ServerViewRecorder) -> str | None:
         text = await recorder.scrape_text()
@@ -417,6 +467,7 @@ class Run:
 
         sender = ScheduledSender(self.client, self.config.max_concurrency, on_sent, on_done)
         run_start = self.clock_origin = time.perf_counter() + START_LEAD_S
+        self.wall_origin = time.time() + START_LEAD_S
         with progress:
             ticker = asyncio.create_task(_tick(progress, live))
             try:
@@ -424,6 +475,14 @@ class Run:
             finally:
                 ticker.cancel()
         return sorted(done, key=lambda m: m.index)
+
+
+def _prompt(prompts: PromptSource, shape: RequestShape) -> list[int] | str:
+    if shape.text is not None:
+        return shape.text
+    if isinstance(prompts, PrefixedPrompts):
+        return prompts.prompt(shape)
+    return prompts.prompt(shape.input_len)
 
 
 async def _tick(progress: RunProgress, live: RunMetrics | None) -> None:

@@ -18,6 +18,7 @@ do not change when, say, the warm-up count does.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -50,8 +51,10 @@ LENGTHS_STREAM, WARMUP_STREAM, TOKENS_STREAM, TEXT_STREAM, ARRIVALS_STREAM = ran
 class RequestShape:
     input_len: int
     output_len: int
-    # A recorded request's salted prefix block hashes (loadgen/recorded.py), else empty.
+    # Names of the prefix blocks the prompt starts with (a recorded request's salted
+    # block hashes, a vLLM dataset's shared prefix): equal names, equal tokens.
     prefix: tuple[str, ...] = ()
+    text: str | None = None  # a dataset's own prompt, sent as it is
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class LengthDraws:
     main_rng: np.random.Generator
     warmup_rng: np.random.Generator
     max_model_len: int
+    seed: int = 0  # for draws that repeat another client's (vLLM's datasets) exactly
 
 
 def plan_workload(
@@ -117,6 +121,7 @@ def plan_workload(
         seed_stream(seed, LENGTHS_STREAM),
         seed_stream(seed, WARMUP_STREAM),
         max_model_len,
+        seed,
     )
     kind: WorkloadKind = WORKLOADS.get(config.name)
     return kind.plan(config, draws)
@@ -134,23 +139,73 @@ class FixedLengths:
         input_len = self.input_len or config.input_len
         output_len = self.output_len or config.output_len
         assert input_len is not None and output_len is not None
-        if input_len + output_len > draws.max_model_len:
+        if config.prefix_len + input_len + output_len > draws.max_model_len:
             raise ValueError(
-                f"{config.label}: {input_len} + {output_len} tokens exceed the server's"
-                f" context of {draws.max_model_len}"
+                f"{config.label}: {config.prefix_len + input_len} + {output_len} tokens"
+                f" exceed the server's context of {draws.max_model_len}"
             )
-        spread = config.spread
+        if config.input_range_ratio is not None or config.output_range_ratio is not None:
+            shapes = _vllm_random_shapes(config, draws, input_len, output_len)
+            warmups = _synthetic_shapes(
+                draws.warmup_rng, draws.warmup_requests, input_len, output_len, 0.0
+            )
+        else:
+            spread = config.spread
+            shapes = _synthetic_shapes(
+                draws.main_rng, draws.num_requests, input_len, output_len, spread
+            )
+            warmups = _synthetic_shapes(
+                draws.warmup_rng, draws.warmup_requests, input_len, output_len, spread
+            )
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=_synthetic_shapes(
-                draws.main_rng, draws.num_requests, input_len, output_len, spread
-            ),
-            warmup_shapes=_synthetic_shapes(
-                draws.warmup_rng, draws.warmup_requests, input_len, output_len, spread
-            ),
+            shapes=_with_shared_prefix(shapes, config.prefix_len, SHARED_PREFIX),
+            # Warm-ups get a prefix of their own: they must not put the measured one in
+            # the server's prefix cache.
+            warmup_shapes=_with_shared_prefix(warmups, config.prefix_len, WARMUP_PREFIX),
             source="synthetic",
+            prefix_block_tokens=config.prefix_len or None,
         )
+
+
+SHARED_PREFIX = "shared-prefix"
+WARMUP_PREFIX = "warmup-prefix"
+
+
+def _with_shared_prefix(
+    shapes: list[RequestShape], prefix_len: int, name: str
+) -> list[RequestShape]:
+    """Every prompt starts with the same ``prefix_len`` tokens (vLLM's random prefix)."""
+    if not prefix_len:
+        return shapes
+    return [RequestShape(s.input_len + prefix_len, s.output_len, (name,)) for s in shapes]
+
+
+def _vllm_random_shapes(
+    config: WorkloadConfig, draws: LengthDraws, input_len: int, output_len: int
+) -> list[RequestShape]:
+    """Lengths as vLLM's random dataset draws them (``get_sampling_params``): integers
+    uniform in [floor(L(1-r)), ceil(L(1+r))], prompts first, from ``default_rng(seed)``;
+    the same ``--seed`` gives the same lengths as vLLM's client (for a tokenizer that
+    adds no special tokens: vLLM takes those off the prompt's length)."""
+    input_ratio = config.input_range_ratio or 0.0
+    output_ratio = config.output_range_ratio or 0.0
+    input_low = math.floor(input_len * (1 - input_ratio))
+    input_high = math.ceil(input_len * (1 + input_ratio))
+    output_low = max(math.floor(output_len * (1 - output_ratio)), 1)
+    output_high = max(math.ceil(output_len * (1 + output_ratio)), 1)
+    if config.prefix_len + input_low < 1:
+        raise ValueError(f"{config.label}: the shortest prompt would have no token")
+    if config.prefix_len + input_high + output_high > draws.max_model_len:
+        raise ValueError(
+            f"{config.label}: the longest request, {config.prefix_len + input_high} +"
+            f" {output_high} tokens, exceeds the server's context of {draws.max_model_len}"
+        )
+    rng = np.random.default_rng(draws.seed)
+    inputs = rng.integers(input_low, input_high + 1, size=draws.num_requests)
+    outputs = rng.integers(output_low, output_high + 1, size=draws.num_requests)
+    return [RequestShape(int(i), int(o)) for i, o in zip(inputs, outputs, strict=True)]
 
 
 @dataclass(frozen=True)
