@@ -59,7 +59,18 @@ from loadgen.sweep import (
     SweepConfig,
     run_sweep,
 )
-from loadgen.vllm_result import write_vllm_result
+from loadgen.vllm_cli import (
+    VllmInvocation,
+    add_target_options,
+    add_vllm_options,
+    key_values,
+    normalize_flag_names,
+    resolve,
+    resolve_base_url,
+    resolve_endpoint,
+    result_file_options,
+)
+from loadgen.vllm_result import save_vllm_result, write_vllm_result
 from loadgen.workloads import load_trace
 from splitserve.packaging import PackageConflictError, check_top_level_packages
 
@@ -79,6 +90,11 @@ RUN_EXAMPLES = """examples:
   python -m loadgen --trace burstgpt-synthetic --workload T-general --qps 8
   # live metrics for Prometheus/Grafana while it runs; chat endpoint
   python -m loadgen --metrics-port 9400 --endpoint chat --qps inf --max-concurrency 16
+  # vllm bench serve's command line, as it is; --save-result writes vLLM's file too
+  python -m loadgen --backend vllm --model M --endpoint /v1/completions \
+      --dataset-name random --random-input-len 512 --random-output-len 64 \
+      --request-rate 4 --num-prompts 100 --save-result --result-dir DIR \
+      --goodput ttft:300 tpot:20 --percentile-metrics ttft,tpot,itl,e2el
 
 other commands: sweep (the study's matrix), demo (pd.yaml + a BurstGPT-shaped run),
 fake-server (a zero-latency streaming server), trace-stats (BurstGPT subset means).
@@ -117,18 +133,21 @@ def _url_map(text: str) -> dict[str, str]:
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("target")
-    group.add_argument("--base-url", default=DEFAULT_BASE_URL, help="the OpenAI-compatible server")
+    group.add_argument(
+        "--base-url", help=f"the OpenAI-compatible server (default {DEFAULT_BASE_URL})"
+    )
     group.add_argument(
         "--endpoint",
-        choices=("completions", "chat"),
         default="completions",
-        help="completions: exact token-id prompts; chat: calibrated text",
+        help="completions: exact token-id prompts; chat: calibrated text; or a URL path"
+        " as vLLM takes it (/v1/completions, /v1/chat/completions)",
     )
     group.add_argument("--model", help="default: the first model of GET /v1/models")
     group.add_argument("--max-model-len", type=int, help="default: from GET /v1/models")
     group.add_argument(
         "--mode", help="label of the serving mode (tp, pp, dp, pd); default: the router's"
     )
+    add_target_options(group)
 
 
 def _add_workload_options(parser: argparse.ArgumentParser, single: bool = True) -> None:
@@ -196,14 +215,14 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     group.add_argument(
         "--arrivals",
         choices=ARRIVALS.names(),
-        default="poisson",
-        help="process of a finite QPS",
+        help="process of a finite QPS (default: poisson; gamma when --burstiness is not 1,"
+        " constant when it is inf, as vLLM's)",
     )
     group.add_argument(
         "--burstiness",
         type=float,
         default=1.0,
-        help="gamma arrivals: shape of the gaps; 1 is Poisson, below 1 burstier",
+        help="shape of the gamma gaps; 1 is Poisson, below 1 burstier, inf constant",
     )
     group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     group.add_argument(
@@ -215,6 +234,7 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     )
     group.add_argument(
         "--warmup-requests",
+        "--num-warmups",
         type=int,
         default=DEFAULT_WARMUP_REQUESTS,
         help="sent before each run, left out of the figures",
@@ -223,7 +243,7 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     group.add_argument("--timeout", type=float, default=1800.0, help="seconds per request, total")
     group.add_argument("--read-timeout", type=float, default=300.0, help="seconds between bytes")
     group.add_argument("--connect-timeout", type=float, default=10.0)
-    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     group.add_argument(
         "--no-token-ids",
         action="store_true",
@@ -253,7 +273,9 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
         "--out", "--result-dir", type=Path, help="output folder (default results/loadgen/<time>)"
     )
     group.add_argument("--run-name", help="name of the run's files (one QPS only)")
-    group.add_argument("--no-progress", action="store_true", help="no live progress display")
+    group.add_argument(
+        "--no-progress", "--disable-tqdm", action="store_true", help="no live progress display"
+    )
     group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     group.add_argument("-v", "--verbose", action="store_true")
 
@@ -270,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload_options(parser)
     _add_load_options(parser, "inf")
     _add_report_options(parser)
+    add_vllm_options(parser)
     return parser
 
 
@@ -417,15 +440,36 @@ def workload_config(args: argparse.Namespace, name: str | None) -> WorkloadConfi
     )
 
 
-def run_config(args: argparse.Namespace, workload: WorkloadConfig, qps: float) -> RunConfig:
-    return RunConfig(
-        base_url=args.base_url,
-        endpoint=args.endpoint,
+def arrival_process(args: argparse.Namespace) -> str:
+    """``--arrivals``, else what ``--burstiness`` means in vLLM's client."""
+    if args.arrivals is None:
+        if math.isinf(args.burstiness):
+            return "constant"
+        return "poisson" if args.burstiness == 1 else "gamma"
+    if args.burstiness != 1 and args.arrivals != "gamma":
+        raise ValueError(f"--burstiness shapes gamma arrivals, not --arrivals {args.arrivals}")
+    return args.arrivals
+
+
+def run_config(
+    args: argparse.Namespace,
+    workload: WorkloadConfig,
+    qps: float,
+    extra: dict[str, object] | None = None,
+) -> RunConfig:
+    """One run's config from the command line; ``extra``: fields vLLM's flags set."""
+    endpoint, path = resolve_endpoint(args.endpoint, getattr(args, "backend", None))
+    fields: dict[str, object] = dict(
+        base_url=resolve_base_url(args),
+        endpoint=endpoint,
+        endpoint_path=path,
+        headers=key_values(args.header, "--header"),
+        verify_tls=not args.insecure,
         model=args.model,
         max_model_len=args.max_model_len,
         workload=workload,
         qps=qps,
-        arrival_process=args.arrivals,
+        arrival_process=arrival_process(args),
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         num_requests=args.num_requests,
@@ -445,6 +489,8 @@ def run_config(args: argparse.Namespace, workload: WorkloadConfig, qps: float) -
         return_token_ids=not args.no_token_ids,
         show_progress=not args.no_progress,
     )
+    fields.update(extra or {})
+    return RunConfig.model_validate(fields)
 
 
 def _exposition(args: argparse.Namespace, console: Console) -> Exposition | None:
@@ -477,10 +523,13 @@ def command_run(argv: list[str], console: Console) -> int:
     _configure_logging(args.verbose)
     if args.run_name and len(args.qps) > 1:
         raise ValueError("--run-name names one run; give one --qps value with it")
-    workload = workload_config(args, args.workload)
+    vllm = resolve(args)
+    for note in vllm.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    workload = vllm.workload or workload_config(args, args.workload)
     if workload.is_trace:
         load_trace(workload)  # a missing trace is our problem: say so before contacting anyone
-    configs = [run_config(args, workload, qps) for qps in args.qps]
+    configs = [run_config(args, workload, qps, vllm.run_fields) for qps in args.qps]
     if workload.is_replay and len(configs) > 1:
         configs = configs[:1]  # the replay follows the trace's clock, not a QPS
     out = _out_dir(args, "run")
@@ -492,14 +541,31 @@ def command_run(argv: list[str], console: Console) -> int:
     results = run_event_loop(all_runs())
     print_run_table(console, results)
     for result in results:
-        console.print(f"records: {write_run_json(result, out)}")
-        console.print(f"vLLM-format result: {write_vllm_result(result, out)}")
-        if not args.no_plots:
-            console.print(f"plot: {plot_run(result, out / f'{result.run_id}.png')}")
+        _write_run_outputs(result, out, args, vllm, console)
     console.print(
         f"summary: {write_summary_csv([summary_row(r) for r in results], out / 'summary.csv')}"
     )
     return 0
+
+
+def _write_run_outputs(
+    result: RunResult,
+    out: Path,
+    args: argparse.Namespace,
+    vllm: VllmInvocation,
+    console: Console,
+) -> None:
+    console.print(f"records: {write_run_json(result, out)}")
+    ours = write_vllm_result(result, out, result_file_options(vllm.result, args))
+    console.print(f"vLLM-format result: {ours}")
+    if vllm.save is not None:
+        save = vllm.save
+        path = save_vllm_result(
+            result, vllm.result, save.result_dir, save.result_filename, save.append
+        )
+        console.print(f"vllm bench serve --save-result: {path}")
+    if not args.no_plots:
+        console.print(f"plot: {plot_run(result, out / f'{result.run_id}.png')}")
 
 
 def command_knee(argv: list[str], console: Console) -> int:
@@ -734,7 +800,7 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = normalize_flag_names(sys.argv[1:] if argv is None else argv)
     console = Console()
     command = "run"
     if argv and argv[0] in SUBCOMMANDS:
