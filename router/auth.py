@@ -86,11 +86,14 @@ class QueueSlot:
 class ApiKeys:
     """The keys a router accepts, each with its Client, and its open routes."""
 
-    def __init__(self, keys: Mapping[str, Client], open_paths: frozenset[str]) -> None:
+    def __init__(
+        self, keys: Mapping[str, Client], open_paths: frozenset[str], retry_after_s: int = 1
+    ) -> None:
         # Keys are compared as SHA-256 digests: equal lengths, so compare_digest's time
         # says nothing about a key's length or its first differing character.
         self._digests = [(_digest(key), client) for key, client in keys.items()]
         self._open_paths = open_paths
+        self._retry_after_s = retry_after_s
         self._waiting: dict[str, int] = {}
 
     @classmethod
@@ -103,7 +106,7 @@ class ApiKeys:
             _add(keys, _configured_key(key_config, index, environ), _client(name, key_config))
         for name, key in _environment_keys(environ):
             _add(keys, key, Client(name))
-        return cls(keys, frozenset(config.open_paths))
+        return cls(keys, frozenset(config.open_paths), config.retry_after_s)
 
     @property
     def enabled(self) -> bool:
@@ -158,10 +161,10 @@ class ApiKeys:
             metrics.rejections.labels(KEY_QUEUE_FULL, priority).inc()
             raise Rejection(
                 f"the API key {client.name!r} already has {waiting} requests waiting for"
-                f" their first token, its cap; retry when one has started",
+                " their first token, its cap; retry when one has started",
                 HTTPStatus.TOO_MANY_REQUESTS,
                 KEY_QUEUE_FULL,
-                retry_after_s=1,
+                self._retry_after_s,
             )
         self._waiting[client.name] = waiting + 1
         slot = QueueSlot(self._waiting, client.name)

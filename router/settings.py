@@ -346,6 +346,9 @@ class AuthConfig(StrictModel):
         " it names the keys and shows the traffic (give Prometheus a key of its own with"
         " routes: [/metrics]).",
     )
+    retry_after_s: int = Field(
+        1, ge=0, description="Retry-After on a refusal for a key's max_queued, in seconds."
+    )
 
     @model_validator(mode="after")
     def _names_unique(self) -> AuthConfig:

@@ -35,10 +35,11 @@ CHAT = "/v1/chat/completions"
 TEAM_KEY = "sk-team-a-0123456789"
 PROBE_KEY = "sk-prometheus-0123456789"
 AUTH = {
+    "retry_after_s": 2,
     "keys": [
         {"key_env": "TEAM_A_KEY", "max_priority": "normal", "max_queued": 2},
         {"name": "prometheus", "key": PROBE_KEY, "routes": ["/metrics", "/health"]},
-    ]
+    ],
 }
 ENV = {"TEAM_A_KEY": TEAM_KEY}
 
@@ -165,7 +166,7 @@ def test_a_keys_queue_cap_is_a_429_until_a_request_gets_its_first_token() -> Non
         configured.admit(client, "normal", metrics)
         with pytest.raises(OpenAIError) as raised:
             configured.admit(client, "normal", metrics)
-        assert raised.value.status == 429 and raised.value.retry_after_s == 1
+        assert raised.value.status == 429 and raised.value.retry_after_s == 2
         first.release()  # its first token
         first.release()  # once only
         assert configured.waiting("TEAM_A_KEY") == 1
