@@ -30,6 +30,7 @@ from engines.model_source import resolve_model
 from engines.protocol import GenerateChunk, GenerateRequest
 from engines.settings import EngineSpec
 from kv_transfer import KVRouterSide, KVTransferCollector, make_kv_backend
+from router.auth import ApiKeys, warn_if_open
 from router.calibration import calibrate_ttft
 from router.dispatch import Dispatch, Dispatcher, Plan
 from router.engine_client import (
@@ -93,8 +94,17 @@ class Router:
         self._served_name = model.served_name
         tokenizer = AutoTokenizer.from_pretrained(model.path)
         vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
-        prompts = PromptBuilder(tokenizer, settings.model.max_model_len, vocab_size)
-        self._requests = RequestValidator(prompts, self._served_name, settings.qos.default_priority)
+        prompts = PromptBuilder(
+            tokenizer,
+            settings.model.max_model_len,
+            vocab_size,
+            settings.router.trust_request_chat_template,
+        )
+        self._requests = RequestValidator(
+            prompts, self._served_name, settings.qos.default_priority, settings.router
+        )
+        self._auth = ApiKeys.from_settings(settings.auth)
+        warn_if_open(self._auth, settings.http_host, logger)
         submit_timeout_s = settings.router.submit_timeout_s
         qos = settings.qos
         # One after another: each engine's processes inherit its environment at spawn.
@@ -167,7 +177,9 @@ class Router:
         return await self._generate(raw, ChatCompletionRequest, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models(self) -> Response:
+    async def models(self, raw: Request) -> Response:
+        if refused := self._auth.refusal(raw.headers, "/v1/models"):
+            return refused.response()
         if not self._readiness.is_ready:
             # Clients take a model list as readiness; vLLM's server does not listen yet.
             self._metrics.requests.labels("/v1/models", "503", "none").inc()
@@ -181,7 +193,9 @@ class Router:
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
-    async def health(self) -> JSONResponse:
+    async def health(self, raw: Request) -> Response:
+        if refused := self._auth.refusal(raw.headers, "/health"):
+            return refused.response()
         states = await asyncio.gather(*(self._replica_health(r) for r in self._replicas))
         healthy = self._readiness.is_ready and all(state == "ok" for state in states)
         status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
@@ -195,7 +209,9 @@ class Router:
         return JSONResponse(body, status_code=int(status))
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, raw: Request) -> Response:
+        if refused := self._auth.refusal(raw.headers, "/metrics"):
+            return refused.response()
         return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- one generation request ----------------------------------------------------------
@@ -207,12 +223,15 @@ class Router:
         headers: dict[str, str] = {}
         priority = self._config.qos.default_priority
         try:
-            priority, body = self._requests.read(await raw.body(), raw.headers)
+            client = self._auth.authenticate(raw.headers, route)  # 401/403 before the body
+            raw_body = await self._requests.receive(raw.headers, raw.stream())
+            priority, body = await self._requests.read_off_loop(raw_body, raw.headers)
+            priority, waiting = self._auth.admit(client, priority, self._metrics)
             # Before the costly part (validation, tokenization): a priority whose queue
             # alone already breaks its limit is refused here, in microseconds, so that a
             # burst's refusals do not wait behind its admitted requests' parsing.
             self._admit_early(priority)
-            prepared = self._requests.prepare(model_cls, body)
+            prepared = await self._requests.prepare_off_loop(model_cls, body, len(raw_body))
             engine_request = GenerateRequest(
                 # vLLM needs ids unique among running requests; clients may reuse theirs.
                 request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
@@ -243,6 +262,7 @@ class Router:
             failure = self._failure(error, plan.prefill_replica.name, started=False)
             self._metrics.requests.labels(route, str(int(failure.status)), priority).inc()
             return failure.response(headers)
+        waiting.release()  # the key's request has its first token: no longer queued
         self._count_choices(dispatch.plan)
         headers.update(dispatch.headers)
         events = self._events(dispatch, first, prepared, writer, arrival)
