@@ -242,7 +242,9 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     group.add_argument("--seed", type=int, default=0, help="same seed, same requests and schedule")
     group.add_argument("--timeout", type=float, default=1800.0, help="seconds per request, total")
     group.add_argument("--read-timeout", type=float, default=300.0, help="seconds between bytes")
-    group.add_argument("--connect-timeout", type=float, default=10.0)
+    group.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="seconds to open a connection"
+    )
     group.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     group.add_argument(
         "--no-token-ids",
@@ -277,7 +279,7 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
         "--no-progress", "--disable-tqdm", action="store_true", help="no live progress display"
     )
     group.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    group.add_argument("-v", "--verbose", action="store_true")
+    group.add_argument("-v", "--verbose", action="store_true", help="log in detail")
 
 
 def build_parser() -> argparse.ArgumentParser:

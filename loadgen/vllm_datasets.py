@@ -33,7 +33,6 @@ from loadgen.config import (
 from loadgen.workloads import LengthDraws, RequestShape, WorkloadPlan
 
 
-@WORKLOADS.register(PREFIX_REPETITION_WORKLOAD)
 class PrefixRepetition:
     """Requests over a few long shared prefixes (vLLM's ``prefix_repetition``)."""
 
@@ -108,7 +107,6 @@ def read_prompt_file(path: Path) -> list[PromptRow]:
     return rows
 
 
-@WORKLOADS.register(PROMPT_FILE_WORKLOAD)
 class PromptFile:
     """A JSONL file's prompts, in vLLM's custom dataset's order."""
 
@@ -141,3 +139,7 @@ class PromptFile:
             )
         # The prompt's tokens are unknown until the server counts them (input_len 0).
         return RequestShape(0, output_len, text=row.prompt)
+
+
+WORKLOADS.register(PREFIX_REPETITION_WORKLOAD)(PrefixRepetition())
+WORKLOADS.register(PROMPT_FILE_WORKLOAD)(PromptFile())

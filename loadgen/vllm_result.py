@@ -122,6 +122,8 @@ def vllm_result(result: RunResult, options: VllmResultOptions | None = None) -> 
     if (ramp := result.config.ramp_up) is not None:
         document["rps_change_events"] = _rps_change_events(result, ramp.start_rps, ramp.end_rps)
     document.update(_percentile_figures(result, requests, options))
+    # Ours, after all of vLLM's keys: every gap between tokens (n per chunk of n).
+    document["splitserve_itls_per_token"] = [r.itl_per_token for r in requests]
     if not options.detailed:
         for key in DETAILED_KEYS:
             document.pop(key, None)
@@ -205,7 +207,6 @@ def _per_request(requests: list[_Request]) -> dict[str, Any]:
         "queue_times": [r.queue_time for r in requests],
         "generated_texts": ["" for _ in requests],
         "errors": [r.error for r in requests],
-        "splitserve_itls_per_token": [r.itl_per_token for r in requests],
     }
 
 
