@@ -82,3 +82,21 @@ def test_usage_null_in_every_chunk_is_ignored() -> None:
     chunk = _event({"choices": [{"index": 0, "text": "a", "token_ids": [1]}], "usage": None})
     reading = read_stream([(1.0, chunk), (1.1, USAGE)])
     assert reading.completion_tokens == 5
+
+
+def test_chunks_counted_as_vllms_client_counts_them() -> None:
+    """Every event with choices is one chunk (the opener and a finish-only event too);
+    the usage event is not; a chunk of three tokens is one chunk."""
+    opener = _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    finish = _event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    reads = [
+        (1.0, opener),
+        (1.2, _chunk([1, 2, 3], chat=True)),
+        (1.3, _chunk([4], chat=True) + finish),
+        (1.4, USAGE + DONE),
+    ]
+    reading = read_stream(reads)
+    assert (reading.event_times, reading.event_counts) == ([1.0, 1.2, 1.3], [1, 1, 2])
+    assert (reading.chunk_times, reading.chunk_tokens) == ([1.2, 1.3], [3, 1])
+    text = b'data: {"choices": [{"text": "\\"choices\\": [{"}]}\n\n'  # quoted in the text
+    assert read_stream([(1.0, text)]).event_counts == [1]
