@@ -110,7 +110,8 @@ class RefusedFlag(argparse.Action):
     """A vLLM flag this load generator does not serve: naming it is an error."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        kwargs.setdefault("nargs", "*")  # swallow its values, whatever they are
+        kwargs.setdefault("nargs", "?")  # take its value, if any, to refuse it with the flag
+        kwargs.setdefault("metavar", "VALUE")
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(
@@ -200,10 +201,12 @@ def add_vllm_options(parser: argparse.ArgumentParser) -> None:
     _add_vllm_traffic(parser.add_argument_group("vllm bench serve: traffic and sampling"))
     _add_vllm_result(parser.add_argument_group("vllm bench serve: result file"))
     refused = parser.add_argument_group(
-        "vllm bench serve's flags that are refused (an error names the reason)"
+        "vllm bench serve's flags that are refused (the error says why)"
     )
+    owners = {flag: owner for owner, flags in UNSERVED_DATASET_FLAGS.items() for flag in flags}
     for flag, reason in REFUSED_FLAGS.items():
-        refused.add_argument(flag, action=RefusedFlag, help=reason, dest=f"refused_{flag}")
+        short = f"{owners[flag]} only" if flag in owners else reason.split(";")[0]
+        refused.add_argument(flag, action=RefusedFlag, help=f"refused: {short}", dest=_dest(flag))
 
 
 def _add_vllm_target(group: argparse._ArgumentGroup) -> None:
@@ -651,14 +654,17 @@ def _check_dataset_flags(args: argparse.Namespace, dataset: str | None) -> list[
         raise ValueError(f"--dataset-path is for --dataset-name {' or '.join(_PATH_DATASETS)}")
     if dataset in _PATH_DATASETS and args.dataset_path is None:
         raise ValueError(f"--dataset-name {dataset} needs --dataset-path")
-    if dataset is None:
-        return []  # --input-len and --output-len are also our custom workload's
     notes = []
     for owners, dests in _DATASET_FLAGS.items():
+        if dataset is None:
+            # Our own workloads: --input-len and --output-len are the custom workload's,
+            # and vLLM's default dataset (random) ignores the others.
+            dests = tuple(d for d in dests if d not in ("input_len", "output_len"))
         stray = _given(args, *dests)
-        if stray and dataset not in owners:
+        if stray and (dataset or "random") not in owners:
+            chosen = dataset or "random (vLLM's default)"
             notes.append(
-                f"{', '.join(stray)}: no effect with --dataset-name {dataset}, as in vLLM"
+                f"{', '.join(stray)}: no effect with --dataset-name {chosen}, as in vLLM"
                 f" (they apply to {' and '.join(owners)})"
             )
     return notes
