@@ -25,7 +25,8 @@ from loadgen.vllm_cli import NO_EFFECT_FLAGS, REFUSED_FLAGS, normalize_flag_name
 
 REPO = Path(__file__).resolve().parent.parent
 # The command lines of the README's "vllm bench serve's command line" paragraph, as
-# printed there (M: the model, DIR: a folder, FILE: a data file).
+# printed there after `python -m loadgen` (M: the model, DIR: a folder, FILE: a data
+# file; the server at 10.0.0.5:8000 becomes the fake one).
 DOCUMENTED = [
     "--backend vllm --model M --endpoint /v1/completions --dataset-name random"
     " --random-input-len 512 --random-output-len 64 --request-rate 4 --num-prompts 100"
@@ -45,7 +46,7 @@ DOCUMENTED = [
     " --random-range-ratio 0.2 --random-prefix-len 256 --ramp-up-strategy linear"
     " --ramp-up-start-rps 1 --ramp-up-end-rps 16 --num-prompts 400 --save-result"
     " --result-dir DIR --metadata tp=1 hardware=h100",
-    "--host 127.0.0.1 --port PORT --model M --random-input-len 2048 --random-output-len 32"
+    "--host 10.0.0.5 --port 8000 --model M --random-input-len 2048 --random-output-len 32"
     " --request-rate 8 --max-concurrency 32 --num-prompts 500 --goodput e2el:2000"
     " --percentile-metrics ttft,e2el,client_queue_time --save-result --result-dir DIR",
 ]
@@ -262,7 +263,7 @@ def documented_argv(line: str, url: str, tmp_path: Path) -> list[str]:
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(9)))
     port = url.rsplit(":", 1)[1]
     words = {"M": "fake-model", "DIR": str(tmp_path / "out"), "FILE.csv": str(trace),
-             "FILE.jsonl": str(prompts), "PORT": port}  # fmt: skip
+             "FILE.jsonl": str(prompts), "10.0.0.5": "127.0.0.1", "8000": port}  # fmt: skip
     argv = [words.get(word, word) for word in line.split()]
     for flag, value in SHRINK.items():
         if flag in argv and argv[argv.index(flag) + 1] != "inf":
