@@ -126,6 +126,7 @@ def run_client(
         "ttft_p50_ms": float(np.percentile(ttfts, 50)),
         "ttft_p99_ms": float(np.percentile(ttfts, 99)),
         "itl_p50_ms": float(np.percentile(itls, 50)),
+        "itl_p90_ms": float(np.percentile(itls, 90)),
         "itl_mean_ms": float(np.mean(itls)),
         "itl_p99_ms": float(np.percentile(itls, 99)),
         # Share of one core per process role while the client ran (client start included).

@@ -63,16 +63,12 @@ class AppConfig(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _synthetic_engines_in_router(self) -> AppConfig:
+    def _synthetic_engines_serve_single_and_dp(self) -> AppConfig:
         if self.engine.backend != "synthetic":
             return self
         if self.strategy not in ("single", "dp"):
             raise ValueError(
                 f"engine.backend 'synthetic' serves strategies single and dp, not {self.strategy!r}"
-            )
-        if not self.hosts_engines_in_router:
-            raise ValueError(
-                "engine.backend 'synthetic' needs router.engine_in_router true or auto"
             )
         return self
 

@@ -35,6 +35,7 @@ from engines.protocol import (
 )
 from engines.sampler import start_replica_sampler
 from engines.settings import EngineSpec
+from engines.transport import EngineTransportServer, TransportAddress
 from kv_transfer.handle import check_handle_compatible, consumer_id, is_transfer_params
 
 if TYPE_CHECKING:
@@ -329,20 +330,40 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 
 @serve.deployment(max_ongoing_requests=4096, health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S)
-class EngineReplica(EngineHost):
-    """A Serve replica that owns one engine host: the router reaches it through Ray."""
+class EngineReplica:
+    """A Serve replica that hosts one engine (any backend) in a process of its own, so
+    its front end (output processing, detokenization, stat loggers) runs beside the
+    other engines' and the router's, not on their GIL. Routers reach it through its
+    transport (engines/transport.py); Serve places, health-checks and restarts it."""
 
-    def __init__(self, spec: EngineSpec) -> None:
+    async def __init__(self, spec: EngineSpec) -> None:
         # A plain `serve run` applies a YAML's deployment overrides without our launcher,
-        # which refuses them: a second replica under one engine name would split submits
-        # from the router's one delta stream.
+        # which refuses them: a second replica under one engine name would split one
+        # engine name over two engines the router cannot tell apart.
         replicas = serve.get_replica_context().world_size
         if replicas != 1:
             raise ValueError(
                 f"engine deployment {spec.name!r} has {replicas} Serve replicas;"
                 " scale engines by args.pools[].replicas, not by Serve overrides"
             )
-        super().__init__(spec)
+        self._host = ENGINE_BACKENDS.get(spec.backend.backend)(spec)
+        self._transport = EngineTransportServer(self._host)
+        context = ray.get_runtime_context()
+        await self._transport.start(ray.util.get_node_ip_address(), context.get_node_id())
 
-    def __del__(self) -> None:
-        self.shutdown()
+    def transport_address(self) -> TransportAddress:
+        """Where routers connect, and the secret they say first (asked once per connect)."""
+        assert self._transport.address is not None
+        return self._transport.address
+
+    async def check_health(self) -> None:
+        # Serve calls this periodically; raising marks the replica unhealthy and restarts it.
+        await self._host.check_health()
+
+    async def __del__(self) -> None:
+        transport = getattr(self, "_transport", None)
+        if transport is not None:
+            await transport.stop()
+        host = getattr(self, "_host", None)
+        if host is not None:
+            host.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from engines.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
+from engines.transport import TransportAddress, encode_frame, read_frame
 from router.prefill_gate import PrefillGate
 from router.replica_state import PrefillTicket, ReplicaState
 
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("splitserve.router")
 RESUBSCRIBE_DELAY_S = 0.5
+# How long a local engine's death waits for a stop to be announced before it counts as
+# a crash and the engine is restarted (the stop signal reaches both within this).
+STOP_GRACE_S = 1.0
 # Put in a request's queue when its deadline passes (GenerateRequest.deadline).
 PAST_DEADLINE = GenerateFailure("the request's deadline passed")
 
@@ -67,37 +72,124 @@ class EngineLink(Protocol):
         """It could take a request now."""
 
 
-class ServeEngineLink:
-    """An engine replica in its own Serve deployment, through its handle."""
+class SocketEngineLink:
+    """An engine replica in a Serve deployment of its own, over its transport.
+
+    The Serve handle is for control only: it names the replica's address and secret at
+    each (re)connect. Calls and deltas then travel on one TCP connection per router
+    process and engine (engines/transport.py), to the loopback address when the replica
+    runs on this Ray node. A broken connection fails what waits on it; the router's
+    listener then reconnects, to the replica Serve restarted if it died.
+    """
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
-        self.ready = False
+        self._connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._secret = ""
+        self._subscribed = False
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._connecting = asyncio.Lock()
 
-    async def submit(self, request: GenerateRequest) -> None:
-        await self._handle.submit.remote(request)
-
-    def abort(self, request_id: str) -> None:
-        self._handle.abort.remote(request_id)
-
-    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
-        return self._handle.options(stream=True).deltas.remote(subscriber)
-
-    async def stats(self) -> EngineStats:
-        return await self._handle.stats.remote()
-
-    async def check_health(self) -> None:
-        await self._handle.check_health.remote()
+    @property
+    def ready(self) -> bool:
+        return self._subscribed
 
     async def wait_ready(self) -> None:
-        # Serve routes to a replica once its constructor (the engine's start) returned.
-        while True:
-            try:
-                await self.check_health()
-                self.ready = True
-                return
-            except Exception:
-                await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+        """Connect, once, whoever asks first (the listener or the readiness check): a
+        second connection would carry calls on a socket that never said hello."""
+        async with self._connecting:
+            while self._connection is None:
+                try:
+                    # Serve routes to a replica once its constructor (the engine's start)
+                    # returned, so the address is one of an engine that can serve.
+                    address = await self._handle.transport_address.remote()
+                    self._connection = await _connect(address)
+                    self._secret = address.secret
+                except Exception as error:
+                    logger.debug("engine replica not reachable yet: %s", error)
+                    await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+
+    async def submit(self, request: GenerateRequest) -> None:
+        await self._call("submit", request)
+
+    def abort(self, request_id: str) -> None:
+        connection = self._connection
+        if self._subscribed and connection is not None and not connection[1].is_closing():
+            connection[1].write(encode_frame(("abort", request_id)))
+
+    async def stats(self) -> EngineStats:
+        return await self._call("stats", None)
+
+    async def check_health(self) -> None:
+        await self._call("check_health", None)
+
+    async def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        """The engine's deltas for this router process, until the connection ends."""
+        if self._connection is None:
+            raise EngineUnavailable("not connected to the engine replica")
+        reader, writer = self._connection
+        writer.write(encode_frame(("hello", self._secret, subscriber)))
+        self._subscribed = True
+        try:
+            while True:
+                message = await read_frame(reader)
+                if message[0] == "deltas":
+                    yield message[1]
+                elif message[0] == "reply":
+                    self._settle(*message[1:])
+        finally:
+            self._disconnect()
+
+    def shutdown(self) -> None:
+        self._disconnect()
+
+    async def _call(self, method: str, argument: Any) -> Any:
+        if not self._subscribed or self._connection is None or self._connection[1].is_closing():
+            raise EngineUnavailable("the engine replica is not connected")
+        call_id = next(self._call_ids)
+        reply = asyncio.get_running_loop().create_future()
+        self._replies[call_id] = reply
+        try:
+            self._connection[1].write(encode_frame(("call", call_id, method, argument)))
+            return await reply
+        finally:
+            self._replies.pop(call_id, None)
+
+    def _settle(self, call_id: int, error: str | None, value: Any) -> None:
+        reply = self._replies.get(call_id)
+        if reply is None or reply.done():
+            return
+        if error is None:
+            reply.set_result(value)
+        else:
+            reply.set_exception(EngineFailed(error))
+
+    def _disconnect(self) -> None:
+        self._subscribed = False
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection[1].close()
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(EngineUnavailable("the engine replica went away"))
+
+
+async def _connect(
+    address: TransportAddress,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The loopback address for a replica on this Ray node (its node's address if the
+    replica could not listen there), the node's address for a replica elsewhere."""
+    if address.node_id == _this_node_id():
+        with contextlib.suppress(OSError):
+            return await asyncio.open_connection("127.0.0.1", address.port)
+    return await asyncio.open_connection(address.host, address.port)
+
+
+def _this_node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 class LocalEngineLink:
@@ -120,6 +212,9 @@ class LocalEngineLink:
         self._failed_starts = 0
         self._ready = asyncio.Event()
         self._aborts: set[asyncio.Task[None]] = set()
+        # Set when the application stops: an engine that dies then is not replaced (on
+        # Ctrl-C the engine processes get the signal before the router is torn down).
+        self._stopping = False
 
     def start(self) -> None:
         """Begin loading the engine (in the background); ``wait_ready`` awaits it."""
@@ -167,6 +262,7 @@ class LocalEngineLink:
         await self._live_host().check_health()
 
     def shutdown(self) -> None:
+        self._stopping = True
         if self._starting is not None:
             self._starting.cancel()
         if self._host is not None:
@@ -177,6 +273,8 @@ class LocalEngineLink:
         host = self._host
         if host is not None and not host.dead:
             return host
+        if self._stopping:
+            raise EngineUnavailable(f"the engine of {self._name} is stopping")
         if self._starting is None and not self.gave_up:
             self._starting = asyncio.get_running_loop().create_task(self._replace(host))
         state = "is starting" if host is None else "died; a new one is starting"
@@ -187,17 +285,30 @@ class LocalEngineLink:
         self._ready.clear()
         try:
             if dead is not None:
+                # A stop signal reaches the engine's processes and this one together:
+                # give the stop a moment to say so before taking the death for a crash.
+                await asyncio.sleep(STOP_GRACE_S)
+                if self._stopping:
+                    return
                 logger.warning("engine %s died; starting a new one", self._name)
                 dead.close_streams()  # subscribers resubscribe, to the new host
                 await asyncio.to_thread(dead.shutdown)
             self._host = await asyncio.to_thread(self._start_host)
             self._failed_starts = 0
-        except Exception:
+        except Exception as error:
+            if _interpreter_stopping(error):
+                self._stopping = True  # the process is exiting: nothing to restart
+                return
             self._failed_starts += 1
             logger.exception("engine %s did not start", self._name)
         finally:
             self._starting = None
             self._ready.set()  # waiters look again: ready, or start anew
+
+
+def _interpreter_stopping(error: Exception) -> bool:
+    # asyncio.to_thread's executor refuses work once the interpreter begins to exit.
+    return isinstance(error, RuntimeError) and "after shutdown" in str(error)
 
 
 class _GatePass:
@@ -255,6 +366,15 @@ class EngineClient:
     def start(self) -> None:
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen())
+
+    def close(self) -> None:
+        """Stop listening and let the link go, without waiting (the router is torn down)."""
+        if self._listener is not None:
+            self._listener.cancel()
+            self._listener = None
+        shutdown = getattr(self._link, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     async def stop(self) -> None:
         """Stop listening to the engine's deltas (the router is going away)."""

@@ -39,7 +39,7 @@ from router.engine_client import (
     EngineLink,
     EngineUnavailable,
     LocalEngineLink,
-    ServeEngineLink,
+    SocketEngineLink,
 )
 from router.engine_state import EngineStatePoller
 from router.errors import OpenAIError
@@ -115,7 +115,7 @@ class Router:
             for name, spec in (local_engines or {}).items()
         ]
         links: dict[str, EngineLink] = {
-            name: ServeEngineLink(handle) for name, handle in engines.items()
+            name: SocketEngineLink(handle) for name, handle in engines.items()
         }
         links.update(zip(local_engines or {}, self._local_engines, strict=True))
         self._replicas = [
@@ -491,8 +491,9 @@ class Router:
                 raise RuntimeError("an engine of this router could not be restarted")
 
     def __del__(self) -> None:
-        for link in getattr(self, "_local_engines", ()):
-            link.shutdown()
+        # Stopping, not dying: no engine is restarted and no stream reconnects from here.
+        for replica in getattr(self, "_replicas", ()):
+            replica.close()
         kv = getattr(self, "_kv", None)
         if kv is not None:
             kv.shutdown()  # what the KV backend holds for this application goes with it

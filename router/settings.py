@@ -163,7 +163,8 @@ class RouterConfig(StrictModel):
         "auto",
         description="Host every engine in the router's own process, each engine core in"
         " processes of its own (vLLM's data-parallel layout): true, false (one Serve"
-        " replica per engine, reached through Ray), or auto (true).",
+        " replica per engine, in a process of its own, reached over a direct TCP connection),"
+        " or auto (true unless a pool is placed on named nodes).",
     )
 
     @field_validator("replica_choice")

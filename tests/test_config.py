@@ -169,15 +169,6 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
             "engine.backend 'synthetic' serves strategies single and dp, not 'pd'",
         ),
         (
-            {
-                "strategy": "dp",
-                "pools": [{"replicas": 2}],
-                "engine": {"backend": "synthetic"},
-                "router": {"engine_in_router": False},
-            },
-            "engine.backend 'synthetic' needs router.engine_in_router true or auto",
-        ),
-        (
             {"strategy": "single", "pools": [{}], "engine": {"backend": "fake"}},
             "engine.backend: unknown engine backend 'fake'; registered: synthetic, vllm",
         ),
