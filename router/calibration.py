@@ -16,6 +16,7 @@ import asyncio
 import logging
 import random
 import uuid
+from collections.abc import Iterable
 
 from vllm import SamplingParams
 
@@ -27,7 +28,7 @@ logger = logging.getLogger("splitserve.router")
 CALIBRATION_OUTPUT_TOKENS = 2
 
 
-async def calibrate_ttft(replicas: list[EngineClient], prompt_tokens: int, vocab: int) -> None:
+async def calibrate_ttft(replicas: Iterable[EngineClient], prompt_tokens: int, vocab: int) -> None:
     """One timed prefill of ``prompt_tokens`` random token ids on every replica, at once
     (each engine has its own cores or GPUs)."""
     if prompt_tokens <= 0:

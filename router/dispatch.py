@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from engines.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
 from router.engine_client import EngineClient
+from router.engine_pool import EnginePool
 from router.offload import OffloadDecision, OffloadInputs, make_offload_policy
 from router.pd import PrefillDecodeFlow, PrefillOutcome
 from router.prefix_index import PromptBlocks
@@ -61,15 +62,15 @@ class Dispatcher:
     def __init__(
         self,
         settings: IngressSettings,
-        clients: list[EngineClient],
+        pool: EnginePool,
         kv: KVRouterSide | None = None,
     ) -> None:
         self._disaggregated = kv is not None
-        self._pools: dict[str, list[EngineClient]] = {}
-        for client in clients:
-            self._pools.setdefault(client.role, []).append(client)
+        # Read at every request: members may join and leave while the router serves.
+        self._pool = pool
         router = settings.router
-        self._choice_names = {role: router.choice_for(role) for role in self._pools}
+        roles = ("prefill", "decode") if self._disaggregated else ("mixed",)
+        self._choice_names = {role: router.choice_for(role) for role in roles}
         self._choices: dict[str, ReplicaChoice] = {
             role: make_replica_choice(name, router.choice_settings(name))
             for role, name in self._choice_names.items()
@@ -88,8 +89,7 @@ class Dispatcher:
         engine_priority = ENGINE_PRIORITY[priority]
         estimates = [
             replica.state.estimate_ttft_s(0, engine_priority)
-            for pool in self._pools.values()
-            for replica in pool
+            for replica in self._pool
             if replica.healthy
         ]
         known = [estimate for estimate in estimates if estimate is not None]
@@ -97,13 +97,15 @@ class Dispatcher:
 
     def queued_requests(self) -> int:
         """Requests router-wide still waiting for their first token."""
-        return sum(c.state.queued_prefills for pool in self._pools.values() for c in pool)
+        return sum(c.state.queued_prefills for c in self._pool)
 
     def plan(self, request: GenerateRequest, priority: Priority) -> Plan:
         prompt = PromptBlocks(request.prompt_token_ids)
         main_role = "decode" if self._disaggregated else "mixed"
         # An unhealthy replica is skipped while another is healthy.
-        main = self._choose(main_role, prompt) or Choice(self._pools[main_role][0], "unhealthy")
+        main = self._choose(main_role, prompt) or Choice(
+            self._pool.of_role(main_role)[0], "unhealthy"
+        )
         local_cached = main.replica.state.cached_tokens(prompt)
         decision = OffloadDecision("local", "colocated")
         prefill = None
@@ -179,11 +181,11 @@ class Dispatcher:
             return None
         failed = plan.main.replica
         failed.healthy = False  # until its next successful stats poll
-        if not any(r.healthy for r in self._pools[failed.role]):
+        if not any(r.healthy for r in self._pool.of_role(failed.role)):
             return None
         return self.plan(plan.request, plan.priority)
 
     def _choose(self, role: str, prompt: PromptBlocks) -> Choice | None:
         """A healthy replica of the pool; None if none is (the caller decides what then)."""
-        healthy = [replica for replica in self._pools.get(role, []) if replica.healthy]
+        healthy = [replica for replica in self._pool.of_role(role) if replica.healthy]
         return self._choices[role].choose(healthy, prompt) if healthy else None

@@ -14,6 +14,7 @@ from typing import Any
 from engines.protocol import EngineStats
 from kv_transfer import KVRouterSide
 from router.engine_client import EngineClient
+from router.engine_pool import EnginePool
 from router.metrics import RouterMetrics
 
 logger = logging.getLogger("splitserve.router")
@@ -22,13 +23,13 @@ logger = logging.getLogger("splitserve.router")
 class EngineStatePoller:
     def __init__(
         self,
-        replicas: list[EngineClient],
+        pool: EnginePool,
         metrics: RouterMetrics,
         interval_s: float,
         unhealthy_after_failed_polls: int,
         kv: KVRouterSide | None = None,
     ) -> None:
-        self._replicas = replicas
+        self._pool = pool
         self._metrics = metrics
         self._interval_s = interval_s
         self._kv = kv
@@ -45,7 +46,7 @@ class EngineStatePoller:
     async def _run(self) -> None:
         while True:
             started = time.perf_counter()
-            polls = [self._poll(replica) for replica in self._replicas]
+            polls = [self._poll(replica) for replica in self._pool]
             if self._kv is not None:
                 polls.append(self._poll_kv_metrics(self._kv))
             await asyncio.gather(*polls)

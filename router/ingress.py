@@ -41,6 +41,7 @@ from router.engine_client import (
     LocalEngineLink,
     SocketEngineLink,
 )
+from router.engine_pool import EnginePool
 from router.engine_state import EngineStatePoller
 from router.errors import OpenAIError
 from router.metrics import RouterMetrics
@@ -118,29 +119,30 @@ class Router:
             name: SocketEngineLink(handle) for name, handle in engines.items()
         }
         links.update(zip(local_engines or {}, self._local_engines, strict=True))
-        self._replicas = [
-            EngineClient(
-                name,
-                roles[name],
-                link,
-                submit_timeout_s,
-                ReplicaState(qos.ema_weight, qos.min_prefill_tokens_per_sample),
-                PrefillGate(settings.router.max_prefills_per_engine),
-            )
-            for name, link in links.items()
-        ]
-        for replica in self._replicas:
-            replica.start()
+        self._pool = EnginePool(
+            [
+                EngineClient(
+                    name,
+                    roles[name],
+                    link,
+                    submit_timeout_s,
+                    ReplicaState(qos.ema_weight, qos.min_prefill_tokens_per_sample),
+                    PrefillGate(settings.router.max_prefills_per_engine),
+                )
+                for name, link in links.items()
+            ]
+        )
+        self._pool.start()
         # Engines load in the background; until all are up the router says so (503), and
         # before it admits anything it times a prefill on each (the TTFT estimate's seed).
         calibration = functools.partial(
-            calibrate_ttft, self._replicas, qos.calibration_prompt_tokens, vocab_size
+            calibrate_ttft, self._pool, qos.calibration_prompt_tokens, vocab_size
         )
-        self._readiness = Readiness(self._replicas, on_engines_ready=calibration)
+        self._readiness = Readiness(self._pool, on_engines_ready=calibration)
         self._kv: KVRouterSide | None = None
         if settings.kv_transfer is not None:
             self._kv = make_kv_backend(settings.kv_transfer).router_side()
-        self._dispatcher = Dispatcher(settings, self._replicas, self._kv)
+        self._dispatcher = Dispatcher(settings, self._pool, self._kv)
         self._admission = AdmissionControl(settings.qos)
         record = settings.router.traffic_record
         self._recorder = (
@@ -155,7 +157,7 @@ class Router:
         )
         self._mode = settings.strategy
         self._engine_state = EngineStatePoller(
-            self._replicas,
+            self._pool,
             self._metrics,
             settings.router.stats_interval_s,
             settings.router.unhealthy_after_failed_polls,
@@ -196,7 +198,8 @@ class Router:
     async def health(self, raw: Request) -> Response:
         if refused := self._auth.refusal(raw.headers, "/health"):
             return refused.response()
-        states = await asyncio.gather(*(self._replica_health(r) for r in self._replicas))
+        replicas = list(self._pool)
+        states = await asyncio.gather(*(self._replica_health(r) for r in replicas))
         healthy = self._readiness.is_ready and all(state == "ok" for state in states)
         status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
         overall = "ok" if healthy else "degraded" if self._readiness.is_ready else "starting"
@@ -204,7 +207,7 @@ class Router:
             "status": overall,
             # Which router replica answered: an application may run several.
             "router": serve.get_replica_context().replica_id.unique_id,
-            "replicas": {r.name: state for r, state in zip(self._replicas, states, strict=True)},
+            "replicas": {r.name: state for r, state in zip(replicas, states, strict=True)},
         }
         return JSONResponse(body, status_code=int(status))
 
@@ -492,8 +495,9 @@ class Router:
 
     def __del__(self) -> None:
         # Stopping, not dying: no engine is restarted and no stream reconnects from here.
-        for replica in getattr(self, "_replicas", ()):
-            replica.close()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
         kv = getattr(self, "_kv", None)
         if kv is not None:
             kv.shutdown()  # what the KV backend holds for this application goes with it

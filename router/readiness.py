@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from router.engine_client import EngineClient
 
@@ -22,7 +22,7 @@ logger = logging.getLogger("splitserve.router")
 class Readiness:
     def __init__(
         self,
-        replicas: list[EngineClient],
+        replicas: Iterable[EngineClient],
         on_engines_ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """``on_engines_ready``: work between the engines being up and the router

@@ -16,6 +16,7 @@ from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
 from kv_transfer.handle import CONSUMER_KEY
 from router.dispatch import PREFILL_HEADER, REPLICA_HEADER, Dispatch, Dispatcher
 from router.engine_client import EngineClient
+from router.engine_pool import EnginePool
 from tests.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
 PROMPT = list(range(1, 301))
@@ -43,7 +44,7 @@ class Cluster:
         self.kv = RecordingKV()
         self.released = self.kv.released
         self.dispatcher = Dispatcher(
-            config.ingress_settings(), [self.prefill, self.decode], self.kv
+            config.ingress_settings(), EnginePool([self.prefill, self.decode]), self.kv
         )
 
     def start(self, max_tokens: int) -> Dispatch:
