@@ -21,7 +21,7 @@ from deployments.launcher import ENGINE_NAME_ENV
 from engines.host import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from engines.settings import EngineSpec, PlacementConfig, PoolConfig
-from kv_transfer.backend import make_kv_backend
+from kv_transfer.backend_registry import make_kv_backend
 from router.ingress import Router
 from splitserve.packaging import check_top_level_packages
 

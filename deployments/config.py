@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from engines.protocol import EngineRole
 from engines.settings import EngineBackendConfig, ModelConfig, PoolConfig
-from kv_transfer.backend import make_kv_backend
+from kv_transfer.backend_registry import make_kv_backend
 from kv_transfer.settings import KVTransferConfig
 from router.settings import (
     AuthConfig,

@@ -1,6 +1,6 @@
 """A vLLM KV connector that moves a request's KV blocks through Ray's object store.
 
-Backends by name (``KV_BACKENDS``, kv_transfer/backend.py): ``object_store`` (ours) and
+Backends by name (``KV_BACKENDS``, kv_transfer/backend_registry.py): ``object_store`` (ours) and
 ``example_disk`` (vLLM's ExampleConnector, a benchmark baseline). A backend gives each
 engine its vLLM ``kv_transfer_config`` and the router its side of the hand-over
 (``KVRouterSide``: the prefill request's params, releasing a transfer nobody will
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kv_transfer.backend import KV_BACKENDS, KVBackend, KVRouterSide, make_kv_backend
+from kv_transfer.backend_registry import KV_BACKENDS, KVBackend, KVRouterSide, make_kv_backend
 from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
 from kv_transfer.handle import (
     KVLayoutMismatchError,

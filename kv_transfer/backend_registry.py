@@ -6,7 +6,7 @@ A backend is a class registered in ``KV_BACKENDS``, constructed from its own
 connector of vLLM's API) and the router its side of the hand-over (``KVRouterSide``):
 what to put in a prefill request's ``kv_transfer_params``, how to free a transfer
 nobody will load, and where its metrics come from. The built-in ones are in
-``kv_transfer/backends.py``.
+``kv_transfer/builtin_backends.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class KVBackend(Protocol):
 
 
 KV_BACKENDS: Registry[type[KVBackend]] = Registry(
-    "KV backend", __name__, builtins=("kv_transfer.backends",)
+    "KV backend", __name__, builtins=("kv_transfer.builtin_backends",)
 )
 
 

@@ -1,4 +1,4 @@
-"""The built-in KV backends (see kv_transfer/backend.py).
+"""The built-in KV backends (see kv_transfer/backend_registry.py).
 
 ``object_store``: ours, ``ObjectStoreConnector``: the prefill's blocks go into Ray's
 object store, pushed to the decode engine the router named, freed once loaded, on
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, ClassVar
 
-from kv_transfer.backend import KV_BACKENDS
+from kv_transfer.backend_registry import KV_BACKENDS
 from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
 from kv_transfer.handle import remote_decode_params
 from kv_transfer.settings import ExampleDiskSettings, KVRole, ObjectStoreSettings

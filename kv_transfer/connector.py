@@ -3,7 +3,7 @@
 vLLM builds one instance in the EngineCore (role SCHEDULER) and one in every worker
 rank (role WORKER); this class only routes each call to the half that owns it
 (``scheduler_side.TransferScheduler``, ``worker_side.TransferWorker``). Select it with
-``ObjectStoreBackend.engine_config(role)`` (kv_transfer/backends.py).
+``ObjectStoreBackend.engine_config(role)`` (kv_transfer/builtin_backends.py).
 
 Granularity: one object per request per rank holding every layer, packed as views
 of the cache pages, so that ``ray.put`` makes the only copy on the prefill side and the

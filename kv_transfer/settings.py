@@ -57,7 +57,7 @@ class ExampleDiskSettings(StrictModel):
 
 
 def _backends() -> Any:
-    from kv_transfer.backend import KV_BACKENDS
+    from kv_transfer.backend_registry import KV_BACKENDS
 
     return KV_BACKENDS
 
@@ -67,9 +67,9 @@ class KVTransferConfig(StrictModel):
 
     backend: str = Field(
         "object_store",
-        description="A registered KV backend (kv_transfer.backend.KV_BACKENDS): object_store"
-        " (ours, through Ray's object store), example_disk (vLLM's ExampleConnector through"
-        " files, a benchmark baseline, not for serving).",
+        description="A registered KV backend (kv_transfer.backend_registry.KV_BACKENDS):"
+        " object_store (ours, through Ray's object store), example_disk (vLLM's"
+        " ExampleConnector through files, a benchmark baseline, not for serving).",
     )
     settings: SerializeAsAny[StrictModel] = Field(default_factory=ObjectStoreSettings)
 

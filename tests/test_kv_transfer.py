@@ -35,7 +35,7 @@ from kv_transfer import (
     remote_decode_params,
     shutdown_kv_directory,
 )
-from kv_transfer.backends import ObjectStoreBackend
+from kv_transfer.builtin_backends import ObjectStoreBackend
 from kv_transfer.directory import SWEEP_INTERVAL_S
 
 pytestmark = pytest.mark.serving

@@ -58,7 +58,7 @@ def test_registries_pickle_by_reference() -> None:
     import pickle
 
     from engines.backends import ENGINE_BACKENDS
-    from kv_transfer.backend import KV_BACKENDS
+    from kv_transfer.backend_registry import KV_BACKENDS
     from loadgen.config import ARRIVALS, WORKLOADS
     from router.offload import OFFLOAD_POLICIES
     from router.replica_choice import REPLICA_CHOICES
