@@ -346,10 +346,13 @@ class EngineReplica:
                 f"engine deployment {spec.name!r} has {replicas} Serve replicas;"
                 " scale engines by args.pools[].replicas, not by Serve overrides"
             )
+        # Routers send vLLM's SamplingParams: without this, unpickling the first submit
+        # would import vLLM (seconds) on the event loop of a synthetic engine.
+        import vllm.sampling_params  # noqa: F401
+
         self._host = ENGINE_BACKENDS.get(spec.backend.backend)(spec)
         self._transport = EngineTransportServer(self._host)
-        context = ray.get_runtime_context()
-        await self._transport.start(ray.util.get_node_ip_address(), context.get_node_id())
+        await self._transport.start(ray.util.get_node_ip_address())
 
     def transport_address(self) -> TransportAddress:
         """Where routers connect, and the secret they say first (asked once per connect)."""

@@ -52,13 +52,10 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[Any, ...]:
 
 @dataclass(frozen=True, slots=True)
 class TransportAddress:
-    """Where a router reaches one engine replica, and the secret it must say first.
-
-    ``node_id`` lets a router on the same Ray node use the loopback address."""
+    """Where a router reaches one engine replica, and the secret it must say first."""
 
     host: str
     port: int
-    node_id: str
     secret: str
 
 
@@ -86,16 +83,14 @@ class EngineTransportServer:
         self._connections: set[asyncio.Task[None]] = set()
         self.address: TransportAddress | None = None
 
-    async def start(self, node_ip: str, node_id: str) -> TransportAddress:
-        """Listen on the node's address (for routers elsewhere) and on the loopback
-        address (for routers beside it), on one port."""
-        first = await asyncio.start_server(self._accept, node_ip, 0)
-        self._servers.append(first)
-        port = first.sockets[0].getsockname()[1]
-        if node_ip not in ("127.0.0.1", "localhost"):
-            with contextlib.suppress(OSError):  # the port may be taken on loopback
-                self._servers.append(await asyncio.start_server(self._accept, "127.0.0.1", port))
-        self.address = TransportAddress(node_ip, port, node_id, self._secret)
+    async def start(self, node_ip: str) -> TransportAddress:
+        """Listen on the node's address, where Ray's own workers listen, on a port the
+        kernel picks. (Not also on loopback at the same port: that port may belong to
+        another process there, and a router would then talk to a stranger.)"""
+        server = await asyncio.start_server(self._accept, node_ip, 0)
+        self._servers.append(server)
+        port = server.sockets[0].getsockname()[1]
+        self.address = TransportAddress(node_ip, port, self._secret)
         return self.address
 
     async def stop(self) -> None:

@@ -77,9 +77,8 @@ class SocketEngineLink:
 
     The Serve handle is for control only: it names the replica's address and secret at
     each (re)connect. Calls and deltas then travel on one TCP connection per router
-    process and engine (engines/transport.py), to the loopback address when the replica
-    runs on this Ray node. A broken connection fails what waits on it; the router's
-    listener then reconnects, to the replica Serve restarted if it died.
+    process and engine (engines/transport.py). A broken connection fails what waits on
+    it; the router's listener then reconnects, to the replica Serve restarted if it died.
     """
 
     def __init__(self, handle: Any) -> None:
@@ -178,18 +177,7 @@ class SocketEngineLink:
 async def _connect(
     address: TransportAddress,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """The loopback address for a replica on this Ray node (its node's address if the
-    replica could not listen there), the node's address for a replica elsewhere."""
-    if address.node_id == _this_node_id():
-        with contextlib.suppress(OSError):
-            return await asyncio.open_connection("127.0.0.1", address.port)
     return await asyncio.open_connection(address.host, address.port)
-
-
-def _this_node_id() -> str | None:
-    import ray
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 class LocalEngineLink:

@@ -14,6 +14,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_run(length: int) -> int:
+    """The first of ``length`` consecutive ports nobody listens on or holds (several
+    router replicas under direct ingress take consecutive ports)."""
+    for base in range(18_000, 20_000, 10):
+        sockets = []
+        try:
+            for port in range(base, base + length):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no run of free ports")
+
+
 def forget_cluster(port: int) -> None:
     """Forget a stopped Ray cluster whose GCS listened on ``port``.
 

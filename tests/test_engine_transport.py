@@ -59,7 +59,7 @@ async def _served(
     )
     host = SyntheticEngineHost(spec)
     server = EngineTransportServer(host)
-    address = await server.start("127.0.0.1", "node-a")
+    address = await server.start("127.0.0.1")
     client = EngineClient(name, "mixed", SocketEngineLink(FakeHandle(address)), 5.0)
     client.start()
     try:
@@ -132,8 +132,8 @@ async def test_an_engine_that_goes_away_fails_what_was_in_flight_as_unavailable(
 async def test_a_connection_without_the_secret_is_refused() -> None:
     host = SyntheticEngineHost(engine_spec(CONFIG, *engine_names(CONFIG)[0]))
     server = EngineTransportServer(host)
-    address = await server.start("127.0.0.1", "node-a")
-    forged = TransportAddress(address.host, address.port, address.node_id, "not-the-secret")
+    address = await server.start("127.0.0.1")
+    forged = TransportAddress(address.host, address.port, "not-the-secret")
     link = SocketEngineLink(FakeHandle(forged))
     await asyncio.wait_for(link.wait_ready(), WAIT_S)
     stream = link.deltas("router-x")

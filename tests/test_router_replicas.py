@@ -9,13 +9,13 @@ gives direct ingress a single port.
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from local_ports import free_port_run
 
 from deployments.launcher import ROUTER_DEPLOYMENT, serve_run
 from engines.tiny_model import EMBEDDED_MODEL_NAME
@@ -24,24 +24,6 @@ pytestmark = pytest.mark.serving
 
 DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 ROUTERS = 2
-
-
-def _free_port_run(length: int) -> int:
-    """The first of ``length`` consecutive ports nobody listens on or holds."""
-    for base in range(18_000, 20_000, 10):
-        sockets = []
-        try:
-            for port in range(base, base + length):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no run of free ports")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +36,7 @@ def two_routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     folder = tmp_path_factory.mktemp("routers")
     path = folder / "dp-two-routers.yaml"
     path.write_text(yaml.safe_dump(document))
-    port = _free_port_run(ROUTERS + 1)
+    port = free_port_run(ROUTERS + 1)
     # "local": a cluster of this test's own, started by serve run and gone with it.
     with serve_run(str(path), ray_address="local", port=port, log_dir=folder) as app:
         yield app

@@ -18,12 +18,15 @@ import httpx
 import openai
 import psutil
 import pytest
+import yaml
 
 from deployments.launcher import RunningApp, app_engine_pids, serve_run
 
 pytestmark = pytest.mark.serving
 
-STRATEGIES = ["single", "dp", "tp", "pp"]
+# dp_apart: dp.yaml with each engine a Serve replica of its own, over the engine transport.
+DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
+STRATEGIES = ["single", "dp", "dp_apart", "tp", "pp"]
 MODEL = "splitserve-tiny-llama"
 MAX_TOKENS = 12
 TOKEN_PROMPTS = {
@@ -44,10 +47,25 @@ REPLICA_TITLE = re.compile(r"ServeReplica:splitserve:([\w-]+)")
 _REFERENCE: dict[tuple[str, str], list[int]] = {}
 
 
+def _config(strategy: str, folder: Path) -> str:
+    if strategy != "dp_apart":
+        return strategy
+    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
+    document["applications"][0]["args"]["router"]["engine_in_router"] = False
+    path = folder / "dp_apart.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return str(path)
+
+
 @pytest.fixture(scope="module", params=STRATEGIES)
 def app(request: pytest.FixtureRequest, ray_address: str, serve_logs: Path) -> Iterator[RunningApp]:
-    with serve_run(request.param, ray_address=ray_address, log_dir=serve_logs) as running:
+    config = _config(request.param, serve_logs)
+    with serve_run(config, ray_address=ray_address, log_dir=serve_logs) as running:
         yield running
+    # Stopping is not dying: nothing restarted an engine or failed while it stopped.
+    log = running.log_path.read_text(errors="replace")
+    assert "starting a new one" not in log
+    assert "cannot schedule new futures after shutdown" not in log
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +158,8 @@ def test_chat_stream(app: RunningApp, client: openai.OpenAI, name: str) -> None:
 
 
 def test_engines_run_where_the_strategy_puts_them(app: RunningApp) -> None:
-    """Every engine's front end runs in the router's process, DP's two as well."""
+    """Every engine's front end runs in the router's process, DP's two as well, unless
+    the engines run apart: then each in a Serve replica of its own."""
     owners = set()
     for pid in app_engine_pids():
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -149,7 +168,8 @@ def test_engines_run_where_the_strategy_puts_them(app: RunningApp) -> None:
                 if found:
                     owners.add(found.group(1))
                     break
-    assert owners == {"Router"}
+    apart = app.config_path.stem == "dp_apart"
+    assert owners == ({"engine-0", "engine-1"} if apart else {"Router"})
 
 
 def test_replicas_share_requests_evenly(app: RunningApp) -> None:
@@ -164,7 +184,9 @@ def test_replicas_share_requests_evenly(app: RunningApp) -> None:
             assert response.status_code == 200, response.text
             served_by[response.headers["x-splitserve-replica"]] += 1
     expected = (
-        {"engine-0": 10, "engine-1": 10} if app.config_path.stem == "dp" else {"engine-0": 20}
+        {"engine-0": 10, "engine-1": 10}
+        if app.config_path.stem.startswith("dp")
+        else {"engine-0": 20}
     )
     assert dict(served_by) == expected
     metrics = httpx.get(f"{app.base_url}/metrics").text
