@@ -263,7 +263,10 @@ def main() -> None:
     parser.add_argument("--cells", default=",".join(CELLS))
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument(
-        "--repeat", type=int, default=1, help="client runs per cell; figures are medians"
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds over every server, interleaved; figures are medians",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "peers.json")
     args = parser.parse_args()

@@ -9,11 +9,13 @@ client keeps ``--streams`` completions of ``--max-tokens`` tokens open, spread o
 routers' ports as a load balancer would, for ``--duration-s`` seconds, from
 ``--client-processes`` processes at Ray's worker niceness. On a two-core box the client
 shares the cores with the routers: the figure is a floor, and the client's own share is
-printed beside it.
+printed beside it. ``--layouts``: ``in_router`` (each router hosts engines of its own)
+and ``apart`` (engines in Serve replicas of their own, shared by every router over the
+engine transport).
 
-    python bench/relay_capacity.py [--router-replicas 1,2] [--engines 2] [--streams 64]
-        [--max-tokens 512] [--duration-s 20] [--client-processes 1]
-        [--out results/relay_capacity.json]
+    python bench/relay_capacity.py [--layouts in_router,apart] [--router-replicas 1,2]
+        [--engines 2] [--streams 64] [--max-tokens 512] [--duration-s 20]
+        [--client-processes 1] [--out results/relay_capacity.json]
 """
 
 from __future__ import annotations
@@ -61,22 +63,24 @@ class Load:
     duration_s: float
 
 
-def synthetic_app(router_replicas: int, engines: int) -> dict[str, Any]:
+def synthetic_app(router_replicas: int, engines: int, layout: str) -> dict[str, Any]:
     """dp.yaml with synthetic engines and ``router_replicas`` routers."""
     document = yaml.safe_load(DP_YAML.read_text())
     application = document["applications"][0]
     args = application["args"]
     args["engine"] = {"backend": "synthetic"}
     args["pools"] = [{"role": "mixed", "replicas": engines}]
+    args["router"]["engine_in_router"] = layout == "in_router"
     application["deployments"] = [{"name": ROUTER_DEPLOYMENT, "num_replicas": router_replicas}]
     return document
 
 
 @contextlib.contextmanager
-def serving(router_replicas: int, engines: int) -> Iterator[tuple[str, ...]]:
+def serving(router_replicas: int, engines: int, layout: str) -> Iterator[tuple[str, ...]]:
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / f"relay-{router_replicas}.yaml"
-        path.write_text(yaml.safe_dump(synthetic_app(router_replicas, engines), sort_keys=False))
+        path = Path(folder) / f"relay-{layout}-{router_replicas}.yaml"
+        document = synthetic_app(router_replicas, engines, layout)
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
         with serve_run(str(path)) as app:
             yield app.router_urls
 
@@ -152,23 +156,27 @@ def measure(urls: tuple[str, ...], load: Load, client_processes: int) -> dict[st
     }
 
 
-def print_table(rows: dict[int, dict[str, Any]], load: Load) -> None:
+def print_table(rows: dict[str, dict[str, Any]], load: Load) -> None:
     table = Table(
         title=f"Router relay capacity: synthetic engines, {load.streams} streams of"
         f" {load.max_tokens} tokens, {load.duration_s:.0f} s, client at niceness 15"
     )
-    columns = ("routers", "tokens/s", "tokens/event", "requests/s", "errors", "router CPU")
-    for column in (*columns, "client CPU"):
+    columns = ("layout, routers", "tokens/s", "tokens/event", "requests/s", "errors")
+    for column in (*columns, "router CPU", "engine replicas' CPU", "tokens/s per router core"):
         table.add_column(column, justify="right")
-    for replicas, row in rows.items():
+    table.add_column("client CPU", justify="right")
+    for key, row in rows.items():
         share = row["cpu_share"]
+        router_cores = share.get("router", 0.0)
         table.add_row(
-            str(replicas),
+            key,
             f"{row['tokens_per_s']:,.0f}",
             f"{row['tokens'] / max(row['events'], 1):.1f}",
             f"{row['requests_per_s']:.1f}",
             str(row["errors"]),
-            f"{share.get('router', 0.0):.2f} cores",
+            f"{router_cores:.2f} cores",
+            f"{share.get('engine replica', 0.0):.2f} cores",
+            f"{row['tokens_per_s'] / router_cores:,.0f}" if router_cores else "-",
             f"{row['client_cpu_share']:.2f} cores",
         )
     console.print(table)
@@ -183,8 +191,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    parser.add_argument("--layouts", default="in_router,apart")
     parser.add_argument("--router-replicas", default="1,2")
-    parser.add_argument("--engines", type=int, default=2, help="synthetic engines per router")
+    parser.add_argument(
+        "--engines", type=int, default=2, help="synthetic engines (in_router: per router)"
+    )
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--duration-s", type=float, default=20.0)
@@ -192,18 +203,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "relay_capacity.json")
     args = parser.parse_args()
     load = Load(args.streams, args.max_tokens, args.duration_s)
-    rows: dict[int, dict[str, Any]] = {}
-    for replicas in (int(part) for part in args.router_replicas.split(",")):
-        console.print(f"[bold]{replicas} router replica(s)[/]: starting")
-        with serving(replicas, args.engines) as urls:
-            client_before = _own_cpu_seconds()
-            row = measure(urls, load, args.client_processes)
-            row["client_cpu_share"] = (_own_cpu_seconds() - client_before) / row["wall_s"]
-            rows[replicas] = row
-            console.print(f"  {row['tokens_per_s']:,.0f} tokens/s, {row['errors']} errors")
+    rows: dict[str, dict[str, Any]] = {}
+    for layout in args.layouts.split(","):
+        for replicas in (int(part) for part in args.router_replicas.split(",")):
+            key = f"{layout}, {replicas}"
+            console.print(f"[bold]{layout}, {replicas} router replica(s)[/]: starting")
+            with serving(replicas, args.engines, layout) as urls:
+                client_before = _own_cpu_seconds()
+                row = measure(urls, load, args.client_processes)
+                row["client_cpu_share"] = (_own_cpu_seconds() - client_before) / row["wall_s"]
+                rows[key] = row
+                console.print(f"  {row['tokens_per_s']:,.0f} tokens/s, {row['errors']} errors")
     print_table(rows, load)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"load": asdict(load), "engines_per_router": args.engines, "results": rows}
+    document = {"load": asdict(load), "engines": args.engines, "results": rows}
     args.out.write_text(json.dumps(document, indent=2))
     console.print(f"saved {args.out}")
 
