@@ -289,7 +289,7 @@ def serve_run_url(path: Path = SINGLE_YAML, direct_ingress: bool = True) -> Iter
 
 @contextlib.contextmanager
 def engines_apart_url(path: Path = SINGLE_YAML) -> Iterator[str]:
-    """The YAML with every engine in a Serve replica of its own, reached through Ray."""
+    """The YAML with every engine in a Serve replica of its own (the engine transport)."""
     config = yaml.safe_load(path.read_text())
     args = config["applications"][0]["args"]
     args.setdefault("router", {})["engine_in_router"] = False

@@ -1,11 +1,12 @@
-"""One vLLM engine (AsyncLLM) hosted in one Ray Serve replica.
+"""One vLLM engine (AsyncLLM): hosted in the router's process, or in a Ray Serve replica
+of its own (``EngineReplica``) that routers reach over engines/transport.py.
 
 It takes token ids and a SamplingParams, and streams token deltas back: every
 request's deltas of one engine step travel together on one long-lived stream per
-router process (``deltas``), because Ray's per-item streaming cost, not vLLM,
-dominated a per-request stream on two cores. Everything
-OpenAI-shaped lives in the router; see docs/DECISIONS.md for why we host
-AsyncLLM ourselves instead of through ray.serve.llm's LLMServer.
+router process (``deltas``), so a message carries one engine step of many requests
+rather than one token of one request. Everything OpenAI-shaped lives in the router;
+see docs/DECISIONS.md for why we host AsyncLLM ourselves instead of through
+ray.serve.llm's LLMServer.
 """
 
 from __future__ import annotations
