@@ -25,7 +25,7 @@ from engines.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
-from engines.transport import TransportAddress, encode_frame, read_frame
+from engines.transport import encode_frame, read_frame
 from router.prefill_gate import PrefillGate
 from router.replica_state import PrefillTicket, ReplicaState
 
@@ -103,7 +103,7 @@ class SocketEngineLink:
                     # Serve routes to a replica once its constructor (the engine's start)
                     # returned, so the address is one of an engine that can serve.
                     address = await self._handle.transport_address.remote()
-                    self._connection = await _connect(address)
+                    self._connection = await asyncio.open_connection(address.host, address.port)
                     self._secret = address.secret
                 except Exception as error:
                     logger.debug("engine replica not reachable yet: %s", error)
@@ -113,9 +113,9 @@ class SocketEngineLink:
         await self._call("submit", request)
 
     def abort(self, request_id: str) -> None:
-        connection = self._connection
-        if self._subscribed and connection is not None and not connection[1].is_closing():
-            connection[1].write(encode_frame(("abort", request_id)))
+        writer = self._open_writer()
+        if writer is not None:
+            writer.write(encode_frame(("abort", request_id)))
 
     async def stats(self) -> EngineStats:
         return await self._call("stats", None)
@@ -143,14 +143,22 @@ class SocketEngineLink:
     def shutdown(self) -> None:
         self._disconnect()
 
+    def _open_writer(self) -> asyncio.StreamWriter | None:
+        """The connection's writer, if it has said hello and is not closing."""
+        connection = self._connection
+        if not self._subscribed or connection is None or connection[1].is_closing():
+            return None
+        return connection[1]
+
     async def _call(self, method: str, argument: Any) -> Any:
-        if not self._subscribed or self._connection is None or self._connection[1].is_closing():
+        writer = self._open_writer()
+        if writer is None:
             raise EngineUnavailable("the engine replica is not connected")
         call_id = next(self._call_ids)
         reply = asyncio.get_running_loop().create_future()
         self._replies[call_id] = reply
         try:
-            self._connection[1].write(encode_frame(("call", call_id, method, argument)))
+            writer.write(encode_frame(("call", call_id, method, argument)))
             return await reply
         finally:
             self._replies.pop(call_id, None)
@@ -172,12 +180,6 @@ class SocketEngineLink:
         for reply in self._replies.values():
             if not reply.done():
                 reply.set_exception(EngineUnavailable("the engine replica went away"))
-
-
-async def _connect(
-    address: TransportAddress,
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_connection(address.host, address.port)
 
 
 class LocalEngineLink:
