@@ -13,20 +13,17 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from local_ports import free_port_run
+from synthetic_apps import synthetic_dp
 
-from deployments.launcher import ROUTER_DEPLOYMENT, RunningApp, serve_run
+from deployments.launcher import ROUTER_DEPLOYMENT, RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from splitserve.processes import command_lines
 
 pytestmark = pytest.mark.serving
 
-DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 ROUTERS = 2
 # Paced steps: a stream of a few hundred tokens lasts seconds, long enough to cut.
 STEP_INTERVAL_S = 0.01
@@ -37,18 +34,9 @@ LONG_STREAM_TOKENS = 4000
 
 @pytest.fixture(scope="module")
 def engines_apart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
-    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
-    application = document["applications"][0]
-    args = application["args"]
-    args["engine"] = {"backend": "synthetic", "step_interval_s": STEP_INTERVAL_S}
-    args["pools"] = [{"role": "mixed", "replicas": 2}]
-    args["router"]["engine_in_router"] = False
-    application["deployments"] = [{"name": ROUTER_DEPLOYMENT, "num_replicas": ROUTERS}]
+    engine = {"backend": "synthetic", "step_interval_s": STEP_INTERVAL_S}
     folder = tmp_path_factory.mktemp("engines-apart")
-    path = folder / "dp-engines-apart.yaml"
-    path.write_text(yaml.safe_dump(document))
-    port = free_port_run(ROUTERS + 1)
-    with serve_run(str(path), ray_address="local", port=port, log_dir=folder) as app:
+    with synthetic_dp(folder, ROUTERS, engine, {"engine_in_router": False}) as app:
         yield app
 
 

@@ -10,35 +10,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from local_ports import free_port_run
+from synthetic_apps import synthetic_dp
 
-from deployments.launcher import ROUTER_DEPLOYMENT, serve_run
+from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 
 pytestmark = pytest.mark.serving
 
-DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 ROUTERS = 2
 
 
 @pytest.fixture(scope="module")
-def two_routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
-    application = document["applications"][0]
-    application["args"]["engine"] = {"backend": "synthetic"}
-    application["args"]["pools"] = [{"role": "mixed", "replicas": 2}]
-    application["deployments"] = [{"name": ROUTER_DEPLOYMENT, "num_replicas": ROUTERS}]
+def two_routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
     folder = tmp_path_factory.mktemp("routers")
-    path = folder / "dp-two-routers.yaml"
-    path.write_text(yaml.safe_dump(document))
-    port = free_port_run(ROUTERS + 1)
-    # "local": a cluster of this test's own, started by serve run and gone with it.
-    with serve_run(str(path), ray_address="local", port=port, log_dir=folder) as app:
+    with synthetic_dp(folder, ROUTERS, {"backend": "synthetic"}) as app:
         yield app
 
 
