@@ -93,12 +93,13 @@ def should_offload_prefill(
     prefill_available = queue < policy.prefill_queue_max
     if effective_len >= policy.prompt_length_threshold:
         if prefill_available:
+            if _remote_breaks_slo_and_local_is_sooner(inputs, qos):
+                return OffloadDecision("local", "remote_over_slo")
             return OffloadDecision("remote", "long_prompt")
         if inputs.priority == "high" and policy.high_priority_bypasses_queue:
             # The prefill pool is full of other work, which high priority overtakes; it
             # still goes where its own priority's queue gives the earlier first token.
-            remote, local = inputs.remote_ttft_s, inputs.local_ttft_s
-            if remote is not None and local is not None and local < remote:
+            if _local_is_sooner(inputs):
                 return OffloadDecision("local", "high_priority_sooner_local")
             return OffloadDecision("remote", "high_priority")
         return OffloadDecision("local", "prefill_queue_full")
@@ -108,3 +109,19 @@ def should_offload_prefill(
     if inputs.prompt_len >= policy.prompt_length_threshold:
         return OffloadDecision("local", "prefix_cached")
     return OffloadDecision("local", "short_prompt")
+
+
+def _local_is_sooner(inputs: OffloadInputs) -> bool:
+    remote, local = inputs.remote_ttft_s, inputs.local_ttft_s
+    return remote is not None and local is not None and local < remote
+
+
+def _remote_breaks_slo_and_local_is_sooner(inputs: OffloadInputs, qos: QoSConfig) -> bool:
+    """With QoS on, a prefill pool that is not full by count can still be too slow: a
+    queue of long prompts ahead puts the first token past the objective. Offloading
+    protects the decode replica's ITL, but not at the price of the TTFT objective when
+    the decode replica would start the prompt sooner."""
+    remote = inputs.remote_ttft_s
+    return (
+        qos.enabled and remote is not None and remote > qos.ttft_slo_s and _local_is_sooner(inputs)
+    )

@@ -291,3 +291,17 @@ def test_high_priority_facing_a_full_prefill_pool_goes_where_it_starts_sooner() 
     assert decide(remote=3.0, local=1.0) == ("local", "high_priority_sooner_local")
     assert decide(remote=1.0, local=3.0) == ("remote", "high_priority")
     assert decide(remote=None, local=1.0) == ("remote", "high_priority")  # unmeasured
+
+
+def test_a_prefill_pool_too_slow_for_the_slo_is_passed_over_for_a_sooner_decode() -> None:
+    def decide(remote: float | None, local: float | None, qos: QoSConfig) -> tuple[str, str]:
+        inputs = OffloadInputs(1000, 0, 3, 0, "high", remote, local)
+        return tuple(should_offload_prefill(inputs, CHAPTER, qos))  # type: ignore[return-value]
+
+    on = QoSConfig(enabled=True, ttft_slo_s=2.0)
+    assert decide(remote=3.0, local=1.0, qos=on) == ("local", "remote_over_slo")
+    assert decide(remote=3.0, local=4.0, qos=on) == ("remote", "long_prompt")  # still sooner
+    assert decide(remote=1.5, local=0.2, qos=on) == ("remote", "long_prompt")  # within the SLO
+    assert decide(remote=3.0, local=None, qos=on) == ("remote", "long_prompt")  # unmeasured
+    off = QoSConfig(enabled=False, ttft_slo_s=2.0)
+    assert decide(remote=3.0, local=1.0, qos=off) == ("remote", "long_prompt")
