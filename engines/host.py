@@ -159,8 +159,11 @@ class EngineHost:
 
         self._spec = spec
         # vLLM's engine processes are not Ray workers; the KV connector inside them
-        # joins this cluster itself, by the address it inherits from here.
-        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        # joins this cluster itself, by the address it inherits from here. Always this
+        # cluster's own address: a worker inherits RAY_ADDRESS from whoever started the
+        # cluster, and "local" (`RAY_ADDRESS=local serve run ...`) would make every engine
+        # start a Ray instance of its own, where no transfer is ever found.
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         self._latest = _LatestSchedulerStats()
         self._streams = DeltaStreams()
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
