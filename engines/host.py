@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import ray
 from ray import serve
 
@@ -46,6 +47,7 @@ logger = logging.getLogger("splitserve.engine")
 # vLLM's names for where a prompt token's KV came from (PromptTokenStats.ALL_SOURCES).
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _SPAWN_LOCK = threading.Lock()
+SPAWN_POLL_S = 0.02  # how often a spawning engine looks for its new process
 # How often Serve asks whatever process hosts an engine whether that engine is alive.
 ENGINE_HEALTH_CHECK_PERIOD_S = 5
 
@@ -169,9 +171,10 @@ class EngineHost:
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
         started = time.perf_counter()
         gpu_ids = self._gpu_ids()
-        # One spawn at a time per process: restarts run on worker threads, and each
-        # engine's processes must inherit its own environment, not a neighbour's.
-        with _SPAWN_LOCK, _environment(self._process_env(gpu_ids)):
+        # One spawn at a time per process: each engine's processes must inherit its own
+        # environment, not a neighbour's. Only the spawn itself: the engines of one
+        # router then load side by side, each on its own cores.
+        with _spawning_with(self._process_env(gpu_ids)):
             self._engine: AsyncLLM = AsyncLLM.from_engine_args(
                 build_engine_args(self._spec),
                 stat_loggers=[
@@ -315,22 +318,56 @@ class EngineHost:
 
 
 @contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` in os.environ while the engine's processes are spawned; restored after.
+def _spawning_with(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in os.environ, and no other engine spawning, until this block's engine
+    core process exists (a forked child keeps the environment it was forked with) or
+    the block ends; then the environment is restored and the next engine may spawn.
 
     vLLM's engine processes read their core binding and KV size from the environment
     they inherit; the front end reads vllm.envs lazily, so nothing keeps the values.
     """
+    _SPAWN_LOCK.acquire()
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    me = psutil.Process()
+    before = {child.pid for child in me.children()}
+    done = threading.Event()
+
+    def release_once_spawned() -> None:
+        try:
+            while not done.wait(SPAWN_POLL_S) and not _spawned_since(me, before):
+                pass
+        finally:
+            _restore(saved)
+            _SPAWN_LOCK.release()
+
+    watcher = threading.Thread(target=release_once_spawned, name="splitserve-spawn", daemon=True)
+    watcher.start()
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        done.set()
+        watcher.join()
+
+
+def _spawned_since(me: psutil.Process, before: set[int]) -> bool:
+    """Whether a process multiprocessing spawned is among ``me``'s new children: the
+    engine core (multiprocessing's resource tracker, spawned just before it, is not)."""
+    for child in me.children():
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                command = " ".join(child.cmdline())
+                if "spawn_main" in command or "VLLM::" in command:
+                    return True
+    return False
+
+
+def _restore(saved: Mapping[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @serve.deployment(max_ongoing_requests=4096, health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S)

@@ -108,7 +108,7 @@ class Router:
         warn_if_open(self._auth, settings.http_host, logger)
         submit_timeout_s = settings.router.submit_timeout_s
         qos = settings.qos
-        # One after another: each engine's processes inherit its environment at spawn.
+        # Started side by side; each spawn alone (its processes inherit its environment).
         restarts = settings.router.engine_restart_attempts
         host_class = ENGINE_BACKENDS.get(settings.engine_backend)
         self._local_engines = [
