@@ -1,4 +1,9 @@
-"""The client and a whole run against the fake streaming server (no engines)."""
+"""The client and a whole run against the fake streaming server (no engines).
+
+Latencies are checked against what the fake server guarantees (it never sends sooner
+than its TTFT and ITL) and against each other, never against an upper bound in
+seconds: a slow or busy machine makes every figure longer, and must not fail a test.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from loadgen.runner import RunError, RunResult, execute_run
 
 QUIET = Console(quiet=True)
 TTFT_MS, ITL_MS = 20.0, 3.0
+# asyncio may run a timer up to its clock's resolution early; this is far more than that.
+CLOCK_SLACK_S = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +62,20 @@ async def test_run_counts_latencies_and_server_view(paced_server: str) -> None:
     assert s.input_tokens == 20 * 64 and s.output_tokens == 20 * 8
     assert s.length_mismatches == 0
     assert s.ttft.count == 20 and s.itl.count == 20 * 7
-    assert TTFT_MS / 1000 <= s.ttft.p50 < TTFT_MS / 1000 + 0.05
-    assert ITL_MS / 1000 * 0.8 <= s.itl.p50 < ITL_MS / 1000 + 0.02
+    # Lower bounds the server sets (a slow machine only adds to them), orderings for the
+    # rest: no check here assumes how much this machine adds.
+    ttft_s, itl_s = TTFT_MS / 1000, ITL_MS / 1000
+    for m in (m for m in result.requests if not m.warmup):
+        assert m.ttft_s is not None and m.e2e_s is not None
+        # The server holds the first token back TTFT_MS after it has read the request,
+        # though the stream's head is out before: TTFT ends at a token, not at the head.
+        assert m.ttft_s >= ttft_s - CLOCK_SLACK_S, m
+        # ... and each later token ITL_MS after the one before.
+        assert m.e2e_s >= ttft_s + 7 * itl_s - CLOCK_SLACK_S, m
+        # The first token, then the gaps to each later one, all within the request.
+        assert m.ttft_s + sum(m.itl_s) <= m.e2e_s + CLOCK_SLACK_S, m
+    # The client tells the long wait for the first token from the short gaps after it.
+    assert s.itl.p50 < s.ttft.p50
     assert result.mode == "fake-tp" and result.model == "fake-model"
     assert len([m for m in result.requests if m.warmup]) == 1
     assert result.server.prefill_local == 20 and result.server.rejections == 0
@@ -112,7 +131,11 @@ async def test_multi_token_chunks_give_token_accurate_itl() -> None:
         assert len(m.itl_s) == 11  # 12 tokens in 3 chunks of 4
         assert m.itl_s[:3] == (0.0, 0.0, 0.0)
         assert m.itl_s[3] == pytest.approx(m.itl_s[6])  # one chunk's gap spread evenly
-    assert result.summary.itl.p99 < 0.008
+        # vLLM's view (one gap per chunk) against ours (one per token): the same time,
+        # each chunk's gap shared by its 4 tokens rather than charged to one of them.
+        assert m.chunks is not None and max(m.chunks.itl_s) > 0
+        assert sum(m.itl_s) == pytest.approx(sum(m.chunks.itl_s))
+        assert max(m.itl_s) <= max(m.chunks.itl_s) / 4 * (1 + 1e-9)
 
 
 async def test_chat_prompts_are_calibrated_to_exact_lengths(paced_server: str) -> None:
