@@ -207,6 +207,14 @@ async def metric(
     )
 
 
+async def ready(client: httpx.AsyncClient, timeout_s: float = 5.0) -> None:
+    """Wait until /health answers 200: every engine up, calibrated and healthy."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (await client.get("/health")).status_code != 200:
+        assert asyncio.get_running_loop().time() < deadline, "the router never became ready"
+        await asyncio.sleep(0.01)
+
+
 async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Wait until ``condition()`` holds; fail after ``timeout_s``."""
     deadline = asyncio.get_running_loop().time() + timeout_s

@@ -27,6 +27,7 @@ from tests.in_process_router import (
     kill_engine,
     metric,
     openai_error,
+    ready,
     sse_events,
     until,
 )
@@ -78,14 +79,6 @@ async def engine_start(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[threadi
     monkeypatch.setattr(SyntheticEngineHost, "__init__", held)
     yield started
     started.set()
-
-
-async def ready(client: httpx.AsyncClient) -> None:
-    """Once /health says every engine is up and calibrated."""
-    deadline = time.monotonic() + 5
-    while (await client.get("/health")).status_code != 200:
-        assert time.monotonic() < deadline, "the router never became ready"
-        await asyncio.sleep(0.01)
 
 
 # ---- 200 ------------------------------------------------------------------------------------
