@@ -2,13 +2,18 @@
 the directory, the worker half's put, push and claim, the scheduler half's orders.
 
 The serving tests (tests/test_kv_transfer.py, tests/test_pd.py) run the same code in
-real engines through Ray; these check its branches in seconds.
+real engines through Ray; these check its branches in seconds. Where a step is not
+awaited by the code under test (a registration, a push, a sweep), the test waits for
+its effect, not for a span of time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +34,9 @@ from tests.kv_doubles import DirectoryLoop, LocalActor, MemoryObjectStore, direc
 BLOCK = 4
 SHAPE = (16, 2, BLOCK, 8)  # blocks, kv heads, block size, 2 x head size: the CPU layout
 SETTINGS = ObjectStoreSettings(ttl_s=5.0, claim_wait_s=0.2, push_wait_s=0.5)
+# Waits on a condition give up after this long: a guard against a hang, not a pace.
+WAIT_S = 30.0
+PUSH_WAITING = SETTINGS.model_copy(update={"push_wait_s": WAIT_S / 2})
 LAYOUT = LayoutFingerprint(
     model="tiny", kv_dtype="float32", block_size=BLOCK, num_layers=2,
     kv_heads_per_rank=2, head_size=4, tp_size=1, pp_size=1,
@@ -75,15 +83,56 @@ def loop() -> Iterator[DirectoryLoop]:
     yield from directory_loop()
 
 
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` until it holds; WAIT_S is a guard against a hang, not a pace."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {WAIT_S} s"
+        time.sleep(0.01)
+
+
+def _metrics(directory: LocalActor) -> dict[str, Any]:
+    return directory.call("metrics_snapshot")
+
+
+class WatchedDirectory(LocalActor):
+    """The directory as a consumer rank calls it, noting when the rank's standing
+    ``deliveries`` call is in (that call opens its inbox: pushes before it are lost)."""
+
+    def __init__(self, directory: LocalActor) -> None:
+        super().__init__(directory.loop, directory.instance)
+        self.inbox_open = threading.Event()
+
+    @property
+    def deliveries(self) -> SimpleNamespace:
+        return SimpleNamespace(remote=self._deliveries)
+
+    def _deliveries(self, *args: Any) -> concurrent.futures.Future[Any]:
+        async def call() -> Any:
+            answer = self.instance.deliveries(*args)
+            # The call's first step, which opens the inbox, runs on the directory's loop
+            # before that loop runs anything another thread sends it (a registration).
+            self.inbox_open.set()
+            return await answer
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop)
+
+
 class Pair:
     """A producer rank and a consumer rank sharing one store and one directory."""
 
-    def __init__(self, loop: DirectoryLoop, consumer: str | None = None) -> None:
+    def __init__(
+        self,
+        loop: DirectoryLoop,
+        consumer: str | None = None,
+        settings: ObjectStoreSettings = SETTINGS,
+    ) -> None:
         self.store = MemoryObjectStore()
         self.directory = loop.directory()
+        self.watched = WatchedDirectory(self.directory)
         self.source, self.target = _caches(5), _caches(6)
-        self.producer = TransferWorker(0, BLOCK, SETTINGS, None, self.store, self.directory)
-        self.consumer = TransferWorker(0, BLOCK, SETTINGS, consumer, self.store, self.directory)
+        self.producer = TransferWorker(0, BLOCK, settings, None, self.store, self.directory)
+        self.consumer = TransferWorker(0, BLOCK, settings, consumer, self.store, self.watched)
         self.producer.register_kv_caches(self.source)
         self.consumer.register_kv_caches(self.target)
 
@@ -91,24 +140,23 @@ class Pair:
         order = SaveOrder("req-p", transfer_id, blocks, 1, SETTINGS.ttl_s, consumer)
         self.producer.save([order])
         self.producer.settle_saves([])  # waits for the put: its request is not finished
-        time.sleep(0.05)  # the registration is not awaited by the producer
+        # The registration is not awaited by the producer: wait until the directory has it.
+        _wait_until(lambda: _metrics(self.directory)["live_transfers"] == 1, "the part registered")
 
     def load(self, order: LoadOrder) -> set[str]:
         self.consumer.start_loads([order])
-        deadline = time.monotonic() + 5
         finished: set[str] = set()
-        while not finished and time.monotonic() < deadline:
-            finished = set(self.consumer.transfer_results().finished_recving or ())
-            time.sleep(0.01)
+
+        def done() -> bool:
+            finished.update(self.consumer.transfer_results().finished_recving or ())
+            return bool(finished)
+
+        _wait_until(done, f"load of {order.transfer_id}")
         return finished
 
     def close(self) -> None:
         self.producer.shutdown()
         self.consumer.shutdown()
-
-
-def _metrics(directory: LocalActor) -> dict[str, Any]:
-    return directory.call("metrics_snapshot")
 
 
 def test_a_claimed_part_lands_in_the_consumers_pages_and_is_freed(loop: DirectoryLoop) -> None:
@@ -128,9 +176,11 @@ def test_a_claimed_part_lands_in_the_consumers_pages_and_is_freed(loop: Director
 
 
 def test_a_part_pushed_to_its_named_consumer_needs_no_claim(loop: DirectoryLoop) -> None:
-    pair = Pair(loop, consumer="decode-0")
+    # The load waits for the push as long as the test waits for anything: it takes the
+    # part the moment it arrives, and a push that never comes still fails the test.
+    pair = Pair(loop, consumer="decode-0", settings=PUSH_WAITING)
     try:
-        time.sleep(0.2)  # the consumer's standing deliveries call opens its inbox
+        assert pair.watched.inbox_open.wait(WAIT_S), "the consumer never polled its inbox"
         pair.save("t2", [0, 1], consumer="decode-0")
         assert pair.load(LoadOrder("req-d", "t2", 0, [5, 6], pushed=True)) == {"req-d"}
         assert _metrics(pair.directory)["loads_total"] == {"pushed": 1, "claimed": 0}
@@ -172,7 +222,8 @@ def test_released_and_expired_transfers_are_closed(loop: DirectoryLoop) -> None:
     for transfer_id, ttl_s in (("released", 60.0), ("expired", 0.1)):
         directory.call("register", transfer_id, 0, 1, [ref], 32, {}, 0.001, ttl_s)
     directory.call("release", "released")
-    time.sleep(0.8)  # past the TTL and one sweep
+    # Released at once; expired once a sweep finds it past its TTL.
+    _wait_until(lambda: _metrics(directory)["live_transfers"] == 0, "the expired part swept")
     assert directory.call("claim", "released", 0, 0.0) == {"status": "released"}
     assert directory.call("claim", "expired", 0, 0.0) == {"status": "expired"}
     assert directory.call("claim", "unheard-of", 0, 0.05) == {"status": "unknown"}
