@@ -31,6 +31,7 @@ if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 from local_ports import forget_cluster, free_port  # noqa: E402
+from served_apps import ServedApps  # noqa: E402
 
 from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
 
@@ -135,3 +136,58 @@ def niced_like_ray_workers_fixture() -> Iterator[None]:
     the two cores from the cluster it overloads)."""
     with niced_like_ray_workers():
         yield
+
+
+_STARTED_APPS: list[ServedApps] = []  # the session's ServedApps, once a test asked for it
+
+
+@pytest.fixture(scope="session")
+def served_apps(ray_address: str, serve_logs: Path) -> Iterator[ServedApps]:
+    """The session's one running application, shared by modules that serve the same YAML."""
+    apps = ServedApps(ray_address, serve_logs)
+    _STARTED_APPS.append(apps)
+    try:
+        yield apps
+    finally:
+        apps.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_idle_app_beside_other_serving_tests(request: pytest.FixtureRequest) -> None:
+    """A serving module that does not use the shared application runs without it: an idle
+    one would hold port 8000 and take memory and CPU from the module's own cluster."""
+    module_items = [i for i in request.session.items if i.module is request.module]
+    uses_apps = any("served_apps" in getattr(i, "fixturenames", ()) for i in module_items)
+    serving = any(i.get_closest_marker("serving") for i in module_items)
+    if serving and not uses_apps:
+        for apps in _STARTED_APPS:
+            apps.close()
+
+
+# Serving modules in the order that lets consecutive ones share a started application
+# (served_apps.py): single.yaml, then the strategies (single first: it is their
+# reference), pd_always, pd, a synthetic DP. Modules not named here keep pytest's order
+# after them; modules that need no cluster run first.
+SERVING_ORDER = (
+    "test_engine_in_router",
+    "test_hostile_serving",
+    "test_loadgen_e2e",
+    "test_strategies",
+    "test_pd",
+    "test_cold_start",
+    "test_policies",
+    "test_prometheus_e2e",
+    "test_traffic_served",
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest groups items by their module-scoped params
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("serving") is None:
+            return 0
+        module = item.module.__name__ if item.module else ""
+        in_order = module in SERVING_ORDER
+        return 1 + (SERVING_ORDER.index(module) if in_order else len(SERVING_ORDER))
+
+    items.sort(key=rank)  # stable: each module's own order is kept

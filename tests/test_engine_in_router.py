@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from served_apps import ServedApps
 
-from deployments.launcher import app_engine_pids, serve_run
+from deployments.launcher import app_engine_pids
 
 pytestmark = pytest.mark.serving
 
@@ -27,20 +27,20 @@ def _status(base_url: str) -> int | None:
         return None  # the router is restarting: nothing listens for a while
 
 
-def test_a_dead_engine_restarts_its_router(ray_address: str, serve_logs: Path) -> None:
-    with serve_run("single", ray_address=ray_address, log_dir=serve_logs) as app:
-        assert _status(app.base_url) == 200
-        dead = app_engine_pids()
-        assert dead
-        for pid in dead:
-            os.kill(pid, signal.SIGKILL)
-        response = httpx.post(f"{app.base_url}/v1/completions", json=REQUEST, timeout=30)
-        # The engine is gone, not the request wrong: unavailable, retry later.
-        assert response.status_code == 503
-        assert response.json()["error"]["code"] == 503
-        assert int(response.headers["retry-after"]) >= 1
-        deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-        while _status(app.base_url) != 200:
-            assert time.monotonic() < deadline, "the router did not come back with a new engine"
-            time.sleep(1)
-        assert app_engine_pids().isdisjoint(dead)
+def test_a_dead_engine_restarts_its_router(served_apps: ServedApps) -> None:
+    app = served_apps.get("single")
+    assert _status(app.base_url) == 200
+    dead = app_engine_pids()
+    assert dead
+    for pid in dead:
+        os.kill(pid, signal.SIGKILL)
+    response = httpx.post(f"{app.base_url}/v1/completions", json=REQUEST, timeout=30)
+    # The engine is gone, not the request wrong: unavailable, retry later.
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == 503
+    assert int(response.headers["retry-after"]) >= 1
+    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
+    while _status(app.base_url) != 200:
+        assert time.monotonic() < deadline, "the router did not come back with a new engine"
+        time.sleep(1)
+    assert app_engine_pids().isdisjoint(dead)

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,9 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from local_ports import free_port
+from served_apps import ServedApps
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from deployments.launcher import RAY_WORKER_NICENESS, serve_run
+from deployments.launcher import RAY_WORKER_NICENESS
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from splitserve.processes import ChildSettings, http_ok, running_process
 from tests.test_hostile_input import from_schema
@@ -58,9 +58,8 @@ CASES: list[tuple[str, str, bytes | dict[str, Any], bool]] = [
 
 
 @pytest.fixture(scope="module")
-def ours(ray_address: str, serve_logs: Path) -> Iterator[str]:
-    with serve_run("single", ray_address=ray_address, log_dir=serve_logs) as app:
-        yield app.base_url
+def ours(served_apps: ServedApps) -> str:
+    return served_apps.get("single").base_url
 
 
 @pytest.fixture(scope="module")

@@ -67,8 +67,8 @@ from typing import Any
 import httpx
 import pytest
 from rich.console import Console
+from served_apps import ServedApps
 
-from deployments.launcher import serve_run
 from engines.tiny_model import embedded_model_path
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.runner import execute_run
@@ -197,14 +197,12 @@ def _pin(pids: set[int], cores: set[int]) -> dict[int, set[int]]:
 
 
 def test_counts_and_latencies_agree_with_vllm_client(
-    ray_address: str, serve_logs: Path, cluster_pids: Callable[[], set[int]]
+    served_apps: ServedApps, serve_logs: Path, cluster_pids: Callable[[], set[int]]
 ) -> None:
     result_dir = serve_logs / "loadgen-e2e"
     result_dir.mkdir(parents=True, exist_ok=True)
-    with (
-        serve_run("single", ray_address=ray_address, log_dir=serve_logs) as app,
-        clients_on_a_core_of_their_own(cluster_pids),
-    ):
+    app = served_apps.get("single")
+    with clients_on_a_core_of_their_own(cluster_pids):
         model = warm_up(app.base_url)
         clients = [start_vllm_client(app.base_url, model, result_dir)]
         try:

@@ -15,14 +15,13 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from served_apps import ServedApps
 
-from deployments.launcher import RunningApp, replica_engine_pids, serve_run
+from deployments.launcher import RunningApp, replica_engine_pids
 
 pytestmark = pytest.mark.serving
 
@@ -90,18 +89,17 @@ def _metric(base_url: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(ray_address: str, serve_logs: Path) -> dict[str, Any]:
-    with serve_run("single", ray_address=ray_address, log_dir=serve_logs) as app:
-        return {
-            "completions": [_complete(app.base_url, p)[0] for p in PROMPTS],
-            "chats": [_chat(app.base_url, c)[0] for c in CHATS],
-        }
+def reference(served_apps: ServedApps) -> dict[str, Any]:
+    app = served_apps.get("single")
+    return {
+        "completions": [_complete(app.base_url, p)[0] for p in PROMPTS],
+        "chats": [_chat(app.base_url, c)[0] for c in CHATS],
+    }
 
 
 @pytest.fixture(scope="module")
-def pd_app(reference: dict, ray_address: str, serve_logs: Path) -> Iterator[RunningApp]:
-    with serve_run("pd_always", ray_address=ray_address, log_dir=serve_logs) as app:
-        yield app
+def pd_app(reference: dict, served_apps: ServedApps) -> RunningApp:
+    return served_apps.get("pd_always")
 
 
 def test_completions_match_single_engine(pd_app: RunningApp, reference: dict) -> None:

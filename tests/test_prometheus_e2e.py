@@ -17,13 +17,13 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from local_ports import free_port
 from rich.console import Console
+from served_apps import ServedApps
 
 from dashboards.dashboard import build_dashboard, expand, expressions, metric_names
 from dashboards.prometheus import (
@@ -34,7 +34,6 @@ from dashboards.prometheus import (
     run_prometheus,
     target_health,
 )
-from deployments.launcher import serve_run
 from engines.sampler import SAMPLE_PERIOD_S
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.exposition import Exposition
@@ -90,33 +89,33 @@ def loadgen_metrics() -> tuple[Exposition, int]:
 @pytest.fixture(scope="module")
 def stack(
     ray_address: str,
-    serve_logs: Path,
+    served_apps: ServedApps,
     loadgen_metrics: tuple[Exposition, int],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, RunningPrometheus, RunResult]]:
     """pd.yaml, Prometheus scraping it, and one finished load-generator run."""
     exposition, loadgen_port = loadgen_metrics
-    with serve_run("pd", ray_address=ray_address, log_dir=serve_logs) as app:
-        targets = ScrapeTargets(
-            router=app.base_url.removeprefix("http://"),
-            ray_discovery_file=ray_discovery_file(ray_address),
-            loadgen=f"127.0.0.1:{loadgen_port}",
-            scrape_interval=SCRAPE_INTERVAL,
+    app = served_apps.get("pd")
+    targets = ScrapeTargets(
+        router=app.base_url.removeprefix("http://"),
+        ray_discovery_file=ray_discovery_file(ray_address),
+        loadgen=f"127.0.0.1:{loadgen_port}",
+        scrape_interval=SCRAPE_INTERVAL,
+    )
+    work_dir = tmp_path_factory.mktemp("prometheus")
+    with run_prometheus(targets, port=free_port(), work_dir=work_dir) as prometheus:
+        config = RunConfig(
+            base_url=app.base_url,
+            workload=WorkloadConfig(name="custom", input_len=INPUT_LEN, output_len=OUTPUT_LEN),
+            qps=RATE,
+            num_requests=REQUESTS,
+            warmup_requests=1,
+            show_progress=False,
+            prometheus_url=prometheus.url,
         )
-        work_dir = tmp_path_factory.mktemp("prometheus")
-        with run_prometheus(targets, port=free_port(), work_dir=work_dir) as prometheus:
-            config = RunConfig(
-                base_url=app.base_url,
-                workload=WorkloadConfig(name="custom", input_len=INPUT_LEN, output_len=OUTPUT_LEN),
-                qps=RATE,
-                num_requests=REQUESTS,
-                warmup_requests=1,
-                show_progress=False,
-                prometheus_url=prometheus.url,
-            )
-            result = asyncio.run(execute_run(config, Console(quiet=True), exposition))
-            _repeat_one_prompt(app.base_url, result.model)
-            yield app.base_url, prometheus, result
+        result = asyncio.run(execute_run(config, Console(quiet=True), exposition))
+        _repeat_one_prompt(app.base_url, result.model)
+        yield app.base_url, prometheus, result
 
 
 def _repeat_one_prompt(base_url: str, model: str) -> None:

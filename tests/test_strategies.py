@@ -10,7 +10,6 @@ import contextlib
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,9 @@ import openai
 import psutil
 import pytest
 import yaml
+from served_apps import ServedApps
 
-from deployments.launcher import RunningApp, app_engine_pids, serve_run
+from deployments.launcher import RunningApp, app_engine_pids
 
 pytestmark = pytest.mark.serving
 
@@ -58,14 +58,9 @@ def _config(strategy: str, folder: Path) -> str:
 
 
 @pytest.fixture(scope="module", params=STRATEGIES)
-def app(request: pytest.FixtureRequest, ray_address: str, serve_logs: Path) -> Iterator[RunningApp]:
-    config = _config(request.param, serve_logs)
-    with serve_run(config, ray_address=ray_address, log_dir=serve_logs) as running:
-        yield running
-    # Stopping is not dying: nothing restarted an engine or failed while it stopped.
-    log = running.log_path.read_text(errors="replace")
-    assert "starting a new one" not in log
-    assert "cannot schedule new futures after shutdown" not in log
+def app(request: pytest.FixtureRequest, served_apps: ServedApps, serve_logs: Path) -> RunningApp:
+    # Stopping is not dying: served_apps checks that nothing restarted or failed then.
+    return served_apps.get(_config(request.param, serve_logs))
 
 
 @pytest.fixture(scope="module")

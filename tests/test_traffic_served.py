@@ -7,14 +7,14 @@ the record and the drift gauges is the one vLLM engines take.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from served_apps import ServedApps
 
-from deployments.launcher import RunningApp, serve_run
+from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 
 pytestmark = pytest.mark.serving
@@ -27,8 +27,8 @@ OUTPUT_TOKENS = 4  # as profiled
 
 @pytest.fixture(scope="module")
 def recording_app(
-    ray_address: str, serve_logs: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[RunningApp, Path]]:
+    served_apps: ServedApps, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunningApp, Path]:
     folder = tmp_path_factory.mktemp("traffic")
     record = folder / "traffic.jsonl"
     document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
@@ -45,8 +45,7 @@ def recording_app(
     }
     path = folder / "dp-recorded.yaml"
     path.write_text(yaml.safe_dump(document))
-    with serve_run(str(path), ray_address=ray_address, log_dir=serve_logs) as app:
-        yield app, record
+    return served_apps.get(str(path)), record
 
 
 def _metric(text: str, name: str, quantity: str) -> float:
