@@ -269,6 +269,17 @@ async def test_a_bad_request_is_a_400_naming_the_parameter(
     assert "x-splitserve-replica" not in response.headers  # no engine was asked
 
 
+async def test_unknown_fields_are_ignored_unless_the_router_rejects_them() -> None:
+    body = chat(max_tokens=1, frobnicate=True)
+    async with in_process_router() as router, http_client(router) as client:
+        assert (await client.post(CHAT, json=body)).status_code == 200
+    reject = {"router": {"unknown_fields": "reject"}}
+    async with in_process_router(**reject) as router, http_client(router) as client:
+        response = await client.post(CHAT, json=body)
+        message = openai_error(response, 400, "BadRequestError", "frobnicate")
+        assert message == "unrecognized request argument: 'frobnicate'"
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="router bug: a content part of a shape vLLM's models reject (a text part without"
@@ -345,6 +356,7 @@ async def test_a_dead_engine_is_a_503_with_retry_after(monkeypatch: pytest.Monke
 async def test_a_request_past_request_timeout_s_is_a_504_and_aborted_in_the_engine() -> None:
     args = {"engine": SLOW_ENGINE, "qos": NO_CALIBRATION, "router": {"request_timeout_s": 0.3}}
     async with in_process_router(**args) as router, http_client(router) as client:
+        await ready(client)
         started = time.monotonic()
         response = await client.post(COMPLETIONS, json=completion())  # one token, then 5 s
         assert time.monotonic() - started < 2
@@ -357,6 +369,7 @@ async def test_a_request_past_request_timeout_s_is_a_504_and_aborted_in_the_engi
 async def test_a_stream_that_times_out_before_its_first_token_is_a_504_status() -> None:
     args = {"engine": SLOW_ENGINE, "qos": NO_CALIBRATION, "router": {"request_timeout_s": 0.3}}
     async with in_process_router(**args) as router, http_client(router) as client:
+        await ready(client)
         # The engine takes its 5 s pause after this one's step: the next waits for it.
         assert (await client.post(COMPLETIONS, json=completion(max_tokens=1))).status_code == 200
         response = await client.post(CHAT, json=chat(stream=True))
@@ -364,8 +377,9 @@ async def test_a_stream_that_times_out_before_its_first_token_is_a_504_status() 
 
 
 async def test_an_error_after_the_first_token_is_an_error_event_in_the_stream() -> None:
-    args = {"engine": SLOW_ENGINE, "qos": NO_CALIBRATION, "router": {"request_timeout_s": 0.3}}
+    args = {"engine": SLOW_ENGINE, "qos": NO_CALIBRATION, "router": {"request_timeout_s": 1.0}}
     async with in_process_router(**args) as router, http_client(router) as client:
+        await ready(client)
         response = await client.post(CHAT, json=chat(stream=True))  # one token, then 5 s
         assert response.status_code == 200
         role, token, error = sse_events(response)
@@ -456,7 +470,7 @@ async def test_a_priority_past_its_ttft_limit_is_refused_early_with_503_and_retr
 async def test_a_priority_past_its_queue_cap_is_a_429_with_retry_after() -> None:
     args = {
         "engine": SLOW_ENGINE,
-        "router": {"request_timeout_s": 0.5},
+        "router": {"request_timeout_s": 1.0},
         "qos": {
             **NO_CALIBRATION,
             "enabled": True,
@@ -465,6 +479,7 @@ async def test_a_priority_past_its_queue_cap_is_a_429_with_retry_after() -> None
         },
     }
     async with in_process_router(**args) as router, http_client(router) as client:
+        await ready(client)
         assert (await client.post(COMPLETIONS, json=completion(max_tokens=1))).status_code == 200
         waiting = asyncio.create_task(client.post(CHAT, json=chat()))  # for the next step
         await until(lambda: router._dispatcher.queued_requests() == 1)
@@ -529,9 +544,10 @@ async def test_a_keys_queue_cap_is_a_429_with_auths_retry_after() -> None:
         "auth": AUTH,
         "engine": SLOW_ENGINE,
         "qos": NO_CALIBRATION,
-        "router": {"request_timeout_s": 0.5},
+        "router": {"request_timeout_s": 1.0},
     }
     async with in_process_router(**args) as router, http_client(router) as client:
+        await ready(client)
         team = bearer(TEAM_KEY)
         warm = await client.post(COMPLETIONS, json=completion(max_tokens=1), headers=team)
         assert warm.status_code == 200  # its place came back with its first token
