@@ -276,14 +276,21 @@ def _plain_message(message: Any, index: int) -> dict[str, str]:
     if isinstance(content, str) or content is None:
         return {"role": role, "content": content or ""}
     texts = []
-    for part in content:
-        if part.get("type") != "text":
-            raise bad_request(
-                f"messages[{index}]: content of type {part.get('type')!r} is not supported;"
-                " only text",
-                f"messages.{index}.content",
-            )
-        texts.append(part.get("text", ""))
+    try:
+        # vLLM's models validate content parts lazily, as they are iterated here.
+        for part in content:
+            if part.get("type") != "text":
+                raise bad_request(
+                    f"messages[{index}]: content of type {part.get('type')!r} is not"
+                    " supported; only text",
+                    f"messages.{index}.content",
+                )
+            texts.append(part.get("text", ""))
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise bad_request(
+            f"messages[{index}]: invalid content part: {first['msg']}", f"messages.{index}.content"
+        ) from None
     return {"role": role, "content": "".join(texts)}
 
 
