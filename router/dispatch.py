@@ -56,6 +56,17 @@ class Dispatch:
     expected_cached_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
     released: bool = False  # its stream closed and its counts undone (router/ingress.py)
+    disaggregated: bool = False
+
+    def response_headers(self) -> dict[str, str]:
+        """Where the request ran, as it ran: read once its first token exists, since a
+        remote prefill that fails falls back to the decode replica."""
+        headers = dict(self.headers)
+        if self.disaggregated:
+            headers[PREFILL_HEADER] = f"{self.outcome.where}:{self.outcome.reason}"
+            if self.outcome.where == "remote":
+                headers[PREFILL_REPLICA_HEADER] = self.prefill_replica.name
+        return headers
 
 
 class Dispatcher:
@@ -150,28 +161,40 @@ class Dispatcher:
         headers = {REPLICA_HEADER: main.name}
         main.state.record_prompt(plan.prompt)
         outcome = PrefillOutcome(plan.decision.where, plan.decision.reason)
+        pd = self._pd is not None
         if plan.prefill is None:
             if self._pd is not None:
-                headers[PREFILL_HEADER] = f"{outcome.where}:{outcome.reason}"
                 stream = self._pd.run(
                     plan.request, main, None, outcome, plan.prefill_tokens, on_accepted
                 )
             else:
                 stream = main.generate(plan.request, plan.prefill_tokens, on_accepted)
             return Dispatch(
-                plan, stream, [main], outcome, main, plan.expected_cached_tokens, headers
+                plan,
+                stream,
+                [main],
+                outcome,
+                main,
+                plan.expected_cached_tokens,
+                headers,
+                disaggregated=pd,
             )
         prefill = plan.prefill.replica
         assert self._pd is not None  # a remote prefill is planned for PD only
         # The decode replica caches the blocks it loads, as if it had computed them.
         prefill.state.record_prompt(plan.prompt)
-        headers[PREFILL_REPLICA_HEADER] = prefill.name
-        headers[PREFILL_HEADER] = f"{outcome.where}:{outcome.reason}"
         stream = self._pd.run(
             plan.request, main, prefill, outcome, plan.prefill_tokens, on_accepted
         )
         return Dispatch(
-            plan, stream, [prefill, main], outcome, prefill, plan.expected_cached_tokens, headers
+            plan,
+            stream,
+            [prefill, main],
+            outcome,
+            prefill,
+            plan.expected_cached_tokens,
+            headers,
+            disaggregated=True,
         )
 
     def replan_elsewhere(self, plan: Plan) -> Plan | None:

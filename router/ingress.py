@@ -267,7 +267,7 @@ class Router:
             return failure.response(headers)
         waiting.release()  # the key's request has its first token: no longer queued
         self._count_choices(dispatch.plan)
-        headers.update(dispatch.headers)
+        headers.update(dispatch.response_headers())
         events = self._events(dispatch, first, prepared, writer, arrival)
         if prepared.stream:
             self._metrics.requests.labels(route, "200", priority).inc()
@@ -423,7 +423,9 @@ class Router:
         except Exception as error:  # the engine failed mid-request
             names = "+".join(replica.name for replica in dispatch.replicas)
             logger.exception("a request failed on %s", names)
-            failure = self._failure(error, names, started=bool(transcript.token_ids))
+            # A non-streamed response has sent nothing yet, whatever the engines made.
+            sent = prepared.stream and bool(transcript.token_ids)
+            failure = self._failure(error, names, started=sent)
             if not prepared.stream:
                 raise failure from error
             yield writer.error_event(failure)
@@ -440,8 +442,8 @@ class Router:
         )
 
     def _failure(self, error: Exception, names: str, started: bool) -> OpenAIError:
-        """503 with Retry-After where the engine never took the request, 504 past the
-        request timeout, else 500."""
+        """503 with Retry-After where an engine was unavailable before the client got
+        any token, 504 past the request timeout, else 500."""
         if isinstance(error, TimeoutError):
             return OpenAIError(
                 f"the request did not finish within router.request_timeout_s"
