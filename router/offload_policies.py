@@ -57,6 +57,14 @@ class ConditionalSettings(StrictModel):
     decode_busy_min_length: int = Field(
         64, ge=1, description="A busy decode replica offloads prompts of at least this length."
     )
+    remote_ttft_max_s: float | None = Field(
+        None,
+        gt=0,
+        description="With QoS on, a long prompt goes remote only while the prefill pool's"
+        " TTFT estimate for it is at most this, or the decode replica would not start it"
+        " sooner (unset: qos.ttft_slo_s). Below the objective it leaves room for what the"
+        " estimate cannot see: work that arrives after it.",
+    )
     high_priority_bypasses_queue: bool = Field(
         True,
         description="High priority goes remote even to a full prefill queue (the engines'"
@@ -93,8 +101,8 @@ def should_offload_prefill(
     prefill_available = queue < policy.prefill_queue_max
     if effective_len >= policy.prompt_length_threshold:
         if prefill_available:
-            if _remote_breaks_slo_and_local_is_sooner(inputs, qos):
-                return OffloadDecision("local", "remote_over_slo")
+            if _remote_too_slow_and_local_sooner(inputs, policy, qos):
+                return OffloadDecision("local", "remote_too_slow")
             return OffloadDecision("remote", "long_prompt")
         if inputs.priority == "high" and policy.high_priority_bypasses_queue:
             # The prefill pool is full of other work, which high priority overtakes; it
@@ -116,12 +124,13 @@ def _local_is_sooner(inputs: OffloadInputs) -> bool:
     return remote is not None and local is not None and local < remote
 
 
-def _remote_breaks_slo_and_local_is_sooner(inputs: OffloadInputs, qos: QoSConfig) -> bool:
+def _remote_too_slow_and_local_sooner(
+    inputs: OffloadInputs, policy: ConditionalSettings, qos: QoSConfig
+) -> bool:
     """With QoS on, a prefill pool that is not full by count can still be too slow: a
     queue of long prompts ahead puts the first token past the objective. Offloading
     protects the decode replica's ITL, but not at the price of the TTFT objective when
     the decode replica would start the prompt sooner."""
     remote = inputs.remote_ttft_s
-    return (
-        qos.enabled and remote is not None and remote > qos.ttft_slo_s and _local_is_sooner(inputs)
-    )
+    limit = policy.remote_ttft_max_s or qos.ttft_slo_s
+    return qos.enabled and remote is not None and remote > limit and _local_is_sooner(inputs)

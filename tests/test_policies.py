@@ -148,7 +148,7 @@ def test_a_busy_prefill_pool_sends_long_prompts_local(pd_app: RunningApp) -> Non
     # Local because the pool is full by count, or (QoS on) because its queue already
     # puts the first token past the objective while the decode replica is sooner.
     local = sum(
-        change.decisions.get(("local", r), 0) for r in ("prefill_queue_full", "remote_over_slo")
+        change.decisions.get(("local", r), 0) for r in ("prefill_queue_full", "remote_too_slow")
     )
     remote = change.decisions.get(("remote", "long_prompt"), 0)
     assert local >= 1 and local + remote == burst, change.decisions

@@ -299,9 +299,17 @@ def test_a_prefill_pool_too_slow_for_the_slo_is_passed_over_for_a_sooner_decode(
         return tuple(should_offload_prefill(inputs, CHAPTER, qos))  # type: ignore[return-value]
 
     on = QoSConfig(enabled=True, ttft_slo_s=2.0)
-    assert decide(remote=3.0, local=1.0, qos=on) == ("local", "remote_over_slo")
+    assert decide(remote=3.0, local=1.0, qos=on) == ("local", "remote_too_slow")
     assert decide(remote=3.0, local=4.0, qos=on) == ("remote", "long_prompt")  # still sooner
     assert decide(remote=1.5, local=0.2, qos=on) == ("remote", "long_prompt")  # within the SLO
     assert decide(remote=3.0, local=None, qos=on) == ("remote", "long_prompt")  # unmeasured
     off = QoSConfig(enabled=False, ttft_slo_s=2.0)
     assert decide(remote=3.0, local=1.0, qos=off) == ("remote", "long_prompt")
+
+
+def test_the_remote_ttft_limit_can_sit_below_the_objective() -> None:
+    settings = CHAPTER.model_copy(update={"remote_ttft_max_s": 1.0})
+    on = QoSConfig(enabled=True, ttft_slo_s=2.0)
+    inputs = OffloadInputs(1000, 0, 3, 0, "high", 1.5, 0.5)  # type: ignore[arg-type]
+    assert tuple(should_offload_prefill(inputs, settings, on)) == ("local", "remote_too_slow")
+    assert tuple(should_offload_prefill(inputs, CHAPTER, on)) == ("remote", "long_prompt")
