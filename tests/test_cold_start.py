@@ -10,6 +10,7 @@ tokens ahead of low priority's, nothing 5xx, no connection dropped.
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import threading
 import time
@@ -66,6 +67,14 @@ class Outcome:
     answered_s: float | None = None
     ttft_s: float | None = None
     stream_error: bool = False
+    finish_reason: str | None = None  # of the last choice that had one
+    done: bool = False  # the stream's closing ``data: [DONE]`` arrived
+    failure: str | None = None  # the connection broke or timed out
+
+    @property
+    def complete(self) -> bool:
+        """A whole streamed answer: its last token's finish reason, then [DONE]."""
+        return self.failure is None and self.done and self.finish_reason is not None
 
 
 async def _one(session: aiohttp.ClientSession, url: str, index: int) -> Outcome:
@@ -88,11 +97,17 @@ async def _one(session: aiohttp.ClientSession, url: str, index: int) -> Outcome:
             outcome.answered_s = time.perf_counter() - started
             async for line in response.content:
                 if line.startswith(b"data: {"):
-                    outcome.stream_error |= b'"error"' in line
+                    event = json.loads(line.removeprefix(b"data: "))
+                    outcome.stream_error |= "error" in event
                     if outcome.ttft_s is None:
                         outcome.ttft_s = time.perf_counter() - started
-    except (aiohttp.ClientError, TimeoutError):
-        pass
+                    for choice in event.get("choices") or ():
+                        outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
+                elif line.strip() == b"data: [DONE]":
+                    outcome.done = True
+    except (aiohttp.ClientError, TimeoutError) as error:
+        # Recorded, not swallowed: a client that got its status must get its answer.
+        outcome.failure = f"{type(error).__name__}: {error}"
     return outcome
 
 
@@ -148,11 +163,17 @@ def test_the_first_burst_is_shed_by_priority(started: tuple[RunningApp, StartupP
         p: [(o.status, o.ttft_s and round(o.ttft_s, 2)) for o in outcomes if o.priority == p]
         for p in PRIORITIES
     }
+    failures = [(o.priority, o.status, o.failure) for o in outcomes if o.failure]
+    assert not failures, failures  # no connection dropped, before its status or after
     assert all(o.status in (200, 429, 503) for o in outcomes), summary
     assert not any(o.stream_error for o in outcomes), summary
     admitted = [o for o in outcomes if o.status == 200]
     refused = [o for o in outcomes if o.status != 200]
     assert all(o.ttft_s is not None for o in admitted), summary
+    # A 200 is a promise of the whole answer: every admitted stream ran to its end.
+    assert all(o.complete for o in admitted), [
+        (o.priority, o.finish_reason, o.done) for o in admitted if not o.complete
+    ]
     # High priority is never refused, and low priority is what gives way.
     assert all(o.status == 200 for o in outcomes if o.priority == "high"), summary
     assert any(o.priority == "low" for o in refused), (statuses, summary)

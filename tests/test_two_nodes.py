@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,10 @@ KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # one block of the embedded model, fp3
 NODE_DEATH_TIMEOUT_S = 90.0
 # A Serve replica's process title; vLLM's engine processes are ENGINE_PROCESS_MARKERS.
 REPLICA_TITLE = "ray::ServeReplica"
+# Chunks of objects the node's object manager received from other nodes, since it started.
+RECEIVED_CHUNKS = "ray_object_manager_received_chunks"
+# Ray exports metrics every metrics_report_interval_ms (10 s by default), and a little.
+RAY_METRICS_EXPORT_S = 12.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,18 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def _settled(read: Callable[[], float], timeout_s: float = 120.0) -> float:
+    """``read()`` once two readings a Ray metrics export apart agree."""
+    deadline = time.monotonic() + timeout_s
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(RAY_METRICS_EXPORT_S)
+        value, previous = read(), value
+        if value == previous:
+            return value
+    pytest.fail(f"still moving after {timeout_s:.0f} s: {value}")
+
+
 def _eventually(check: object, timeout_s: float = 40.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -166,17 +182,21 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
     ) as app:
         # Serve keeps objects of its own (configs, handles): only new ones would be ours.
         baseline = _large_object_ids(two_nodes.dashboard_url)
+        # Ray's object manager counts since the node started (the single engine above,
+        # Serve's own objects): only what it counts from here on is the KV's. Ray exports
+        # it periodically, so the baseline is a value that has stopped moving.
+        decode_node = f"http://127.0.0.1:{two_nodes.metrics_ports['decode']}/metrics"
+        chunks_before = _settled(lambda: _metric(decode_node, RECEIVED_CHUNKS))
         answers = [_complete(app.base_url, prompt) for prompt in PROMPTS]
         assert [ids for ids, _ in answers] == reference
         assert {where for _, where in answers} == {"remote:always"}
         metrics = f"{app.base_url}/metrics"
         assert _metric(metrics, "splitserve_kv_transfers_total", outcome="loaded") >= 5
         assert _metric(metrics, "splitserve_kv_transfer_bytes_total", op="get") > 0
-        # Ray moved the bytes: the decode node's object manager received chunks.
-        decode_node = f"http://127.0.0.1:{two_nodes.metrics_ports['decode']}/metrics"
-        assert _eventually(
-            lambda: _metric(decode_node, "ray_object_manager_received_chunks") > 0
-        ), "the decode node's object store received nothing from the other node"
+        # Ray moved the bytes: the decode node's object manager received chunks since.
+        assert _eventually(lambda: _metric(decode_node, RECEIVED_CHUNKS) > chunks_before), (
+            f"the decode node's object store received nothing more than {chunks_before} chunks"
+        )
         # Freed on both nodes once loaded.
         assert _eventually(lambda: _metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
         assert _eventually(lambda: not _large_object_ids(two_nodes.dashboard_url) - baseline), (
@@ -187,6 +207,7 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
         node = _prefill_node_commands(two_nodes.marker)
         raylets = {pid for pid, command in node.items() if "raylet" in command}
         assert raylets, "no raylet found for the prefill node"
+        local_before = _metric(metrics, "splitserve_prefill_decisions_total", where="local")
         for pid in raylets:
             os.kill(pid, signal.SIGKILL)
         # Ray's actor calls go worker to worker, so the replica may answer until the GCS
@@ -197,7 +218,8 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
         ), "still prefilling on a dead node"
         after = [_complete(app.base_url, _fresh_prompt()) for _ in range(4)]
         assert all(where.startswith("local:") for _, where in after), after
-        assert _metric(metrics, "splitserve_prefill_decisions_total", where="local") >= 4
+        local_after = _metric(metrics, "splitserve_prefill_decisions_total", where="local")
+        assert local_after - local_before >= len(after), (local_before, local_after)
         # No engine outlives its node: the replica and its engine core exit with the raylet.
         assert _eventually(
             lambda: not _engine_commands(two_nodes.marker), timeout_s=NODE_DEATH_TIMEOUT_S
