@@ -305,3 +305,33 @@ def test_bad_placement_is_refused(change: dict, message: str) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_app_config(args)
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("prefill_pp", "decode_pp", "message"),
+    [
+        # Both pools alike, as one KV layout requires: refused for what it is.
+        (2, 2, "kv_transfer backend 'object_store' does not support pipeline parallelism"),
+        # One pool alone: refused as a layout mismatch that names the pipeline size.
+        (2, 1, "must share one KV layout, but (prefill != decode): pipeline_parallel_size 2 != 1"),
+        (1, 2, "must share one KV layout, but (prefill != decode): pipeline_parallel_size 1 != 2"),
+    ],
+)
+def test_pd_refuses_pipeline_parallelism(prefill_pp: int, decode_pp: int, message: str) -> None:
+    """README: the KV connector does not support pipeline parallelism; the config says so
+    before any engine starts (the connector itself would only fail inside vLLM)."""
+    args: dict[str, Any] = {
+        "strategy": "pd",
+        "pools": [
+            {"role": "prefill", "pipeline_parallel_size": prefill_pp},
+            {"role": "decode", "pipeline_parallel_size": decode_pp},
+        ],
+    }
+    with pytest.raises(ConfigError) as raised:
+        parse_app_config(args)
+    assert message in str(raised.value)
+    # With tensor parallelism beside it, the same.
+    for pool in args["pools"]:
+        pool["tensor_parallel_size"] = 2
+    with pytest.raises(ConfigError, match="pipeline"):
+        parse_app_config(args)
