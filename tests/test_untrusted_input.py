@@ -32,11 +32,11 @@ BOMB = (
 )
 LARGE_PROMPT_CHARS = 300_000
 TICK_S = 0.01
-# The largest gap allowed between ticks meant to come every TICK_S while a slow request
-# is prepared in a worker thread. Measured on two shared cores: at most 26 ms (tokenizing,
-# which releases the GIL) and 21 ms (the template, which holds it and gives it up every
-# 5 ms, sys.getswitchinterval()); on the event loop itself: 300 to 550 ms.
-MAX_TICK_GAP_S = 0.1
+# The largest gap between ticks meant to come every TICK_S while a slow request is
+# prepared in a worker thread, measured on two shared cores: 26 ms (tokenizing, which
+# releases the GIL) and 21 ms (the template, which holds it and gives it up every 5 ms,
+# sys.getswitchinterval()); on the event loop itself: 300 to 550 ms. On a busy machine
+# every figure grows (up to ~50 ms and 1.7 s seen), so the checks are ratios of them.
 
 
 @pytest.fixture(scope="module")
@@ -211,12 +211,11 @@ async def ticks_during(work: Awaitable[Any]) -> tuple[Any, Ticks]:
 
 
 def _check_loop_kept_serving(off_loop: Ticks, on_loop: Ticks) -> None:
-    # Ordering: the ticker ran all along, at least every other tick it asked for...
-    assert len(off_loop.gaps) >= off_loop.work_s / (2 * TICK_S), off_loop
-    # ... far less stalled than the same work on the loop, whose one gap is the work ...
+    # Ratios of what this test measured, no bound in seconds: the ticker kept running
+    # through the work, no gap of it near the work's length ...
+    assert off_loop.max_gap_s * 4 < off_loop.work_s, off_loop
+    # ... and far less stalled than the same work on the loop, whose one gap is the work.
     assert off_loop.max_gap_s * 4 < on_loop.max_gap_s, (off_loop.max_gap_s, on_loop.max_gap_s)
-    # ... and inside the bound, with room over what was measured (MAX_TICK_GAP_S).
-    assert off_loop.max_gap_s < MAX_TICK_GAP_S, off_loop.max_gap_s
 
 
 async def test_a_large_prompt_is_tokenized_off_the_event_loop() -> None:
