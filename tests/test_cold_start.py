@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 import httpx
 import pytest
+from served_apps import ServedApps
 
-from deployments.launcher import RunningApp, serve_run
+from deployments.launcher import RunningApp
 
 pytestmark = pytest.mark.serving
 
@@ -120,22 +120,24 @@ async def _burst(url: str) -> list[Outcome]:
 
 
 @pytest.fixture(scope="module")
-def started(ray_address: str, serve_logs: Path) -> Iterator[tuple[RunningApp, StartupPolls]]:
-    """pd.yaml, polled from before its router exists until it serves."""
+def started(served_apps: ServedApps) -> Iterator[tuple[RunningApp, StartupPolls]]:
+    """pd.yaml, polled from before its router exists until it serves (then left
+    running for the modules after this one)."""
+    served_apps.close()  # nothing may answer on the port before pd.yaml does
     polls = StartupPolls()
     poller = threading.Thread(
         target=polls.poll_forever, args=("http://127.0.0.1:8000",), daemon=True
     )
     poller.start()
     try:
-        with serve_run("pd", ray_address=ray_address, log_dir=serve_logs) as app:
-            # A few answers after readiness, then the poller leaves the cluster cold.
-            deadline = time.monotonic() + 30
-            while polls.completions.count("200") < 3 and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-            polls.stop.set()
-            poller.join(60)
-            yield app, polls
+        app = served_apps.get("pd", fresh=True)
+        # A few answers after readiness, then the poller leaves the cluster cold.
+        deadline = time.monotonic() + 30
+        while polls.completions.count("200") < 3 and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        polls.stop.set()
+        poller.join(60)
+        yield app, polls
     finally:
         polls.stop.set()
 
