@@ -15,11 +15,14 @@ import math
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from local_ports import free_port
 from rich.console import Console
@@ -27,6 +30,7 @@ from served_apps import ServedApps
 
 from dashboards.dashboard import build_dashboard, expand, expressions, metric_names
 from dashboards.prometheus import (
+    RAY_JOB,
     RunningPrometheus,
     ScrapeTargets,
     ensure_prometheus,
@@ -346,3 +350,34 @@ def test_loadgen_server_view_reads_prometheus(stack: tuple) -> None:
     _, _, result = stack
     assert "Prometheus" in result.server.source, result.server.notes
     assert result.server.kv_cache_usage_mean, "KV cache usage per replica from Prometheus"
+
+
+def test_the_command_line_scrapes_the_cluster_named_by_ray_address(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """``python -m dashboards.prometheus --ray-address`` as the README gives it: the Ray
+    cluster's metrics endpoints are discovered and scraped, and SIGTERM stops it all."""
+    command = [
+        sys.executable, "-m", "dashboards.prometheus", "--ray-address", ray_address,
+        "--port", str(free_port()), "--host", "127.0.0.1", "--router", f"127.0.0.1:{free_port()}",
+        "--loadgen", f"127.0.0.1:{free_port()}", "--scrape-interval", "1s",
+        "--work-dir", str(tmp_path), "--no-install",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.rstrip())
+            if line.startswith("Ctrl-C stops Prometheus."):
+                break
+        ray_rows = [row.split() for row in lines if row.strip().startswith(RAY_JOB + " ")]
+        assert ray_rows, "\n".join(lines)
+        assert all(row[2] == "up" for row in ray_rows), "\n".join(lines)
+        prometheus_pids = {c.pid for c in psutil.Process(process.pid).children(recursive=True)}
+        assert prometheus_pids, "Prometheus runs as the command's child"
+    finally:
+        process.terminate()
+        returncode = process.wait(30)
+    assert returncode == 0, "\n".join(lines)
+    assert not [pid for pid in prometheus_pids if psutil.pid_exists(pid)], "Prometheus outlived it"

@@ -1,0 +1,79 @@
+"""The README's commands that start an application themselves: ``make demo`` (``python -m
+loadgen demo``) and ``python -m loadgen sweep`` each run a real ``serve run``, measure
+it, stop it, and leave no engine behind.
+
+Both run on the session's cluster (``RAY_ADDRESS``), which serves port 8000 only, so
+no other application may run meanwhile (conftest closes the shared one first). The
+sweep's mode is a DP YAML with synthetic engines in a folder of its own
+(``--deployments-dir``): what is checked is the launch, not the model.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.launcher import DEPLOYMENTS_DIR, REPO_ROOT, app_engine_pids
+
+pytestmark = pytest.mark.serving
+
+COMMAND_TIMEOUT_S = 600
+REQUESTS = 4
+
+
+def _loadgen(arguments: list[str], ray_address: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, RAY_ADDRESS=ray_address)
+    return subprocess.run(
+        [sys.executable, "-m", "loadgen", *arguments],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+
+
+def _output(result: subprocess.CompletedProcess[str]) -> str:
+    return f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+
+
+def test_the_demo_serves_measures_and_stops(ray_address: str, tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    result = _loadgen(
+        ["demo", "--config", "single", "--num-requests", str(REQUESTS), "--rate", "4",
+         "--out", str(out)],
+        ray_address,
+    )  # fmt: skip
+    assert result.returncode == 0, _output(result)
+    runs = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    summaries = [run["summary"] for run in runs if "summary" in run and "mode" in run]
+    assert [s["completed"] for s in summaries] == [REQUESTS], _output(result)
+    assert [run["mode"] for run in runs if "summary" in run and "mode" in run] == ["single"]
+    assert not app_engine_pids(), "engines outlived the demo"
+
+
+def test_a_sweep_starts_each_mode_it_measures(ray_address: str, tmp_path: Path) -> None:
+    deployments = tmp_path / "deployments"
+    deployments.mkdir()
+    document = yaml.safe_load((DEPLOYMENTS_DIR / "dp.yaml").read_text())
+    document["applications"][0]["args"]["engine"] = {"backend": "synthetic"}
+    (deployments / "dp.yaml").write_text(yaml.safe_dump(document))
+    out = tmp_path / "sweep"
+    result = _loadgen(
+        ["sweep", "--modes", "dp", "--deployments-dir", str(deployments),
+         "--workloads", "general", "--qps", "4", "--num-requests", str(REQUESTS),
+         "--warmup-requests", "0", "--out", str(out), "--no-plots", "--no-progress"],
+        ray_address,
+    )  # fmt: skip
+    assert result.returncode == 0, _output(result)
+    with (out / "sweep.csv").open() as rows:
+        cells = list(csv.DictReader(rows))
+    assert [(c["mode"], c["completed"]) for c in cells] == [("dp", str(REQUESTS))], cells
+    assert (out / "logs" / "server-dp.log").exists()
