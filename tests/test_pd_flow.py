@@ -137,7 +137,7 @@ def test_an_unhealthy_prefill_pool_means_local_prefill() -> None:
     assert cluster.prefill_link.submitted == []
     assert len(_tokens(chunks)) == 3
     assert dispatch.outcome.where == "local"
-    assert dispatch.headers[PREFILL_HEADER] == "local:prefill_unavailable"
+    assert dispatch.response_headers()[PREFILL_HEADER] == "local:prefill_unavailable"
 
 
 def test_never_keeps_every_prompt_on_the_decode_replica() -> None:
