@@ -51,6 +51,12 @@ _UNSUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
         lambda v: v is not None,
         "set by the router for prefill/decode hand-over, not by clients",
     ),
+    # vLLM's encoder-cache hand-over between engines, the twin of kv_transfer_params.
+    (
+        "ec_transfer_params",
+        lambda v: v is not None,
+        "an engine-to-engine hand-over field, not set by clients",
+    ),
 ]
 
 

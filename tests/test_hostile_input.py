@@ -87,9 +87,8 @@ def validator() -> RequestValidator:
 
 
 # Fields the router sets for the engines' hand-over; a client's value is hostile
-# (router/requests.py refuses it). ec_transfer_params belongs here too, but the router
-# serves it: see test_a_client_cannot_set_the_routers_hand_over_fields.
-HAND_OVER_FIELDS = ("kv_transfer_params",)
+# (router/requests.py refuses it).
+HAND_OVER_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 
 
 def hostility(model_cls: type, raw: bytes) -> str | None:
@@ -214,15 +213,7 @@ def test_bytes_that_are_not_a_json_object(validator: RequestValidator, raw: byte
     "field",
     [
         "kv_transfer_params",
-        pytest.param(
-            "ec_transfer_params",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="product bug: the router passes a client's ec_transfer_params to the"
-                " engine (SamplingParams.extra_args) instead of refusing it as it refuses"
-                " kv_transfer_params (router/requests.py _UNSUPPORTED)",
-            ),
-        ),
+        "ec_transfer_params",
     ],
 )
 @pytest.mark.parametrize("model_cls", [CompletionRequest, ChatCompletionRequest])
