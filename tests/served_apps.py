@@ -6,8 +6,9 @@ on this box: most of what the serving tests cost. Modules that serve the same YA
 one start, and ``conftest.py`` runs them next to each other. An application is handed
 out again only while every router answers ``/health``; one a test left broken is
 replaced. Stopping is checked as ``serve_run`` checks it (no engine outlives the
-application), and the log written while it stopped must show no replica restarted or
-failed because of the stop.
+application), and its log must show no replica restarted or failed, neither while it
+stopped nor while tests used it, except for tests that kill engines and say so
+(``restarts_expected``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from pathlib import Path
 from deployments.launcher import RunningApp, config_path, serve_run
 from splitserve.processes import http_ok
 
-# Lines Serve or our engine client log when stopping broke something: a replica that
-# died was started again, or work was submitted to an executor already shut down.
-STOP_FAILURES = ("starting a new one", "cannot schedule new futures after shutdown")
+# Lines Serve or our engine client log when something broke: a replica that died was
+# started again, or work was submitted to an executor already shut down.
+REPLICA_FAILURES = ("starting a new one", "cannot schedule new futures after shutdown")
 
 
 class ServedApps:
@@ -29,21 +30,31 @@ class ServedApps:
         self._log_dir = log_dir
         self._app: RunningApp | None = None
         self._stack: ExitStack | None = None
+        # Where the running application's log must show no restart or failure from.
+        self._checked_from: int | None = None
 
-    def get(self, name_or_path: str, *, fresh: bool = False) -> RunningApp:
+    def get(
+        self, name_or_path: str, *, fresh: bool = False, restarts_expected: bool = False
+    ) -> RunningApp:
         """The application for a YAML under deployments/ (by name) or anywhere (by path),
-        started unless the running one is it and serves; ``fresh``: started anew."""
+        started unless the running one is it and serves; ``fresh``: started anew.
+        ``restarts_expected``: the caller kills engines, so its replicas restart."""
         path = config_path(name_or_path).resolve()
         app = self._app
-        if not fresh and app is not None and app.config_path.resolve() == path and _serves(app):
-            return app
-        self.close()
-        stack = ExitStack()
-        self._app = stack.enter_context(
-            serve_run(str(path), ray_address=self._ray_address, log_dir=self._log_dir)
-        )
-        self._stack = stack
-        return self._app
+        reused = not fresh and app is not None and app.config_path.resolve() == path
+        if not (reused and app is not None and _serves(app)):
+            self.close()
+            stack = ExitStack()
+            app = stack.enter_context(
+                serve_run(str(path), ray_address=self._ray_address, log_dir=self._log_dir)
+            )
+            self._app, self._stack, self._checked_from = app, stack, 0
+        if restarts_expected:
+            self._check_log(app, "while tests used it")  # what came before this caller
+            self._checked_from = None
+        elif self._checked_from is None:
+            self._checked_from = _log_size(app)
+        return app
 
     def close(self) -> None:
         """Stop the running application, if any (its port is free afterwards)."""
@@ -51,13 +62,24 @@ class ServedApps:
         if app is None or stack is None:
             return
         self._app = self._stack = None
-        offset = app.log_path.stat().st_size if app.log_path.exists() else 0
+        if self._checked_from is None:  # the last caller killed engines: the stop alone
+            self._checked_from = _log_size(app)
         stack.close()
+        self._check_log(app, "while tests used it or while it stopped")
+
+    def _check_log(self, app: RunningApp, when: str) -> None:
+        if self._checked_from is None or not app.log_path.exists():
+            return
         with app.log_path.open(errors="replace") as log:
-            log.seek(offset)
-            stopping = log.read()
-        broken = [line for line in stopping.splitlines() if any(f in line for f in STOP_FAILURES)]
-        assert not broken, f"{app.config_path.name} broke while stopping: {broken[:3]}"
+            log.seek(self._checked_from)
+            lines = log.read().splitlines()
+        broken = [line for line in lines if any(f in line for f in REPLICA_FAILURES)]
+        name = app.config_path.name
+        assert not broken, f"{name}: a replica restarted or failed {when}: {broken[:3]}"
+
+
+def _log_size(app: RunningApp) -> int:
+    return app.log_path.stat().st_size if app.log_path.exists() else 0
 
 
 def _serves(app: RunningApp) -> bool:

@@ -28,7 +28,7 @@ def _status(base_url: str) -> int | None:
 
 
 def test_a_dead_engine_restarts_its_router(served_apps: ServedApps) -> None:
-    app = served_apps.get("single")
+    app = served_apps.get("single", restarts_expected=True)
     assert _status(app.base_url) == 200
     dead = app_engine_pids()
     assert dead

@@ -99,7 +99,8 @@ def reference(served_apps: ServedApps) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pd_app(reference: dict, served_apps: ServedApps) -> RunningApp:
-    return served_apps.get("pd_always")
+    # test_requests_complete_when_the_prefill_replica_dies kills an engine.
+    return served_apps.get("pd_always", restarts_expected=True)
 
 
 def test_completions_match_single_engine(pd_app: RunningApp, reference: dict) -> None:

@@ -59,7 +59,7 @@ def _config(strategy: str, folder: Path) -> str:
 
 @pytest.fixture(scope="module", params=STRATEGIES)
 def app(request: pytest.FixtureRequest, served_apps: ServedApps, serve_logs: Path) -> RunningApp:
-    # Stopping is not dying: served_apps checks that nothing restarted or failed then.
+    # Serving and stopping are not dying: served_apps checks that no replica restarted.
     return served_apps.get(_config(request.param, serve_logs))
 
 
