@@ -161,7 +161,6 @@ class Dispatcher:
         headers = {REPLICA_HEADER: main.name}
         main.state.record_prompt(plan.prompt)
         outcome = PrefillOutcome(plan.decision.where, plan.decision.reason)
-        pd = self._pd is not None
         if plan.prefill is None:
             if self._pd is not None:
                 stream = self._pd.run(
@@ -177,7 +176,7 @@ class Dispatcher:
                 main,
                 plan.expected_cached_tokens,
                 headers,
-                disaggregated=pd,
+                disaggregated=self._pd is not None,
             )
         prefill = plan.prefill.replica
         assert self._pd is not None  # a remote prefill is planned for PD only

@@ -30,6 +30,14 @@ from router import ingress
 from router.ingress import Router
 from tests.fake_engine import RecordingKV
 
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+PROMPT = [5, 6, 7]  # a synthetic engine answers with the last prompt token, 7, each step
+# The router's headers as clients read them, spelled out: a rename must fail the tests.
+REPLICA = "x-splitserve-replica"
+PREFILL = "x-splitserve-prefill"
+PREFILL_REPLICA = "x-splitserve-prefill-replica"
+
 # Serve's deployment wraps the class (serve.ingress); the class itself comes next. Its
 # functions read a copy of the module's globals, which Serve's pickling made.
 ROUTER_CLASS: type = Router.func_or_class.__mro__[1]

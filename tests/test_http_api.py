@@ -22,6 +22,9 @@ from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from router.auth import KEYS_ENV, VLLM_KEY_ENV
 from tests.in_process_router import (
+    CHAT,
+    COMPLETIONS,
+    PROMPT,
     http_client,
     in_process_router,
     kill_engine,
@@ -32,9 +35,6 @@ from tests.in_process_router import (
     until,
 )
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-PROMPT = [5, 6, 7]  # a synthetic engine answers with the last prompt token, 7, each step
 # An engine whose steps come 5 s apart: a request's first token comes at once when the
 # engine is idle, else at its next step; with calibration off, nothing runs before.
 SLOW_ENGINE: dict[str, Any] = {"backend": "synthetic", "step_interval_s": 5.0}

@@ -21,6 +21,8 @@ from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from router.auth import KEYS_ENV, VLLM_KEY_ENV
 from tests.in_process_router import (
+    COMPLETIONS,
+    REPLICA,
     http_client,
     in_process_router,
     kill_engine,
@@ -30,9 +32,6 @@ from tests.in_process_router import (
     sse_events,
     until,
 )
-
-COMPLETIONS = "/v1/completions"
-REPLICA = "x-splitserve-replica"
 
 
 def completion(prompt: list[int] | None = None, **fields: Any) -> dict[str, Any]:

@@ -22,6 +22,12 @@ from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from router.auth import KEYS_ENV, VLLM_KEY_ENV
 from tests.in_process_router import (
+    CHAT,
+    COMPLETIONS,
+    PREFILL,
+    PREFILL_REPLICA,
+    PROMPT,
+    REPLICA,
     http_client,
     in_process_router,
     kill_engine,
@@ -31,13 +37,6 @@ from tests.in_process_router import (
     sse_events,
     until,
 )
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-PROMPT = [5, 6, 7]  # a synthetic engine answers with the last prompt token, 7, each step
-REPLICA = "x-splitserve-replica"
-PREFILL = "x-splitserve-prefill"
-PREFILL_REPLICA = "x-splitserve-prefill-replica"
 
 
 def completion(**fields: Any) -> dict[str, Any]:
