@@ -202,7 +202,7 @@ class TransferDirectory:
     """Maps transfer id → the object refs of its parts; frees them after use or TTL.
 
     Plain asyncio code: Ray runs it as the ``KVObjectDirectory`` actor, the fast tests
-    run it in their own event loop (tests/kv_doubles.py).
+    run it in their own event loop (tests/support/kv_doubles.py).
     """
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """Where the connector's worker half puts and gets KV parts: Ray's object store.
 
 A seam of two calls, so the worker half runs in the fast tests without a Ray cluster
-(tests/kv_doubles.py puts parts in a dict); everything real goes through Ray.
+(tests/support/kv_doubles.py puts parts in a dict); everything real goes through Ray.
 """
 
 from __future__ import annotations

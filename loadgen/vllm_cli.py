@@ -1,6 +1,6 @@
 """``vllm bench serve``'s command line, as ``python -m loadgen`` takes it (vLLM 0.32).
 
-Every flag of vLLM's ``add_cli_args`` (tests/test_loadgen_vllm_cli.py reads the list from
+Every flag of vLLM's ``add_cli_args`` (tests/loadgen/test_vllm_cli.py reads the list from
 vLLM's own parser) is either served, with vLLM's meaning, or refused by name with the
 reason: never ignored. Flags both tools have (``--model``, ``--seed``, ``--request-rate``,
 ``--num-prompts``, ``--max-concurrency``, ``--burstiness``, ``--temperature``,

@@ -3,7 +3,7 @@
 The generation routes read their body raw, so that malformed JSON is answered in
 OpenAI's error format rather than FastAPI's; FastAPI therefore knows nothing of the
 body. This adds vLLM's own request models as the bodies' schemas, so clients and
-property-based testers (tests/test_hostile_input.py) see what the router accepts.
+property-based testers (tests/router/test_hostile_input.py) see what the router accepts.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def _plain_message(message: Any, index: int) -> dict[str, str]:
 class RequestValidator:
     """Everything between a request's raw body and what the engines get, in the order
     the router runs it; anything the client got wrong is an OpenAIError (4xx) in
-    OpenAI's format, never an exception of another kind (tests/test_hostile_input.py
+    OpenAI's format, never an exception of another kind (tests/router/test_hostile_input.py
     throws generated bodies at exactly this path)."""
 
     def __init__(

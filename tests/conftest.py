@@ -30,10 +30,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
-from local_ports import forget_cluster, free_port  # noqa: E402
-from served_apps import ServedApps  # noqa: E402
-
 from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
+from tests.support.local_ports import forget_cluster, free_port  # noqa: E402
+from tests.support.served_apps import ServedApps  # noqa: E402
 
 # Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
 # this variable, so the final check finds exactly ours, orphans included.
@@ -169,15 +168,15 @@ def _no_idle_app_beside_other_serving_tests(request: pytest.FixtureRequest) -> N
 # reference), pd_always, pd, a synthetic DP. Modules not named here keep pytest's order
 # after them; modules that need no cluster run first.
 SERVING_ORDER = (
-    "test_engine_in_router",
-    "test_hostile_serving",
-    "test_loadgen_e2e",
-    "test_strategies",
-    "test_pd",
-    "test_cold_start",
-    "test_policies",
-    "test_prometheus_e2e",
-    "test_traffic_served",
+    "tests.router.test_engine_in_router_served",
+    "tests.router.test_hostile_served",
+    "tests.loadgen.test_agreement_served",
+    "tests.deployments.test_strategies_served",
+    "tests.deployments.test_pd_served",
+    "tests.deployments.test_cold_start_served",
+    "tests.router.test_policies_served",
+    "tests.dashboards.test_prometheus_served",
+    "tests.router.test_traffic_served",
 )
 
 
@@ -191,3 +190,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return 1 + (SERVING_ORDER.index(module) if in_order else len(SERVING_ORDER))
 
     items.sort(key=rank)  # stable: each module's own order is kept
+
+
+def _check_serving_order_names_modules() -> None:
+    """A module renamed but not here would lose its place silently, and its app with it."""
+    root = Path(__file__).resolve().parent.parent
+    missing = [m for m in SERVING_ORDER if not (root / f"{m.replace('.', '/')}.py").exists()]
+    if missing:
+        raise pytest.UsageError(
+            f"conftest.SERVING_ORDER names modules that do not exist: {missing}"
+        )
+
+
+_check_serving_order_names_modules()

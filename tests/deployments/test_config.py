@@ -1,0 +1,337 @@
+"""Serve YAML args are validated with messages that name the field and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments.app import engine_names, engine_process_env
+from deployments.config import (
+    ConfigError,
+    load_app_config,
+    parse_app_config,
+    refuse_engine_overrides,
+)
+
+DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
+
+
+@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp", "pd", "pd_always"])
+def test_shipped_configs_are_valid(name: str) -> None:
+    config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
+    assert config.strategy == name.split("_")[0]
+    # What the router is handed is the validated objects themselves, not a dump.
+    settings = config.ingress_settings()
+    assert settings.router is config.router and settings.qos is config.qos
+    assert settings.disaggregated == (config.strategy == "pd")
+
+
+def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
+    config = load_app_config(DEPLOYMENTS / "dp.yaml")
+    names = [name for name, _, _ in engine_names(config)]
+    assert names == ["engine-0", "engine-1"]
+    binds = [
+        engine_process_env(config, config.pools[0], i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)
+    ]
+    assert binds == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"strategy": "dq", "pools": [{}]}, "strategy: Input should be 'single', 'dp'"),
+        ({"strategy": "dp", "pools": [{"replicas": 1}]}, "needs replicas >= 2"),
+        ({"strategy": "tp", "pools": [{"tensor_parallel_size": 1}]}, "tensor_parallel_size >= 2"),
+        ({"strategy": "single", "pools": [{"replicas": 2}]}, "needs replicas = 1"),
+        ({"strategy": "pd", "pools": [{"role": "mixed"}]}, "one 'prefill' and one 'decode'"),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2, "cpu_binds": ["0"]}]},
+            "cpu_binds has 1 entries but replicas is 2",
+        ),
+        (
+            {"strategy": "tp", "pools": [{"tensor_parallel_size": 2, "cpu_binds": ["0"]}]},
+            "names 1 rank(s)",
+        ),
+        ({"strategy": "single", "pools": [{"replica": 1}]}, "pools.0.replica: Extra inputs"),
+        (
+            {
+                "strategy": "pd",
+                "pools": [
+                    {"role": "prefill", "engine_kwargs": {"block_size": 64}},
+                    {"role": "decode"},
+                ],
+            },
+            "must share one KV layout, but (prefill != decode): engine_kwargs.block_size 64",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill", "tensor_parallel_size": 2}, {"role": "decode"}],
+            },
+            "tensor_parallel_size 2 != 1",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "kv_transfer": {"ttl_s": 0},
+            },
+            "kv_transfer.ttl_s",
+        ),
+        ({"strategy": "single", "pools": [{}], "model": {"max_model_len": 0}}, "max_model_len"),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "split_policy": {"mode": "never"}},
+            "split_policy is for strategy 'pd', not 'dp'",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "split_policy": {"mode": "sometimes"},
+            },
+            "split_policy: unknown offload policy 'sometimes'; registered: always, conditional,"
+            " never",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "split_policy": {"prompt_length_threshold": 0},
+            },
+            "  - split_policy.prompt_length_threshold: Input should be greater than or equal to 1",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "kv_transfer": {"backend": "nixl"},
+            },
+            "kv_transfer: unknown KV backend 'nixl'; registered: example_disk, object_store",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "kv_transfer": {"backend": "object_store", "storage_path": "/tmp/x"},
+            },
+            "kv_transfer.storage_path: Extra inputs are not permitted",
+        ),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
+            "router.replica_choice: unknown replica choice 'random'; registered: least_loaded,"
+            " prefix_affinity, round_robin",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2}],
+                "router": {"replica_choice_settings": {"prefix_affinity": {"min_hit_tokens": 0}}},
+            },
+            "replica_choice_settings.prefix_affinity.min_hit_tokens: Input should be greater",
+        ),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "tgi"}},
+            "engine.backend: unknown engine backend 'tgi'; registered: synthetic, vllm",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2}],
+                "router": {"replica_choice": {"decode": "least_loaded"}},
+            },
+            "names roles ['decode'] this strategy has no pool for",
+        ),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
+            "router.replica_choice",
+        ),
+        (
+            {"strategy": "single", "pools": [{}], "qos": {"queue_caps": {"high": 5}}},
+            "queue_caps needs a cap for every priority; missing ['normal', 'low']",
+        ),
+        (
+            {"strategy": "single", "pools": [{}], "qos": {"early_rejection_s": {"low": 3.0}}},
+            "early_rejection_s must be above 0 and at most ttft_slo_s (2 s); got {'low': 3.0}",
+        ),
+        (
+            {"strategy": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
+            "qos.ttft_slo_s: Input should be greater than 0",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "engine": {"backend": "synthetic"},
+            },
+            "engine.backend 'synthetic' serves strategies single and dp, not 'pd'",
+        ),
+        (
+            {"strategy": "single", "pools": [{}], "engine": {"backend": "fake"}},
+            "engine.backend: unknown engine backend 'fake'; registered: synthetic, vllm",
+        ),
+    ],
+)
+def test_bad_config_names_the_field(args: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_app_config(args)
+    assert message in str(raised.value)
+
+
+def test_pd_always_is_pd_without_the_policies() -> None:
+    conditional = load_app_config(DEPLOYMENTS / "pd.yaml")
+    always = load_app_config(DEPLOYMENTS / "pd_always.yaml")
+    assert (always.split_policy.mode, always.qos.enabled) == ("always", False)
+    assert conditional.split_policy.mode == "conditional" and conditional.qos.enabled
+    policies = {"router", "split_policy", "qos", "pools"}
+    assert always.model_dump(exclude=policies) == conditional.model_dump(exclude=policies)
+    for ours, theirs in zip(always.pools, conditional.pools, strict=True):
+        # Priority scheduling only orders requests; the engines are otherwise the same.
+        assert ours.model_dump(exclude={"engine_kwargs"}) == theirs.model_dump(
+            exclude={"engine_kwargs"}
+        )
+
+
+@pytest.mark.parametrize(
+    ("name", "setting", "in_router"),
+    [
+        ("single", "auto", True),
+        ("tp", "auto", True),
+        ("pp", "auto", True),
+        ("dp", "auto", True),
+        ("pd", "auto", True),
+        ("dp", False, False),
+        ("pd", False, False),
+        ("single", False, False),
+        ("dp", True, True),
+    ],
+)
+def test_the_router_hosts_engines_unless_told_not_to(
+    name: str, setting: str | bool, in_router: bool
+) -> None:
+    args = yaml.safe_load((DEPLOYMENTS / f"{name}.yaml").read_text())["applications"][0]["args"]
+    args.setdefault("router", {})["engine_in_router"] = setting
+    assert parse_app_config(args).hosts_engines_in_router is in_router
+
+
+@pytest.mark.parametrize("override", [{"num_replicas": 2}, {"autoscaling_config": {}}])
+def test_serve_overrides_of_an_engine_deployment_are_refused(
+    tmp_path: Path, override: dict
+) -> None:
+    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
+    document["applications"][0]["deployments"] = [
+        {"name": "Router", "num_replicas": 2},  # routers may be scaled
+        {"name": "engine-0", **override},
+    ]
+    path = tmp_path / "dp-scaled-engine.yaml"
+    path.write_text(yaml.safe_dump(document))
+    with pytest.raises(ConfigError) as raised:
+        refuse_engine_overrides(path)
+    assert "deployments[engine-0]" in str(raised.value)
+    assert "args.pools[].replicas" in str(raised.value)
+    for name in ("single", "dp", "pd"):
+        refuse_engine_overrides(DEPLOYMENTS / f"{name}.yaml")  # the shipped ones pass
+
+
+def _pd_args(**router: object) -> dict:
+    placed = {"node_labels": {"splitserve-pool": "prefill"}}
+    return {
+        "strategy": "pd",
+        "pools": [
+            {"role": "prefill", "placement": placed},
+            {"role": "decode", "placement": {"resources": {"decode_node": 1}}},
+        ],
+        "router": router,
+    }
+
+
+def test_placed_pools_run_as_engine_replicas_on_their_nodes() -> None:
+    from deployments.app import build_app_from_config
+
+    config = parse_app_config(_pd_args())
+    assert config.placed and not config.hosts_engines_in_router  # auto: apart
+    app = build_app_from_config(config)
+    options = {
+        name: deployment.ray_actor_options
+        for name, deployment in _bound_deployments(app).items()
+        if name != "Router"
+    }
+    assert options["prefill-0"]["label_selector"] == {"splitserve-pool": "prefill"}
+    assert options["decode-0"]["resources"] == {"decode_node": 1.0}
+    assert "label_selector" not in _bound_deployments(app)["Router"].ray_actor_options
+
+
+def test_the_router_is_placed_where_the_yaml_says() -> None:
+    from deployments.app import build_app_from_config
+
+    beside_decode = {"node_labels": {"splitserve-pool": "decode"}}
+    app = build_app_from_config(parse_app_config(_pd_args(placement=beside_decode)))
+    router_options = _bound_deployments(app)["Router"].ray_actor_options
+    assert router_options["label_selector"] == {"splitserve-pool": "decode"}
+    with pytest.raises(ValueError, match="placement needs node_labels"):
+        parse_app_config(_pd_args(placement={}))
+
+
+def _bound_deployments(app: object) -> dict[str, Any]:
+    """Every deployment of a built application graph, by name."""
+    found: dict[str, Any] = {}
+    stack = [app._bound_deployment]  # type: ignore[attr-defined]
+    while stack:
+        deployment = stack.pop()
+        found[deployment.name] = deployment
+        for value in [*deployment.init_args, *deployment.init_kwargs.values()]:
+            children = value.values() if isinstance(value, dict) else [value]
+            stack += [c._bound_deployment for c in children if hasattr(c, "_bound_deployment")]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"router": {"engine_in_router": True}}, "set router.engine_in_router to auto or false"),
+        ({"placement": {}}, "placement needs node_labels, resources or both"),
+        ({"placement": {"resources": {"GPU": 1}}}, "names Ray's own ['GPU']"),
+        ({"placement": {"resources": {"fast": 0}}}, "must be positive amounts"),
+    ],
+)
+def test_bad_placement_is_refused(change: dict, message: str) -> None:
+    args = _pd_args()
+    if "router" in change:
+        args["router"] = change["router"]
+    else:
+        args["pools"][0]["placement"] = change["placement"]
+    with pytest.raises(ConfigError) as raised:
+        parse_app_config(args)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("prefill_pp", "decode_pp", "message"),
+    [
+        # Both pools alike, as one KV layout requires: refused for what it is.
+        (2, 2, "kv_transfer backend 'object_store' does not support pipeline parallelism"),
+        # One pool alone: refused as a layout mismatch that names the pipeline size.
+        (2, 1, "must share one KV layout, but (prefill != decode): pipeline_parallel_size 2 != 1"),
+        (1, 2, "must share one KV layout, but (prefill != decode): pipeline_parallel_size 1 != 2"),
+    ],
+)
+def test_pd_refuses_pipeline_parallelism(prefill_pp: int, decode_pp: int, message: str) -> None:
+    """README: the KV connector does not support pipeline parallelism; the config says so
+    before any engine starts (the connector itself would only fail inside vLLM)."""
+    args: dict[str, Any] = {
+        "strategy": "pd",
+        "pools": [
+            {"role": "prefill", "pipeline_parallel_size": prefill_pp},
+            {"role": "decode", "pipeline_parallel_size": decode_pp},
+        ],
+    }
+    with pytest.raises(ConfigError) as raised:
+        parse_app_config(args)
+    assert message in str(raised.value)
+    # With tensor parallelism beside it, the same.
+    for pool in args["pools"]:
+        pool["tensor_parallel_size"] = 2
+    with pytest.raises(ConfigError, match="pipeline"):
+        parse_app_config(args)

@@ -1,0 +1,240 @@
+"""PD across two Ray nodes on this machine: the prefill pool on one node, the decode
+pool (and the router) on the other, each node with an object store of its own.
+
+A head and a second ``ray start --address`` make the cluster; the pools are placed by
+node labels (``placement.node_labels`` in the YAML). Checked: greedy token ids equal a
+single engine's, the KV was handed over (our transfer metrics count the loads; on one
+host it does not cross object stores, see the test), nothing is left in either store,
+and killing the second node's raylet leaves the application
+answering: every request gets its answer, and once Ray declares the node dead every
+prompt is prefilled on the decode replica and nothing of the node is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from deployments.launcher import DEPLOYMENTS_DIR, ENGINE_PROCESS_MARKERS, cluster_env, serve_run
+from splitserve.processes import command_lines
+from tests.support.local_ports import forget_cluster, free_port
+from tests.support.served_apps import ServedApps
+
+pytestmark = pytest.mark.serving
+
+MODEL = "splitserve-tiny-llama"
+NODE_MARKER = "SPLITSERVE_TWO_NODE_CLUSTER"
+LABEL = "splitserve-pool"
+OBJECT_STORE_BYTES = 300 * 1024 * 1024
+_rng = random.Random(3)
+PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (300, 700, 129, 1000, 513, 2)]
+MAX_TOKENS = 8
+KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # one block of the embedded model, fp32
+# The GCS declares a node dead after its health checks fail (~15 s by default); its
+# processes then exit. Room for both on a busy two-core box.
+NODE_DEATH_TIMEOUT_S = 90.0
+# A Serve replica's process title; vLLM's engine processes are ENGINE_PROCESS_MARKERS.
+REPLICA_TITLE = "ray::ServeReplica"
+
+
+@dataclass(frozen=True)
+class TwoNodes:
+    address: str
+    dashboard_url: str
+    metrics_ports: dict[str, int]  # node role -> its metrics export port
+    marker: str
+
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _start_node(args: list[str], role: str, marker: str, metrics_port: int) -> None:
+    env = cluster_env() | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env[NODE_MARKER] = f"{marker}:{role}"
+    command = [_ray_cli(), "start", *args, "--num-cpus=2", f"--labels={LABEL}={role}"]
+    command += [f"--object-store-memory={OBJECT_STORE_BYTES}"]
+    command += [f"--metrics-export-port={metrics_port}", "--disable-usage-stats"]
+    started = subprocess.run(command, env=env, capture_output=True, text=True)
+    if started.returncode != 0:
+        pytest.fail(f"`ray start` ({role}) failed:\n{started.stderr[-3000:]}")
+
+
+def _node_pids(marker: str, role: str | None = None) -> set[int]:
+    wanted = f"{NODE_MARKER}={marker}:{role or ''}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                if any(var.startswith(wanted) for var in environ):
+                    pids.add(int(entry.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def two_nodes(ray_address: str) -> Iterator[TwoNodes]:
+    """A cluster of its own: the session's stays as it is for the other modules."""
+    marker = uuid.uuid4().hex[:12]
+    port, dashboard_port = free_port(), free_port()
+    ports = {"decode": free_port(), "prefill": free_port()}
+    try:
+        _start_node(
+            ["--head", f"--port={port}", "--include-dashboard=true",
+             f"--dashboard-port={dashboard_port}"],
+            "decode", marker, ports["decode"],
+        )  # fmt: skip
+        _start_node([f"--address=127.0.0.1:{port}"], "prefill", marker, ports["prefill"])
+        yield TwoNodes(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", ports, marker)
+    finally:
+        for signum, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            for pid in _node_pids(marker):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            deadline = time.monotonic() + wait_s
+            while _node_pids(marker) and time.monotonic() < deadline:
+                time.sleep(0.5)
+        forget_cluster(port)
+
+
+def _placed_pd(tmp_path: Path) -> Path:
+    document = yaml.safe_load((DEPLOYMENTS_DIR / "pd_always.yaml").read_text())
+    args = document["applications"][0]["args"]
+    for pool in args["pools"]:
+        pool["placement"] = {"node_labels": {LABEL: pool["role"]}}
+    # The entry point beside the decode pool: losing the prefill node must not take it.
+    args["router"]["placement"] = {"node_labels": {LABEL: "decode"}}
+    path = tmp_path / "pd-two-nodes.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def _complete(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"], response.headers.get(
+        "x-splitserve-prefill", ""
+    )
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for row in httpx.get(url, timeout=10).text.splitlines():
+        is_sample = row.startswith(name) and row[len(name)] in " {"
+        if is_sample and all(f'{k}="{v}"' in row for k, v in labels.items()):
+            total += float(row.split()[-1])
+    return total
+
+
+def _eventually(check: object, timeout_s: float = 40.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(1)
+    return False
+
+
+def _large_object_ids(dashboard_url: str) -> set[str]:
+    """Objects in any store of the cluster at least one KV page big."""
+    from ray.util.state import list_objects
+
+    objects = list_objects(address=dashboard_url, limit=10_000, raise_on_missing_output=False)
+    return {o.object_id for o in objects if (o.object_size or 0) >= KV_PAGE_BYTES}
+
+
+def single_reference(base_url: str) -> list[list[int]]:
+    """One engine's tokens for PROMPTS (asked by conftest's single_answers, in the
+    session's cluster: greedy tokens do not depend on the cluster)."""
+    return [_complete(base_url, prompt)[0] for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(single_answers: dict[str, Any], served_apps: ServedApps) -> list[list[int]]:
+    served_apps.close()  # port 8000 and the cores are the two-node cluster's from now on
+    return single_answers[__name__]
+
+
+def test_pd_across_two_nodes(
+    reference: list[list[int]], two_nodes: TwoNodes, serve_logs: Path, tmp_path: Path
+) -> None:
+    with serve_run(
+        str(_placed_pd(tmp_path)), ray_address=two_nodes.address, log_dir=serve_logs
+    ) as app:
+        # Serve keeps objects of its own (configs, handles): only new ones would be ours.
+        baseline = _large_object_ids(two_nodes.dashboard_url)
+        answers = [_complete(app.base_url, prompt) for prompt in PROMPTS]
+        assert [ids for ids, _ in answers] == reference
+        assert {where for _, where in answers} == {"remote:always"}
+        metrics = f"{app.base_url}/metrics"
+        assert _metric(metrics, "splitserve_kv_transfers_total", outcome="loaded") >= 5
+        assert _metric(metrics, "splitserve_kv_transfer_bytes_total", op="get") > 0
+        # Not asserted: that the bytes crossed object stores. With both nodes on one
+        # host, each engine's KV connector joins Ray as a driver, and Ray attaches a
+        # driver to the head node's raylet when several share the host; read against a
+        # baseline, the decode node's object manager received no chunk during these
+        # requests (2 before, 2 after, 40 s later). On separate machines each driver
+        # has one raylet to attach to; not yet checked there.
+        # Freed on both nodes once loaded.
+        assert _eventually(lambda: _metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
+        assert _eventually(lambda: not _large_object_ids(two_nodes.dashboard_url) - baseline), (
+            "KV objects left in an object store"
+        )
+
+        # The prefill node goes away: its raylet dies, its replica with it.
+        node = _prefill_node_commands(two_nodes.marker)
+        raylets = {pid for pid, command in node.items() if "raylet" in command}
+        assert raylets, "no raylet found for the prefill node"
+        local_before = _metric(metrics, "splitserve_prefill_decisions_total", where="local")
+        for pid in raylets:
+            os.kill(pid, signal.SIGKILL)
+        # Ray's actor calls go worker to worker, so the replica may answer until the GCS
+        # declares its node dead; every request is answered meanwhile, then all go local.
+        assert _eventually(
+            lambda: _complete(app.base_url, _fresh_prompt())[1].startswith("local:"),
+            timeout_s=NODE_DEATH_TIMEOUT_S,
+        ), "still prefilling on a dead node"
+        after = [_complete(app.base_url, _fresh_prompt()) for _ in range(4)]
+        assert all(where.startswith("local:") for _, where in after), after
+        local_after = _metric(metrics, "splitserve_prefill_decisions_total", where="local")
+        assert local_after - local_before >= len(after), (local_before, local_after)
+        # No engine outlives its node: the replica and its engine core exit with the raylet.
+        assert _eventually(
+            lambda: not _engine_commands(two_nodes.marker), timeout_s=NODE_DEATH_TIMEOUT_S
+        ), f"left running on the dead node: {_engine_commands(two_nodes.marker)}"
+
+
+def _fresh_prompt() -> list[int]:
+    return [_rng.randrange(3, 256) for _ in range(400)]
+
+
+def _prefill_node_commands(marker: str) -> dict[int, str]:
+    pids = _node_pids(marker, "prefill")
+    return {pid: command for pid, command in command_lines().items() if pid in pids}
+
+
+def _engine_commands(marker: str) -> list[str]:
+    """The prefill node's replica and engine processes still running (Ray's own daemons,
+    such as its log monitor, are the cluster's to stop)."""
+    titles = (REPLICA_TITLE, *ENGINE_PROCESS_MARKERS)
+    return [
+        command[:120]
+        for command in _prefill_node_commands(marker).values()
+        if any(title in command for title in titles)
+    ]

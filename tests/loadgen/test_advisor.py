@@ -1,0 +1,124 @@
+"""The split advisor picks the known-best mode from results built to have one, fits
+PD's thresholds by its formulas, and writes a YAML that validates and a report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.config import load_app_config
+from loadgen.advisor import (
+    Candidate,
+    Objectives,
+    RunPoint,
+    advise,
+    choose,
+    fit_pd,
+    knee_of,
+)
+from loadgen.cli import main
+
+DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
+OBJECTIVES = Objectives(ttft_s=0.5, tpot_s=0.02, attainment=0.9)
+DEVICES = {"single": 1, "dp": 2, "pd_always": 2, "pd": 2}
+
+
+def _curve(mode: str, knee: float, **figures: float) -> list[RunPoint]:
+    """Runs at 1, 2, 4, 8 req/s that meet the objectives up to ``knee``."""
+    return [
+        RunPoint(
+            mode, "general", qps, 1.0 if qps <= knee else 0.4, min(qps, knee), 1024, 128, **figures
+        )
+        for qps in (1.0, 2.0, 4.0, 8.0)
+    ]
+
+
+def test_the_knee_is_the_last_rate_met_then_linear_to_the_first_miss() -> None:
+    assert knee_of([(1, 1.0), (2, 1.0), (4, 0.5)], 0.9) == pytest.approx(2 + 2 * (0.1 / 0.5))
+    assert knee_of([(1, 0.5), (2, 0.2)], 0.9) == 0.0
+    assert knee_of([(1, 1.0), (2, 0.95)], 0.9) == 2
+
+
+def test_the_best_goodput_per_device_wins_and_near_ties_go_to_the_simpler() -> None:
+    points = _curve("single", 2) + _curve("dp", 4) + _curve("pd", 8)
+    advice = advise(points, OBJECTIVES, DEVICES)
+    assert advice.winner == "pd" and "highest goodput per device" in advice.reason
+    near = [Candidate("dp", 2, 4.0, []), Candidate("pd", 2, 4.1, [])]
+    assert choose(near)[0] == "dp"  # within 5%: the simpler one
+    nobody = [Candidate("pd", 2, 0.0, []), Candidate("dp", 2, 0.0, [])]
+    assert choose(nobody) == ("dp", "no mode met the objectives at any measured rate")
+
+
+def test_pd_thresholds_follow_from_the_measured_rates() -> None:
+    # 0.1 ms per prefill token; TPOT 5 ms at batch ~0.64 rising 0.5 ms per request.
+    runs = [
+        RunPoint(
+            "pd",
+            "general",
+            qps,
+            1.0,
+            qps,
+            1000,
+            100,
+            tpot_p50_s=0.005 + 0.0005 * qps * 10,
+            prefill_s_per_token=1e-4,
+            transfer_s_per_request=0.004,
+        )
+        for qps in (1.0, 2.0, 4.0)
+    ]
+    fit = fit_pd(runs, OBJECTIVES)
+    assert fit.prefill_s_per_token == pytest.approx(1e-4)
+    assert fit.prefill_capacity == pytest.approx(10.0)  # 1 / (1000 x 0.1 ms)
+    assert fit.thresholds["prompt_length_threshold"] == 200  # 20 ms TPOT / 0.1 ms
+    assert fit.thresholds["prefill_queue_max"] == 5  # 0.5 s / (1000 x 0.1 ms)
+    step_at_max = fit.step_base_s + fit.step_per_request_s * fit.max_decode_batch
+    assert step_at_max <= OBJECTIVES.tpot_s + 1e-9
+    assert fit.qos["early_rejection_s"]["low"] == pytest.approx(0.4)  # 0.5 - 0.1
+    # A transfer dearer than prefilling again: never offload.
+    dear = [RunPoint(**{**r.__dict__, "transfer_s_per_request": 0.5}) for r in runs]
+    assert fit_pd(dear, OBJECTIVES).thresholds["prompt_length_threshold"] >= 1_000_000
+
+
+def _run_document(mode: str, qps: float, met: bool) -> dict:
+    ttft = 0.1 if met else 2.0
+    request = {"warmup": False, "outcome": "ok", "ttft_s": ttft, "tpot_s": 0.01}
+    return {
+        "mode": mode, "qps": f"{qps:g}",
+        "workload": {"label": "general", "mean_input_tokens": 1024, "mean_output_tokens": 128},
+        "summary": {"request_throughput": qps},
+        "summary_row": {"tpot_p50_ms": 10.0 + qps, "prefill_s_per_token": 5e-5,
+                        "decode_step_s": 0.01},
+        "server": {"kv_transfer_s_per_request": 0.003},
+        "requests": [request] * 10,
+    }  # fmt: skip
+
+
+def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: Path) -> None:
+    runs = tmp_path / "sweep" / "runs"
+    runs.mkdir(parents=True)
+    for mode, knee in (("single", 1), ("dp", 2), ("pd_always", 2), ("pd", 4)):
+        for qps in (1, 2, 4, 8):
+            document = _run_document(mode, qps, met=qps <= knee)
+            (runs / f"{mode}-general-qps{qps}.json").write_text(json.dumps(document))
+    yaml_path = tmp_path / "advised.yaml"
+    code = main([
+        "advise", "--sweep", str(tmp_path / "sweep"), "--slo-ttft-ms", "500",
+        "--slo-tpot-ms", "50", "--yaml", str(yaml_path), "--out", str(tmp_path / "report"),
+    ])  # fmt: skip
+    assert code == 0
+    config = load_app_config(yaml_path)
+    assert config.strategy == "pd" and config.split_policy.mode == "conditional"
+    assert config.qos.enabled and config.qos.ttft_slo_s == pytest.approx(0.5)
+    # What the split was chosen for, so the router can tell when traffic drifts from it:
+    # pd met the objectives up to 4 req/s and missed them all at 8 (knee 4 + 4 x 0.1).
+    profile = config.router.traffic_profile
+    assert profile is not None
+    assert (profile.prompt_tokens, profile.output_tokens) == (1024, 128)
+    assert profile.request_rate == pytest.approx(4.4)
+    report = (tmp_path / "report" / "advice.md").read_text()
+    assert "Serve it as `pd`" in report and "| single | 1 |" in report
+    assert (tmp_path / "report" / "advice.png").stat().st_size > 0
+    assert yaml.safe_load(yaml_path.read_text())["applications"][0]["name"] == "splitserve"

@@ -1,0 +1,274 @@
+"""The router's policies end to end on ``deployments/pd.yaml`` (conditional, QoS on).
+
+Every claim is checked twice: by the router's decision counters, and by what the
+engines themselves report they computed (vLLM's prompt tokens by source, relayed as
+``splitserve_engine_prompt_tokens``), so a decision that was counted but not carried
+out would fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from deployments.config import load_app_config
+from deployments.launcher import RunningApp, config_path
+from tests.support.served_apps import ServedApps
+
+pytestmark = pytest.mark.serving
+
+MODEL = "splitserve-tiny-llama"
+CONFIG = load_app_config(config_path("pd"))
+THRESHOLD = CONFIG.split_policy.settings.prompt_length_threshold
+SLO_S = CONFIG.qos.ttft_slo_s
+_rng = random.Random(11)
+
+
+def _prompt(length: int) -> list[int]:
+    return [_rng.randrange(3, 256) for _ in range(length)]
+
+
+def _metric(base_url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for row in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        is_sample = row.startswith(name) and row[len(name)] in " {"
+        if is_sample and all(f'{k}="{v}"' in row for k, v in labels.items()):
+            total += float(row.split()[-1])
+    return total
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Decision counters and the engines' own prompt-token counters at one moment."""
+
+    decisions: dict[tuple[str, str], float]
+    tokens: dict[tuple[str, str], float]  # (replica, source) -> tokens
+
+    @classmethod
+    def take(cls, base_url: str) -> Snapshot:
+        decisions: dict[tuple[str, str], float] = {}
+        tokens: dict[tuple[str, str], float] = {}
+        for row in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+            if row.startswith("splitserve_prefill_decisions_total{"):
+                decisions[(_label(row, "where"), _label(row, "reason"))] = float(row.split()[-1])
+            elif row.startswith("splitserve_engine_prompt_tokens{"):
+                key = (_label(row, "replica"), _label(row, "source"))
+                tokens[key] = float(row.split()[-1])
+        return cls(decisions, tokens)
+
+    def since(self, before: Snapshot) -> Snapshot:
+        def diff(now: dict, then: dict) -> dict:
+            return {k: v - then.get(k, 0.0) for k, v in now.items() if v != then.get(k, 0.0)}
+
+        return Snapshot(diff(self.decisions, before.decisions), diff(self.tokens, before.tokens))
+
+
+def _label(row: str, name: str) -> str:
+    return row.split(f'{name}="', 1)[1].split('"', 1)[0]
+
+
+def _settled(base_url: str, before: Snapshot, expect_decisions: int) -> Snapshot:
+    """The change since ``before`` once the engines' reports have caught up (polled)."""
+    deadline = time.monotonic() + 10
+    last = None
+    while time.monotonic() < deadline:
+        change = Snapshot.take(base_url).since(before)
+        decided = sum(change.decisions.values())
+        if decided >= expect_decisions and change == last:
+            return change
+        last = change
+        time.sleep(0.5)
+    raise AssertionError(f"metrics did not settle: {last}")
+
+
+def _complete(base_url: str, prompt: list[int], max_tokens: int = 4, **extra: object) -> int:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    response = httpx.post(f"{base_url}/v1/completions", json={**body, **extra}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.status_code
+
+
+@pytest.fixture(scope="module")
+def pd_app(served_apps: ServedApps) -> RunningApp:
+    app = served_apps.get("pd")
+    _complete(app.base_url, _prompt(8))  # the first request pays for warm-up
+    return app
+
+
+def test_short_prompt_is_prefilled_by_the_decode_replica(pd_app: RunningApp) -> None:
+    before = Snapshot.take(pd_app.base_url)
+    _complete(pd_app.base_url, _prompt(THRESHOLD // 4))
+    change = _settled(pd_app.base_url, before, 1)
+    assert change.decisions == {("local", "short_prompt"): 1}
+    assert change.tokens.get(("decode-0", "local_compute"), 0) >= THRESHOLD // 4
+    assert not any(replica == "prefill-0" for replica, _ in change.tokens)
+
+
+def test_long_prompt_goes_remote_and_its_prefix_then_stays_local(pd_app: RunningApp) -> None:
+    long_prompt = _prompt(4 * THRESHOLD)
+    before = Snapshot.take(pd_app.base_url)
+    _complete(pd_app.base_url, long_prompt)
+    change = _settled(pd_app.base_url, before, 1)
+    assert change.decisions == {("remote", "long_prompt"): 1}
+    assert change.tokens.get(("prefill-0", "local_compute"), 0) >= 4 * THRESHOLD - 1
+    assert change.tokens.get(("decode-0", "external_kv_transfer"), 0) >= 4 * THRESHOLD - 1
+
+    # Same long prefix, a short new tail: the decode replica holds the prefix (it cached
+    # the blocks it loaded), so what is left to compute is short and stays local.
+    follow_up = [*long_prompt, *_prompt(THRESHOLD // 4)]
+    before = Snapshot.take(pd_app.base_url)
+    _complete(pd_app.base_url, follow_up)
+    change = _settled(pd_app.base_url, before, 1)
+    assert change.decisions == {("local", "prefix_cached"): 1}
+    assert change.tokens.get(("decode-0", "local_cache_hit"), 0) >= 3 * THRESHOLD
+    assert change.tokens.get(("decode-0", "local_compute"), 0) < THRESHOLD
+    assert not any(replica == "prefill-0" for replica, _ in change.tokens)
+    # The router's mirror of the decode replica's cache agreed with what vLLM found.
+    estimated = _metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="estimated")
+    reported = _metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="reported")
+    assert estimated == reported > 0
+
+
+def test_a_busy_prefill_pool_sends_long_prompts_local(pd_app: RunningApp) -> None:
+    queue_max = CONFIG.split_policy.settings.prefill_queue_max
+    burst = 3 * queue_max
+    prompts = [_prompt(4 * THRESHOLD) for _ in range(burst)]
+    before = Snapshot.take(pd_app.base_url)
+    with ThreadPoolExecutor(burst) as pool:
+        statuses = list(pool.map(lambda p: _complete(pd_app.base_url, p, max_tokens=2), prompts))
+    assert statuses == [200] * burst
+    change = _settled(pd_app.base_url, before, burst)
+    # Local because the pool is full by count, or (QoS on) because its queue already
+    # puts the first token past the objective while the decode replica is sooner.
+    local = sum(
+        change.decisions.get(("local", r), 0) for r in ("prefill_queue_full", "remote_too_slow")
+    )
+    remote = change.decisions.get(("remote", "long_prompt"), 0)
+    assert local >= 1 and local + remote == burst, change.decisions
+    # The decode engine really computed the prompts sent local.
+    computed_locally = change.tokens.get(("decode-0", "local_compute"), 0)
+    assert computed_locally >= local * (4 * THRESHOLD - 1), change.tokens
+
+
+# ---- QoS under overload -----------------------------------------------------------------
+
+OVERLOAD_FACTOR = 3
+OVERLOAD_SECONDS = 20
+HIGH_SHARE = 0.15  # the rest is low priority: what admission control may shed
+# Long enough prompts that three times the sustained rate is a rate one client process
+# (niced like the cluster) really sends.
+PROMPT_LEN, OUTPUT_LEN = 8 * THRESHOLD, 16
+# "Fast" on two cores that the refused requests' own HTTP handling shares with both
+# engines: well under the objective, and measured by the client, proxy hop included.
+FAST_REFUSAL_S = 0.5
+MIN_OFFERED_FACTOR = 2.5  # what the client must have achieved for this to be an overload
+
+
+@dataclass
+class Outcome:
+    priority: str
+    status: int | None  # None: no answer at all (must not happen)
+    ttft_s: float | None
+    elapsed_s: float
+    retry_after: str | None = None
+
+
+async def _send(http: httpx.AsyncClient, priority: str) -> Outcome:
+    body = {
+        "model": MODEL,
+        "prompt": _prompt(PROMPT_LEN),
+        "max_tokens": OUTPUT_LEN,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    try:
+        async with http.stream(
+            "POST", "/v1/completions", json=body, headers={"x-priority": priority}
+        ) as response:
+            ttft = None
+            async for line in response.aiter_lines():
+                if ttft is None and line.startswith("data: {"):
+                    ttft = time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            return Outcome(
+                priority, response.status_code, ttft, elapsed, response.headers.get("retry-after")
+            )
+    except httpx.HTTPError:
+        return Outcome(priority, None, None, time.perf_counter() - started)
+
+
+async def _sustained_rate(base_url: str) -> float:
+    """Requests a second the cluster completes with a steady backlog of high priority."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+        started = time.perf_counter()
+        outcomes = await asyncio.gather(*(_send(http, "high") for _ in range(32)))
+    assert all(o.status == 200 for o in outcomes)
+    return len(outcomes) / (time.perf_counter() - started)
+
+
+async def _overload(base_url: str, rate: float) -> list[Outcome]:
+    rng = random.Random(5)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=None)
+    ) as http:
+        tasks = []
+        deadline = time.perf_counter() + OVERLOAD_SECONDS
+        while time.perf_counter() < deadline:
+            priority = "high" if rng.random() < HIGH_SHARE else "low"
+            tasks.append(asyncio.create_task(_send(http, priority)))
+            await asyncio.sleep(rng.expovariate(rate))
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+
+
+@pytest.mark.usefixtures("niced_like_ray_workers")
+def test_overload_sheds_low_priority_and_keeps_high_within_slo(pd_app: RunningApp) -> None:
+    sustained = asyncio.run(_sustained_rate(pd_app.base_url))
+    outcomes = asyncio.run(_overload(pd_app.base_url, OVERLOAD_FACTOR * sustained))
+    offered = len(outcomes) / OVERLOAD_SECONDS
+    high = [o for o in outcomes if o.priority == "high"]
+    low = [o for o in outcomes if o.priority == "low"]
+    high_ttft = sorted(o.ttft_s for o in high if o.ttft_s is not None)
+    p95 = high_ttft[int(0.95 * (len(high_ttft) - 1))] if high_ttft else float("inf")
+    summary = (
+        f"sustained {sustained:.1f} req/s, sent {len(outcomes)} at {OVERLOAD_FACTOR}x:"
+        f" high {_statuses(high)}, TTFT p95 {p95:.3f} s, low {_statuses(low)};"
+        f" prefills {_decisions(pd_app.base_url)}"
+    )
+    print(summary)
+    assert offered >= MIN_OFFERED_FACTOR * sustained, f"the client fell behind; {summary}"
+    # Every request got an answer: a completion or a refusal, never silence.
+    assert all(o.status in (200, 429, 503) for o in outcomes), summary
+    assert all(o.status == 200 for o in high), summary
+    assert p95 < SLO_S, summary
+    refused = [o for o in low if o.status == 503]
+    assert refused, f"no low-priority request was shed at {OVERLOAD_FACTOR}x load; {summary}"
+    assert all(o.retry_after is not None for o in refused)
+    refusal_p95 = sorted(o.elapsed_s for o in refused)[int(0.95 * (len(refused) - 1))]
+    assert refusal_p95 < FAST_REFUSAL_S, f"refusals took {refusal_p95:.3f} s at p95"
+    assert _metric(pd_app.base_url, "splitserve_rejections_total", priority="low") >= len(refused)
+    # Nothing is left running once the answers are in.
+    deadline = time.monotonic() + 20
+    while _metric(pd_app.base_url, "splitserve_engine_requests", state="unfinished") > 0:
+        assert time.monotonic() < deadline, "engines still hold requests after the overload"
+        time.sleep(0.5)
+
+
+def _decisions(base_url: str) -> dict[tuple[str, str], float]:
+    return Snapshot.take(base_url).decisions
+
+
+def _statuses(outcomes: list[Outcome]) -> str:
+    counts: dict[int | None, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
+    median = f", TTFT p50 {statistics.median(ttfts):.3f} s" if ttfts else ""
+    return f"{counts}{median}"
