@@ -13,8 +13,12 @@ stopped nor while tests used it, except for tests that kill engines and say so
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
 
 from deployments.launcher import RunningApp, config_path, serve_run
 from splitserve.processes import http_ok
@@ -66,6 +70,7 @@ class ServedApps:
             self._checked_from = _log_size(app)
         stack.close()
         self._check_log(app, "while tests used it or while it stopped")
+        _check_no_connection_left(app)
 
     def _check_log(self, app: RunningApp, when: str) -> None:
         if self._checked_from is None or not app.log_path.exists():
@@ -80,6 +85,22 @@ class ServedApps:
 
 def _log_size(app: RunningApp) -> int:
     return app.log_path.stat().st_size if app.log_path.exists() else 0
+
+
+def _check_no_connection_left(app: RunningApp) -> None:
+    """A client of this process that keeps a connection the stopped router closed (one
+    not used as a context manager) keeps the router's port in FIN-WAIT-2 for a minute:
+    the next application waits that long for it (launcher.wait_until_bindable)."""
+    ports = {urlsplit(url).port for url in app.router_urls}
+    left = [
+        f"{c.laddr.port}->{c.raddr.port} {c.status}"
+        for c in psutil.net_connections(kind="tcp")
+        if c.pid == os.getpid() and c.raddr and c.raddr.port in ports
+    ]
+    assert not left, (
+        f"{app.config_path.name}: a test left client connections to it open ({left}); close"
+        " clients when done with them"
+    )
 
 
 def _serves(app: RunningApp) -> bool:
