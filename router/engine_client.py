@@ -359,9 +359,17 @@ class EngineClient:
 
     def close(self) -> None:
         """Stop listening and let the link go, without waiting (the router is torn down)."""
+        self.stop_listening()
+        self.shutdown_link()
+
+    def stop_listening(self) -> None:
+        """Cancel the listener (on the event loop's thread: a task is not thread-safe)."""
         if self._listener is not None:
             self._listener.cancel()
             self._listener = None
+
+    def shutdown_link(self) -> None:
+        """Shut down what the link holds (an engine in this process); any thread."""
         shutdown = getattr(self._link, "shutdown", None)
         if shutdown is not None:
             shutdown()

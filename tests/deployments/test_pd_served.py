@@ -137,16 +137,21 @@ def test_chat_matches_single_engine(pd_app: RunningApp, reference: dict) -> None
 
 
 def test_nothing_left_after_clients_leave_mid_stream(pd_app: RunningApp, ray_address: str) -> None:
-    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "ignore_eos": True, "stream": True}
     # Serve keeps objects of its own (configs, handles); only new ones would be ours.
     baseline = {obj.object_id for obj in _large_objects(ray_address)}
     with httpx.Client(base_url=pd_app.base_url, timeout=120) as http:
         for i in range(50):
-            prompt = PROMPTS[i % len(PROMPTS)]
-            with http.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as r:
+            leaves = i % 5 == 0  # 10 of 50 leave right after the first token of 200
+            asked = {
+                **body,
+                "prompt": PROMPTS[i % len(PROMPTS)],
+                "max_tokens": 200 if leaves else 20,
+            }
+            with http.stream("POST", "/v1/completions", json=asked) as r:
                 assert r.status_code == 200
                 lines = r.iter_lines()
-                if i % 5 == 0:  # 10 of 50 leave right after the first token
+                if leaves:
                     next(line for line in lines if '"token' in line or '"text"' in line)
                     continue
                 assert any(line == "data: [DONE]" for line in lines)

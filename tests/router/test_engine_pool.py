@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -95,3 +97,23 @@ def test_names_are_unique_and_unknown_names_are_named() -> None:
         pool.add(_member(0))
     with pytest.raises(KeyError, match="no engine replica named 'engine-9'"):
         pool.get("engine-9")
+
+
+async def test_closing_shuts_every_engine_down_side_by_side() -> None:
+    """vLLM gives each engine core seconds to exit: one after another, a router's stop
+    took that many times its engine count. Each link here waits for all the others."""
+    members = [_member(i) for i in range(3)]
+    pool = EnginePool(members)
+    pool.start()
+    await _ready(pool)
+    all_shutting_down = threading.Barrier(len(members), timeout=WAIT_S)
+    for member in members:
+        shutdown = member.link.shutdown
+
+        def waits_for_the_others(shutdown: Callable[[], None] = shutdown) -> None:
+            all_shutting_down.wait()  # raises BrokenBarrierError when run one by one
+            shutdown()
+
+        member.link.shutdown = waits_for_the_others  # type: ignore[method-assign]
+    pool.close()
+    assert not all_shutting_down.broken
