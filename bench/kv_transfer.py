@@ -14,7 +14,7 @@ per layer.
 
 Part (b), end to end on the embedded model through the router (``serve run``): TTFT
 and ITL of deployments/single.yaml and of PD with every prompt prefilled remotely
-(deployments/pd_always.yaml; pd.yaml's conditional policy would also offload these
+(deployments/pd_always.yaml; pd.yaml's conditional policy would also prefill these remotely
 prompts, but "always" is the study's PD by construction), for 1,500-token prompts and
 64 output tokens, sent one at a time (a sequential workload: no queueing, so TTFT is
 the service time). The transfer's share of PD's TTFT comes from the connector's own

@@ -52,7 +52,7 @@ class AppConfig(StrictModel):
     )
     split_policy: SplitPolicyConfig = Field(
         default_factory=SplitPolicyConfig,
-        description="PD only: the offload policy (mode: always, never, conditional) and its"
+        description="PD only: the split policy (mode: always, never, conditional) and its"
         " settings.",
     )
     qos: QoSConfig = QoSConfig()

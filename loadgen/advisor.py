@@ -285,7 +285,7 @@ def fit_pd(runs: list[RunPoint], objectives: Objectives) -> PDFit:
     decode_capacity = max_batch / (mean_out * max(step_at_max, 1e-9))
     transfers = [p.transfer_s_per_request for p in runs if p.transfer_s_per_request]
     transfer = sorted(transfers)[len(transfers) // 2] if transfers else None
-    # Offloading pays only if moving the KV costs less than computing the prompt again.
+    # Prefilling remotely pays only if moving the KV costs less than computing the prompt again.
     worth_moving = transfer is None or transfer < mean_in * s
     threshold = math.ceil(tpot_slo / s) if worth_moving else 1_000_000
     thresholds = {

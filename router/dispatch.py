@@ -13,12 +13,12 @@ from engines.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
 from router.engine_client import EngineClient
 from router.engine_pool import EnginePool
-from router.offload import OffloadDecision, OffloadInputs, make_offload_policy
 from router.pd import PrefillDecodeFlow, PrefillOutcome
 from router.prefix_index import PromptBlocks
 from router.qos import ENGINE_PRIORITY
 from router.replica_choice import Choice, ReplicaChoice, make_replica_choice
 from router.settings import IngressSettings, Priority
+from router.split_policy import SplitDecision, SplitInputs, make_split_policy
 
 REPLICA_HEADER = "x-splitserve-replica"
 PREFILL_REPLICA_HEADER = "x-splitserve-prefill-replica"
@@ -32,7 +32,7 @@ class Plan:
     priority: Priority
     main: Choice  # the replica that generates the answer (mixed or decode)
     prefill: Choice | None  # PD remote prefill only
-    decision: OffloadDecision
+    decision: SplitDecision
     # Of the replica that computes the prompt: expected prefix-cache hit, tokens left.
     expected_cached_tokens: int
     prefill_tokens: int
@@ -87,7 +87,7 @@ class Dispatcher:
             for role, name in self._choice_names.items()
         }
         split = settings.split_policy
-        self._offload = make_offload_policy(split.mode, split.settings, settings.qos)
+        self._split_policy = make_split_policy(split.mode, split.settings, settings.qos)
         self._pd = PrefillDecodeFlow(kv) if kv is not None else None
 
     def policy_of(self, role: str) -> str:
@@ -118,18 +118,18 @@ class Dispatcher:
             self._pool.of_role(main_role)[0], "unhealthy"
         )
         local_cached = main.replica.state.cached_tokens(prompt)
-        decision = OffloadDecision("local", "colocated")
+        decision = SplitDecision("local", "colocated")
         prefill = None
         if self._disaggregated:
             prefill = self._choose("prefill", prompt)
             if prefill is None:
-                decision = OffloadDecision("local", "prefill_unavailable")
+                decision = SplitDecision("local", "prefill_unavailable")
             else:
                 engine_priority = ENGINE_PRIORITY[priority]
                 remote_tokens = max(1, len(prompt) - prefill.replica.state.cached_tokens(prompt))
                 local_tokens = max(1, len(prompt) - local_cached)
-                decision = self._offload.decide(
-                    OffloadInputs(
+                decision = self._split_policy.decide(
+                    SplitInputs(
                         prompt_len=len(prompt),
                         prefix_cached_len=local_cached,
                         prefill_queue=prefill.replica.state.prefill_queue,

@@ -1,7 +1,7 @@
 """The router's settings, as the ``router:``, ``split_policy:`` and ``qos:`` blocks of a
 Serve YAML's ``args`` give them. Every threshold the router acts on lives here or in
 the settings model of the policy that uses it (``settings_model`` of a registered
-replica choice or offload policy).
+replica choice or split policy).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def _replica_choices() -> Any:
     return REPLICA_CHOICES
 
 
-def _offload_policies() -> Any:
-    from router.offload import OFFLOAD_POLICIES
+def _split_policies() -> Any:
+    from router.split_policy import SPLIT_POLICIES
 
-    return OFFLOAD_POLICIES
+    return SPLIT_POLICIES
 
 
 class TrafficProfile(StrictModel):
@@ -200,12 +200,12 @@ class RouterConfig(StrictModel):
 
 
 class SplitPolicyConfig(StrictModel):
-    """PD only: which registered offload policy decides where a prompt is computed, and
+    """PD only: which registered split policy decides where a prompt is computed, and
     its settings; in YAML one flat block, ``mode`` plus the policy's own fields."""
 
     mode: str = Field(
         "conditional",
-        description="A registered offload policy (router.offload): always (the study's PD),"
+        description="A registered split policy (router.split_policy): always (the study's PD),"
         " never (the decode replica prefills every prompt), conditional.",
     )
     settings: SerializeAsAny[StrictModel] = Field(default_factory=StrictModel)
@@ -213,7 +213,7 @@ class SplitPolicyConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _settings_of_mode(cls, data: Any) -> Any:
-        return split_named_block(data, "mode", "conditional", _offload_policies(), "split_policy")
+        return split_named_block(data, "mode", "conditional", _split_policies(), "split_policy")
 
     def flat(self) -> dict[str, Any]:
         """As the YAML writes it: ``mode`` and the policy's fields in one block."""

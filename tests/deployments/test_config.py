@@ -92,7 +92,7 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "split_policy": {"mode": "sometimes"},
             },
-            "split_policy: unknown offload policy 'sometimes'; registered: always, conditional,"
+            "split_policy: unknown split policy 'sometimes'; registered: always, conditional,"
             " never",
         ),
         (

@@ -77,7 +77,7 @@ def test_pd_thresholds_follow_from_the_measured_rates() -> None:
     step_at_max = fit.step_base_s + fit.step_per_request_s * fit.max_decode_batch
     assert step_at_max <= OBJECTIVES.tpot_s + 1e-9
     assert fit.qos["early_rejection_s"]["low"] == pytest.approx(0.4)  # 0.5 - 0.1
-    # A transfer dearer than prefilling again: never offload.
+    # A transfer dearer than prefilling again: never prefill remotely.
     dear = [RunPoint(**{**r.__dict__, "transfer_s_per_request": 0.5}) for r in runs]
     assert fit_pd(dear, OBJECTIVES).thresholds["prompt_length_threshold"] >= 1_000_000
 

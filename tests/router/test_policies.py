@@ -1,4 +1,5 @@
-"""The router's decisions as pure functions: PD offload, replica choice, prefix mirror, QoS."""
+"""The router's decisions as pure functions: where PD prefills, replica choice, prefix
+mirror, QoS."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import pytest
 
 from engines.protocol import EngineStats
 from router.engine_client import EngineClient
-from router.offload import OffloadInputs, make_offload_policy
-from router.offload_policies import ConditionalSettings, should_offload_prefill
 from router.prefix_index import PrefixIndex, PromptBlocks
 from router.qos import AdmissionControl, Rejection, take_priority
 from router.replica_state import ReplicaState
 from router.replicas import LeastLoaded, PrefixAffinity, PrefixAffinitySettings, RoundRobin
 from router.settings import QoSConfig
+from router.split_policies import ConditionalSettings, should_prefill_remotely
+from router.split_policy import SplitInputs, make_split_policy
 
 # The chapter's tunables: 256-token threshold, queue of 10, 8 active decodes, 64 tokens.
 CHAPTER = ConditionalSettings(
@@ -51,18 +52,18 @@ QOS = QoSConfig(low_priority_remote_max_queue=2)
         (100, 0, 2, 8, "low", ("local", "low_priority")),
     ],
 )
-def test_conditional_offload(
+def test_conditional_split(
     prompt: int, cached: int, queue: int, decode: int, priority: str, expected: tuple[str, str]
 ) -> None:
-    inputs = OffloadInputs(prompt, cached, queue, decode, priority)  # type: ignore[arg-type]
-    assert tuple(should_offload_prefill(inputs, CHAPTER, QOS)) == expected
+    inputs = SplitInputs(prompt, cached, queue, decode, priority)  # type: ignore[arg-type]
+    assert tuple(should_prefill_remotely(inputs, CHAPTER, QOS)) == expected
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("always", "remote"), ("never", "local")])
 def test_fixed_modes_ignore_everything_else(mode: str, expected: str) -> None:
-    policy = make_offload_policy(mode, CHAPTER, QOS)
+    policy = make_split_policy(mode, CHAPTER, QOS)
     for prompt, queue, priority in [(5, 0, "normal"), (4000, 50, "low"), (4000, 50, "high")]:
-        decision = policy.decide(OffloadInputs(prompt, 0, queue, 20, priority))  # type: ignore[arg-type]
+        decision = policy.decide(SplitInputs(prompt, 0, queue, 20, priority))  # type: ignore[arg-type]
         assert decision == (expected, mode)
 
 
@@ -285,8 +286,8 @@ def test_the_estimate_counts_what_is_inside_and_what_waits_ahead_of_the_priority
 
 def test_high_priority_facing_a_full_prefill_pool_goes_where_it_starts_sooner() -> None:
     def decide(remote: float | None, local: float | None) -> tuple[str, str]:
-        inputs = OffloadInputs(1000, 0, 10, 0, "high", remote, local)
-        return tuple(should_offload_prefill(inputs, CHAPTER, QOS))  # type: ignore[return-value]
+        inputs = SplitInputs(1000, 0, 10, 0, "high", remote, local)
+        return tuple(should_prefill_remotely(inputs, CHAPTER, QOS))  # type: ignore[return-value]
 
     assert decide(remote=3.0, local=1.0) == ("local", "high_priority_sooner_local")
     assert decide(remote=1.0, local=3.0) == ("remote", "high_priority")
@@ -295,8 +296,8 @@ def test_high_priority_facing_a_full_prefill_pool_goes_where_it_starts_sooner() 
 
 def test_a_prefill_pool_too_slow_for_the_slo_is_passed_over_for_a_sooner_decode() -> None:
     def decide(remote: float | None, local: float | None, qos: QoSConfig) -> tuple[str, str]:
-        inputs = OffloadInputs(1000, 0, 3, 0, "high", remote, local)
-        return tuple(should_offload_prefill(inputs, CHAPTER, qos))  # type: ignore[return-value]
+        inputs = SplitInputs(1000, 0, 3, 0, "high", remote, local)
+        return tuple(should_prefill_remotely(inputs, CHAPTER, qos))  # type: ignore[return-value]
 
     on = QoSConfig(enabled=True, ttft_slo_s=2.0)
     assert decide(remote=3.0, local=1.0, qos=on) == ("local", "remote_too_slow")
@@ -310,6 +311,6 @@ def test_a_prefill_pool_too_slow_for_the_slo_is_passed_over_for_a_sooner_decode(
 def test_the_remote_ttft_limit_can_sit_below_the_objective() -> None:
     settings = CHAPTER.model_copy(update={"remote_ttft_max_s": 1.0})
     on = QoSConfig(enabled=True, ttft_slo_s=2.0)
-    inputs = OffloadInputs(1000, 0, 3, 0, "high", 1.5, 0.5)  # type: ignore[arg-type]
-    assert tuple(should_offload_prefill(inputs, settings, on)) == ("local", "remote_too_slow")
-    assert tuple(should_offload_prefill(inputs, CHAPTER, on)) == ("remote", "long_prompt")
+    inputs = SplitInputs(1000, 0, 3, 0, "high", 1.5, 0.5)  # type: ignore[arg-type]
+    assert tuple(should_prefill_remotely(inputs, settings, on)) == ("local", "remote_too_slow")
+    assert tuple(should_prefill_remotely(inputs, CHAPTER, on)) == ("remote", "long_prompt")

@@ -1,7 +1,8 @@
-"""The built-in PD offload policies (see router/offload.py): always, never, conditional.
+"""The built-in PD split policies (see router/split_policy.py): always, never, conditional.
 
-``conditional`` follows the disaggregation chapter's ``should_offload_prefill``, with two
-deliberate differences: a busy decode replica only offloads to a prefill pool that is
+``conditional`` follows the disaggregation chapter's ``should_offload_prefill`` (here
+``should_prefill_remotely``), with two deliberate differences: a busy decode replica
+only sends prompts to a prefill pool that is
 not full (sending more work to a saturated pool lengthens everyone's TTFT, which is the
 chapter's own argument for the queue check), and the priority rules of its QoS section
 are part of the same decision.
@@ -13,12 +14,12 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from router.offload import OFFLOAD_POLICIES, OffloadDecision, OffloadInputs
 from router.settings import QoSConfig
+from router.split_policy import SPLIT_POLICIES, SplitDecision, SplitInputs
 from splitserve.config_base import StrictModel
 
 
-@OFFLOAD_POLICIES.register("always")
+@SPLIT_POLICIES.register("always")
 class AlwaysRemote:
     """The study's PD: every prompt is prefilled on the prefill pool."""
 
@@ -27,11 +28,11 @@ class AlwaysRemote:
     def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
         pass
 
-    def decide(self, inputs: OffloadInputs) -> OffloadDecision:
-        return OffloadDecision("remote", "always")
+    def decide(self, inputs: SplitInputs) -> SplitDecision:
+        return SplitDecision("remote", "always")
 
 
-@OFFLOAD_POLICIES.register("never")
+@SPLIT_POLICIES.register("never")
 class NeverRemote:
     """The decode replica prefills every prompt (the prefill pool idles)."""
 
@@ -40,8 +41,8 @@ class NeverRemote:
     def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
         pass
 
-    def decide(self, inputs: OffloadInputs) -> OffloadDecision:
-        return OffloadDecision("local", "never")
+    def decide(self, inputs: SplitInputs) -> SplitDecision:
+        return SplitDecision("local", "never")
 
 
 class ConditionalSettings(StrictModel):
@@ -55,7 +56,10 @@ class ConditionalSettings(StrictModel):
         8, ge=1, description="Active requests on the decode replica at which it counts as busy."
     )
     decode_busy_min_length: int = Field(
-        64, ge=1, description="A busy decode replica offloads prompts of at least this length."
+        64,
+        ge=1,
+        description="A busy decode replica sends prompts of at least this length to the"
+        " prefill pool.",
     )
     remote_ttft_max_s: float | None = Field(
         None,
@@ -72,8 +76,8 @@ class ConditionalSettings(StrictModel):
     )
 
 
-@OFFLOAD_POLICIES.register("conditional")
-class ConditionalOffload:
+@SPLIT_POLICIES.register("conditional")
+class ConditionalSplit:
     """Remote when the prompt left after the decode replica's prefix hit is long and the
     prefill pool has room, or when the decode replica is busy; priorities as in QoS."""
 
@@ -84,52 +88,52 @@ class ConditionalOffload:
         self._settings = settings
         self._qos = qos
 
-    def decide(self, inputs: OffloadInputs) -> OffloadDecision:
-        return should_offload_prefill(inputs, self._settings, self._qos)
+    def decide(self, inputs: SplitInputs) -> SplitDecision:
+        return should_prefill_remotely(inputs, self._settings, self._qos)
 
 
-def should_offload_prefill(
-    inputs: OffloadInputs, policy: ConditionalSettings, qos: QoSConfig
-) -> OffloadDecision:
+def should_prefill_remotely(
+    inputs: SplitInputs, policy: ConditionalSettings, qos: QoSConfig
+) -> SplitDecision:
     """Where to prefill one prompt, by the chapter's rules (see the module docstring)."""
     queue = inputs.prefill_queue
     if inputs.priority == "low" and queue >= qos.low_priority_remote_max_queue:
         # Remote prefill spends extra cluster resources for latency; under load they are
         # kept for the requests that pay for it.
-        return OffloadDecision("local", "low_priority")
+        return SplitDecision("local", "low_priority")
     effective_len = max(0, inputs.prompt_len - inputs.prefix_cached_len)
     prefill_available = queue < policy.prefill_queue_max
     if effective_len >= policy.prompt_length_threshold:
         if prefill_available:
             if _remote_too_slow_and_local_sooner(inputs, policy, qos):
-                return OffloadDecision("local", "remote_too_slow")
-            return OffloadDecision("remote", "long_prompt")
+                return SplitDecision("local", "remote_too_slow")
+            return SplitDecision("remote", "long_prompt")
         if inputs.priority == "high" and policy.high_priority_bypasses_queue:
             # The prefill pool is full of other work, which high priority overtakes; it
             # still goes where its own priority's queue gives the earlier first token.
             if _local_is_sooner(inputs):
-                return OffloadDecision("local", "high_priority_sooner_local")
-            return OffloadDecision("remote", "high_priority")
-        return OffloadDecision("local", "prefill_queue_full")
+                return SplitDecision("local", "high_priority_sooner_local")
+            return SplitDecision("remote", "high_priority")
+        return SplitDecision("local", "prefill_queue_full")
     decode_busy = inputs.decode_active >= policy.decode_load_threshold
     if decode_busy and effective_len >= policy.decode_busy_min_length and prefill_available:
-        return OffloadDecision("remote", "decode_busy")
+        return SplitDecision("remote", "decode_busy")
     if inputs.prompt_len >= policy.prompt_length_threshold:
-        return OffloadDecision("local", "prefix_cached")
-    return OffloadDecision("local", "short_prompt")
+        return SplitDecision("local", "prefix_cached")
+    return SplitDecision("local", "short_prompt")
 
 
-def _local_is_sooner(inputs: OffloadInputs) -> bool:
+def _local_is_sooner(inputs: SplitInputs) -> bool:
     remote, local = inputs.remote_ttft_s, inputs.local_ttft_s
     return remote is not None and local is not None and local < remote
 
 
 def _remote_too_slow_and_local_sooner(
-    inputs: OffloadInputs, policy: ConditionalSettings, qos: QoSConfig
+    inputs: SplitInputs, policy: ConditionalSettings, qos: QoSConfig
 ) -> bool:
     """With QoS on, a prefill pool that is not full by count can still be too slow: a
-    queue of long prompts ahead puts the first token past the objective. Offloading
-    protects the decode replica's ITL, but not at the price of the TTFT objective when
+    queue of long prompts ahead puts the first token past the objective. Prefilling
+    remotely protects the decode replica's ITL, but not at the price of the TTFT objective when
     the decode replica would start the prompt sooner."""
     remote = inputs.remote_ttft_s
     limit = policy.remote_ttft_max_s or qos.ttft_slo_s

@@ -1,12 +1,12 @@
-"""PD offload policy: whether a prompt is computed on the prefill pool (remote) or on
+"""PD split policy: whether a prompt is computed on the prefill pool (remote) or on
 the decode replica that will generate the answer (local).
 
-A policy is a class registered in ``OFFLOAD_POLICIES`` under the name configs use
+A policy is a class registered in ``SPLIT_POLICIES`` under the name configs use
 (``split_policy.mode``), with a ``settings_model`` for the rest of the
 ``split_policy:`` block. It decides from numbers the dispatcher gathers
-(``OffloadInputs``) and the QoS settings, without side effects, and says why (the
+(``SplitInputs``) and the QoS settings, without side effects, and says why (the
 ``reason`` label of ``splitserve_prefill_decisions_total``). The built-in ones
-(``always``, ``never``, ``conditional``) are in ``router/offload_policies.py``.
+(``always``, ``never``, ``conditional``) are in ``router/split_policies.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 Where = Literal["local", "remote"]
 
 
-class OffloadDecision(NamedTuple):
+class SplitDecision(NamedTuple):
     where: Where
     reason: str
 
@@ -33,7 +33,7 @@ class OffloadDecision(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class OffloadInputs:
+class SplitInputs:
     """What the dispatcher knows about one prompt when it plans it.
 
     prompt_len: prompt tokens; prefix_cached_len: of those, expected in the decode
@@ -53,18 +53,18 @@ class OffloadInputs:
     local_ttft_s: float | None = None
 
 
-class OffloadPolicy(Protocol):
+class SplitPolicy(Protocol):
     settings_model: ClassVar[type[StrictModel]]
 
     def __init__(self, settings: StrictModel, qos: QoSConfig) -> None: ...
 
-    def decide(self, inputs: OffloadInputs) -> OffloadDecision: ...
+    def decide(self, inputs: SplitInputs) -> SplitDecision: ...
 
 
-OFFLOAD_POLICIES: Registry[type[OffloadPolicy]] = Registry(
-    "offload policy", __name__, builtins=("router.offload_policies",)
+SPLIT_POLICIES: Registry[type[SplitPolicy]] = Registry(
+    "split policy", __name__, builtins=("router.split_policies",)
 )
 
 
-def make_offload_policy(mode: str, settings: StrictModel, qos: QoSConfig) -> OffloadPolicy:
-    return OFFLOAD_POLICIES.get(mode)(settings, qos)
+def make_split_policy(mode: str, settings: StrictModel, qos: QoSConfig) -> SplitPolicy:
+    return SPLIT_POLICIES.get(mode)(settings, qos)
