@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.FORBIDDEN: "PermissionDeniedError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
@@ -57,3 +60,19 @@ class OpenAIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(message, HTTPStatus.BAD_REQUEST, param)
+
+
+async def routing_error_response(request: Request, error: Exception) -> JSONResponse:
+    """What FastAPI refuses before any route runs (a path this router does not serve
+    404, a method a route does not take 405), in the OpenAI format, as vLLM's server
+    answers them; a 405 keeps its ``Allow`` header."""
+    assert isinstance(error, HTTPException)
+    status = HTTPStatus(error.status_code)
+    target = f"{request.method} {request.url.path}"
+    if status == HTTPStatus.NOT_FOUND:
+        message = f"{target}: no such route on this server"
+    elif status == HTTPStatus.METHOD_NOT_ALLOWED:
+        message = f"{target}: the route does not take this method"
+    else:
+        message = f"{target}: {error.detail}"
+    return OpenAIError(message, status).response(dict(error.headers or {}))

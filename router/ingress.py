@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
@@ -43,7 +44,7 @@ from router.engine_client import (
 )
 from router.engine_pool import EnginePool
 from router.engine_state import EngineStatePoller
-from router.errors import OpenAIError
+from router.errors import OpenAIError, routing_error_response
 from router.metrics import RouterMetrics
 from router.openapi import describe_request_bodies
 from router.pd import PREFILL_FALLBACK_REASONS, PrefillOutcome
@@ -61,6 +62,7 @@ logger = logging.getLogger("splitserve.router")
 REQUEST_ID_HEADER = "x-request-id"
 
 app = FastAPI(title="splitserve router")
+app.add_exception_handler(StarletteHTTPException, routing_error_response)
 describe_request_bodies(
     app,
     {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
@@ -258,11 +260,12 @@ class Router:
             response_id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             return_token_ids=prepared.return_token_ids,
         )
+        tried: list[str] = []
         try:
-            dispatch, first = await self._open(plan, arrival)
+            dispatch, first = await self._open(plan, arrival, tried)
         except Exception as error:  # nothing was sent yet: the status says what happened
             logger.warning("a request failed before its first token: %s", error)
-            failure = self._failure(error, plan.prefill_replica.name, started=False)
+            failure = self._failure(error, " then ".join(tried), started=False)
             self._metrics.requests.labels(route, str(int(failure.status)), priority).inc()
             return failure.response(headers)
         waiting.release()  # the key's request has its first token: no longer queued
@@ -278,13 +281,15 @@ class Router:
         return await self._collect(events, writer, route, headers, priority)
 
     async def _open(
-        self, plan: Plan, arrival: float
+        self, plan: Plan, arrival: float, tried: list[str]
     ) -> tuple[Dispatch, tuple[GenerateChunk, float]]:
         """Start the plan and wait for its first chunk (and when it came), so that a
         failure before it is an HTTP status, and a DP request whose replica was
-        unavailable is re-planned once on another healthy replica (nothing was sent)."""
+        unavailable is re-planned once on another healthy replica (nothing was sent).
+        ``tried``: each replica that was asked first, in order, for the error's message."""
         retried = False
         while True:
+            tried.append(plan.prefill_replica.name)
             dispatch = self._dispatcher.start(plan, on_accepted=self._queue_timer(arrival))
             self._track(dispatch.replicas, +1)
             try:

@@ -289,6 +289,25 @@ async def test_an_unknown_model_is_a_404(client: httpx.AsyncClient) -> None:
     )
 
 
+async def test_a_path_the_router_does_not_serve_is_an_openai_404(
+    client: httpx.AsyncClient,
+) -> None:
+    response = await client.post("/v1/embeddings", json={"input": "hi"})
+    assert openai_error(response, 404, "NotFoundError", None) == (
+        "POST /v1/embeddings: no such route on this server"
+    )
+
+
+async def test_a_method_a_route_does_not_take_is_an_openai_405_naming_the_allowed_one(
+    client: httpx.AsyncClient,
+) -> None:
+    response = await client.get(COMPLETIONS)
+    assert openai_error(response, 405, "MethodNotAllowedError", None) == (
+        f"GET {COMPLETIONS}: the route does not take this method"
+    )
+    assert response.headers["allow"] == "POST"
+
+
 async def _in_pieces(body: bytes) -> AsyncIterator[bytes]:
     for start in range(0, len(body), 1000):
         yield body[start : start + 1000]
