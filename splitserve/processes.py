@@ -104,8 +104,10 @@ def stop_process(
     stop_signal: signal.Signals = signal.SIGINT,
 ) -> set[int]:
     """``stop_signal``, wait, SIGKILL; then SIGKILL whatever it started and left behind.
-    Returns the pids that had to be killed after the wait (empty when all went quietly)."""
+    Returns the pids that had to be killed after the wait, the process's own included
+    (empty when all went quietly)."""
     family = descendants(process.pid)
+    killed: set[int] = set()
     if process.poll() is None:
         process.send_signal(stop_signal)
         try:
@@ -113,11 +115,12 @@ def stop_process(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+            killed.add(process.pid)
     survivors = wait_gone(family, timeout_s)
     for pid, _ in survivors:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    return {pid for pid, _ in survivors}
+    return killed | {pid for pid, _ in survivors}
 
 
 @contextlib.contextmanager
