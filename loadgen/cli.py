@@ -170,6 +170,19 @@ def _add_workload_options(parser: argparse.ArgumentParser, single: bool = True) 
             default=0.0,
             help="custom workload: lengths uniform in L*(1 +- spread)",
         )
+        group.add_argument(
+            "--conversations",
+            type=int,
+            default=8,
+            help="multi-turn workload: conversations, whose turns take turns (default 8);"
+            " --input-len is a user turn, --output-len an answer",
+        )
+        group.add_argument(
+            "--system-prompt-len",
+            type=int,
+            default=0,
+            help="multi-turn workload: tokens of the system prompt every conversation shares",
+        )
     group.add_argument(
         "--trace",
         choices=("burstgpt", "burstgpt-synthetic", "recorded"),
@@ -431,6 +444,8 @@ def workload_config(args: argparse.Namespace, name: str | None) -> WorkloadConfi
         input_len=getattr(args, "input_len", None),
         output_len=getattr(args, "output_len", None),
         spread=getattr(args, "spread", 0.0),
+        conversations=getattr(args, "conversations", 8),
+        prefix_len=getattr(args, "system_prompt_len", 0),
         trace=args.trace or "burstgpt",
         trace_file=args.trace_file,
         trace_cache_dir=args.trace_cache_dir,

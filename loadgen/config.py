@@ -27,6 +27,7 @@ ARRIVALS: Registry = Registry("arrival process", __name__, builtins=("loadgen.ar
 CUSTOM_WORKLOAD = "custom"
 PREFIX_REPETITION_WORKLOAD = "prefix-repetition"
 PROMPT_FILE_WORKLOAD = "prompt-file"
+MULTI_TURN_WORKLOAD = "multi-turn"
 TraceSource = Literal["burstgpt", "burstgpt-synthetic", "recorded"]
 STUDY_REQUESTS_PER_CELL = 200
 DEFAULT_WARMUP_REQUESTS = 2
@@ -56,10 +57,14 @@ class WorkloadConfig(StrictModel):
         0,
         ge=0,
         description="custom: tokens of one prefix every prompt starts with (vLLM's"
-        " --random-prefix-len, on top of input_len); prefix-repetition: each prefix's",
+        " --random-prefix-len, on top of input_len); prefix-repetition: each prefix's;"
+        " multi-turn: the system prompt every conversation starts with",
     )
     suffix_len: int | None = Field(None, gt=0, description="prefix-repetition: tokens after it")
     num_prefixes: int = Field(1, gt=0, description="prefix-repetition: distinct prefixes")
+    conversations: int = Field(
+        8, gt=0, description="multi-turn: conversations, whose turns take turns"
+    )
     prompt_file: Path | None = Field(
         None, description='prompt-file: JSONL, one {"prompt": ..., "output_tokens": ...} a line'
     )
@@ -93,6 +98,8 @@ class WorkloadConfig(StrictModel):
             raise ValueError("prefix-repetition needs prefix_len, suffix_len and output_len")
         if self.name == PROMPT_FILE_WORKLOAD and self.prompt_file is None:
             raise ValueError("the prompt-file workload needs prompt_file")
+        if self.name == MULTI_TURN_WORKLOAD and (self.input_len is None or self.output_len is None):
+            raise ValueError("multi-turn needs input_len (a user turn) and output_len (an answer)")
         return self
 
     @property
@@ -115,6 +122,9 @@ class WorkloadConfig(StrictModel):
             )
         if self.name == PROMPT_FILE_WORKLOAD and self.prompt_file is not None:
             return f"prompts-{self.prompt_file.stem}"
+        if self.name == MULTI_TURN_WORKLOAD:
+            system = f"{self.prefix_len}+" if self.prefix_len else ""
+            return f"multi-turn-{self.conversations}x{system}{self.input_len}x{self.output_len}"
         if self.is_trace and self.trace == "burstgpt-synthetic":
             return f"{self.name} (synthetic)"
         return self.name

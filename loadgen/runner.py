@@ -373,6 +373,11 @@ class Run:
         self, calibration: TextCalibration | None, prefix_block_tokens: int | None
     ) -> PromptSource:
         if self.config.endpoint == "chat":
+            if prefix_block_tokens is not None:
+                raise ValueError(
+                    f"{self.config.workload.label} shares prompt prefixes as token ids:"
+                    " send it to /v1/completions, not /v1/chat/completions"
+                )
             return TextPrompts(self.config.seed, calibration)
         if prefix_block_tokens is not None:  # a recorded replay: its prefixes shared again
             return PrefixedPrompts(

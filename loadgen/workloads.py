@@ -36,7 +36,7 @@ from loadgen.burstgpt import (
     resolve_trace_file,
     trace_subset,
 )
-from loadgen.config import CUSTOM_WORKLOAD, WORKLOADS, WorkloadConfig
+from loadgen.config import CUSTOM_WORKLOAD, MULTI_TURN_WORKLOAD, WORKLOADS, WorkloadConfig
 
 PROMPT_TOKEN_LOW = 0
 PROMPT_TOKEN_HIGH = 256  # exclusive: the byte range
@@ -330,6 +330,65 @@ def _trace_shapes(trace: BurstGPTTrace) -> list[RequestShape]:
     ]
 
 
+@dataclass(frozen=True)
+class MultiTurnChat:
+    """Conversations whose history grows: every turn's prompt is the shared system
+    prompt (``prefix_len`` tokens, rounded up to whole turns), then the conversation's
+    earlier turns, then
+    ``input_len`` new tokens; it asks for ``output_len``. The ``conversations`` take
+    turns (request i is turn i // C of conversation i % C), so a turn is sent C
+    requests after the one before it, whose answer is usually done by then; a
+    conversation that would outgrow the context starts over as a new one.
+
+    An earlier turn stands in the history as a block of its own tokens, not as the
+    user's words and the server's answer: the load generator sends a schedule, not a
+    dialogue. So each turn can reuse from the prefix cache the system prompt and every
+    turn before the last, and the cached part grows with the conversation, which is
+    what the router's prefix signals and PD's local/remote split are to be tested on.
+    Token-id prompts: ``/v1/completions`` only.
+    """
+
+    def plan(self, config: WorkloadConfig, draws: LengthDraws) -> WorkloadPlan:
+        assert config.input_len is not None and config.output_len is not None
+        turn = config.input_len + config.output_len  # what a past turn adds to the history
+        system_blocks = -(-config.prefix_len // turn)  # the system prompt, in turn-sized blocks
+        room = draws.max_model_len - config.input_len - config.output_len
+        turns = room // turn - system_blocks + 1  # a conversation's turns before it restarts
+        if turns < 1:
+            raise ValueError(
+                f"{config.label}: the system prompt and one turn exceed the server's context"
+                f" of {draws.max_model_len} tokens"
+            )
+        return WorkloadPlan(
+            name=config.name,
+            label=config.label,
+            shapes=self._turns(config, draws.num_requests, system_blocks, turns, "chat"),
+            # Conversations of their own: warm-ups must not cache the measured history.
+            warmup_shapes=self._turns(
+                config, draws.warmup_requests, system_blocks, turns, "warmup"
+            ),
+            source="synthetic",
+            prefix_block_tokens=turn,
+        )
+
+    @staticmethod
+    def _turns(
+        config: WorkloadConfig, count: int, system_blocks: int, turns: int, name: str
+    ) -> list[RequestShape]:
+        assert config.input_len is not None and config.output_len is not None
+        turn = config.input_len + config.output_len
+        system = tuple(f"{name}-system-{block}" for block in range(system_blocks))
+        shapes = []
+        for index in range(count):
+            conversation, nth = index % config.conversations, index // config.conversations
+            generation, at = divmod(nth, turns)
+            history = tuple(f"{name}-{conversation}.{generation}-turn-{t}" for t in range(at))
+            prefix = system + history
+            input_len = len(prefix) * turn + config.input_len
+            shapes.append(RequestShape(input_len, config.output_len, prefix))
+        return shapes
+
+
 # ---- the built-in workloads ----------------------------------------------------------------
 
 # The study's Table 2 shapes (input, output tokens).
@@ -345,6 +404,7 @@ for _name, (_input, _output) in SYNTHETIC_WORKLOADS.items():
     WORKLOADS.register(_name)(FixedLengths(_input, _output))
 WORKLOADS.register("mixed")(MixedClasses(MIXED_CLASSES))
 WORKLOADS.register(CUSTOM_WORKLOAD)(FixedLengths())
+WORKLOADS.register(MULTI_TURN_WORKLOAD)(MultiTurnChat())
 for _name in TRACE_SUBSETS:
     WORKLOADS.register(_name)(TraceReplay() if _name == REPLAY_SUBSET else TraceSubset())
 

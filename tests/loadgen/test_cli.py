@@ -75,6 +75,33 @@ def test_run_writes_json_csv_and_plots(server: str, tmp_path: Path) -> None:
     assert sum(not r["warmup"] for r in document["requests"]) == 12
 
 
+def test_a_multi_turn_run_sends_growing_conversations(server: str, tmp_path: Path) -> None:
+    result = loadgen(
+        "--base-url", server, "--workload", "multi-turn", "--input-len", "16",
+        "--output-len", "4", "--conversations", "2", "--system-prompt-len", "40",
+        "--qps", "50", "--num-requests", "6", "--warmup-requests", "0", "--out",
+        str(tmp_path), "--no-progress", "--no-plots",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run,) = (p for p in tmp_path.glob("fake-multi-turn-*.json") if ".vllm." not in p.name)
+    requests = [r for r in json.loads(run.read_text())["requests"] if not r["warmup"]]
+    # System prompt: two turns of 20; each conversation's turns then add 20 apiece.
+    assert sorted(r["input_len"] for r in requests) == [56, 56, 76, 76, 96, 96]
+    assert all(r["outcome"] == "ok" for r in requests)
+
+
+def test_a_multi_turn_run_refuses_the_chat_endpoint_by_name(server: str, tmp_path: Path) -> None:
+    result = loadgen(
+        "--base-url", server, "--workload", "multi-turn", "--input-len", "16",
+        "--output-len", "4", "--endpoint", "chat", "--num-requests", "2", "--out",
+        str(tmp_path), "--no-progress", "--no-plots",
+    )  # fmt: skip
+    assert result.returncode != 0
+    said = " ".join((result.stdout + result.stderr).split())  # the console wraps lines
+    assert "multi-turn-8x16x4 shares prompt prefixes as token ids: send it to" in said
+    assert "/v1/completions, not /v1/chat/completions" in said
+
+
 def test_vllm_bench_flag_names_and_result_shape(server: str, tmp_path: Path) -> None:
     """`vllm bench serve`'s flags work as they are, and its --save-result keys come out."""
     result = loadgen(

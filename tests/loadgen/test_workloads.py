@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,10 @@ from pydantic import ValidationError
 
 from loadgen.burstgpt import BurstGPTShapedGenerator, write_trace_csv
 from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.recorded import PrefixedPrompts
 from loadgen.workloads import (
     MIXED_CLASSES,
+    RequestShape,
     TextCalibration,
     TextPrompts,
     TokenPrompts,
@@ -108,3 +111,59 @@ def test_text_prompts_follow_the_calibration() -> None:
     assert len(text) == 200
     assert TextPrompts(seed=0).prompt(50) == TextPrompts(seed=0).prompt(50)
     assert len(TextPrompts(seed=0).prompt(50)) == 50  # uncalibrated: one token per character
+
+
+# ---- multi-turn ----------------------------------------------------------------------------
+
+TURN = 10 + 5  # a user turn of 10 tokens, an answer of 5
+MULTI_TURN = WorkloadConfig(
+    name="multi-turn", input_len=10, output_len=5, prefix_len=20, conversations=2
+)
+
+
+def _prompts(shapes: list[RequestShape]) -> list[list[int]]:
+    source = PrefixedPrompts(seed=1, block_tokens=TURN, low=0, high=256)
+    return [source.prompt(shape) for shape in shapes]
+
+
+def test_a_conversations_turn_starts_with_its_previous_turn_s_prompt_and_grows() -> None:
+    plan = plan_workload(MULTI_TURN, 6, 2, seed=0, max_model_len=CONTEXT)
+    assert plan.prefix_block_tokens == TURN and plan.label == "multi-turn-2x20+10x5"
+    # The conversations take turns: 0, 1, 0, 1, ...; the system prompt is two turns long.
+    assert [s.input_len for s in plan.shapes] == [40, 40, 55, 55, 70, 70]
+    assert {s.output_len for s in plan.shapes} == {5}
+    prompts = _prompts(plan.shapes)
+    for conversation in (0, 1):
+        turns = prompts[conversation::2]
+        for before, after in itertools.pairwise(turns):
+            # All of the previous prompt but its new user tokens is this one's start.
+            assert after[: len(before) - 10] == before[:-10]
+            assert after[len(before) - 10 : len(before)] != before[-10:]
+    # Every conversation shares the system prompt, and only it.
+    assert prompts[0][:30] == prompts[1][:30] and prompts[2][30:45] != prompts[3][30:45]
+
+
+def test_a_conversation_that_would_outgrow_the_context_starts_over() -> None:
+    # Room for the system prompt (30) and two turns of history before a new turn.
+    context = 30 + 2 * TURN + TURN
+    plan = plan_workload(MULTI_TURN, 10, 0, seed=0, max_model_len=context)
+    lengths = [s.input_len for s in plan.shapes]
+    assert lengths == [40, 40, 55, 55, 70, 70, 40, 40, 55, 55]
+    assert max(length + 5 for length in lengths) <= context
+    assert plan.shapes[6].prefix == plan.shapes[0].prefix  # the system prompt alone, again
+    # A new conversation: its history is not the old one's.
+    assert plan.shapes[8].prefix[-1] != plan.shapes[2].prefix[-1]
+
+
+def test_warm_up_turns_share_nothing_with_the_measured_conversations() -> None:
+    plan = plan_workload(MULTI_TURN, 4, 4, seed=0, max_model_len=CONTEXT)
+    measured = {block for shape in plan.shapes for block in shape.prefix}
+    warmup = {block for shape in plan.warmup_shapes for block in shape.prefix}
+    assert warmup and not measured & warmup
+
+
+def test_multi_turn_needs_its_lengths_and_room_for_one_turn() -> None:
+    with pytest.raises(ValidationError, match="multi-turn needs input_len"):
+        WorkloadConfig(name="multi-turn", output_len=5)
+    with pytest.raises(ValueError, match="exceed the server's context of 40 tokens"):
+        plan_workload(MULTI_TURN, 2, 0, seed=0, max_model_len=40)
