@@ -40,6 +40,12 @@ server's core. TTFT is the noisier one (a bootstrap over 150 requests a client: 
 at 90%), and ours reads 9-12% above vLLM's since the client moved to aiohttp, not yet
 explained.
 
+Beside the two clients, each repeat reads the server's own view over the same window:
+the router's histograms (``splitserve_time_to_first_token_seconds``, ITL) from its
+``/metrics``, and vLLM's (``vllm:time_to_first_token_seconds``, ITL) from Ray's metrics
+endpoints. Those count both clients' requests together; their means are exact, their
+p50s interpolated within a bucket.
+
     python bench/client_agreement.py [--requests 300] [--repeats 3]
         [--out results/client_agreement.json]
 """
@@ -302,6 +308,88 @@ def _log_ratios_to_neighbours(requests: Timed, others: Timed) -> list[float]:
     return ratios
 
 
+# (where, metric) for the server's own view: TTFT and ITL as the router and vLLM see them.
+SERVER_HISTOGRAMS = {
+    ("router", "ttft"): "splitserve_time_to_first_token_seconds",
+    ("router", "itl"): "splitserve_inter_token_latency_seconds",
+    ("engine", "ttft"): "vllm:time_to_first_token_seconds",
+    ("engine", "itl"): "vllm:inter_token_latency_seconds",
+}
+# Ray exports vLLM's metrics every 10 s: wait that long before the last scrape.
+RAY_EXPORT_PERIOD_S = 10.0
+RAY_DISCOVERY = Path("/tmp/ray/session_latest/prom_metrics_service_discovery.json")
+
+Histogram = dict[str, Any]  # cumulative "buckets" {le: count}, "sum", "count"
+
+
+def server_histograms(base_url: str) -> dict[tuple[str, str], Histogram]:
+    """Every SERVER_HISTOGRAMS entry now: the router's /metrics, and each of Ray's
+    metrics endpoints of the cluster serve_run started (vLLM's metrics live there)."""
+    from loadgen.server_view import parse_metrics
+
+    texts = [httpx.get(f"{base_url}/metrics", timeout=10).text]
+    for group in json.loads(RAY_DISCOVERY.read_text()):
+        for target in group["targets"]:
+            with contextlib.suppress(httpx.HTTPError):
+                texts.append(httpx.get(f"http://{target}/metrics", timeout=10).text)
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for text in texts:
+        for name, rows in parse_metrics(text).items():
+            samples.setdefault(name, []).extend(rows)
+    snapshot = {}
+    for key, metric in SERVER_HISTOGRAMS.items():
+        buckets: dict[float, float] = {}
+        for labels, value in samples.get(f"{metric}_bucket", []):
+            bound = float(labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value
+        total = sum(v for _, v in samples.get(f"{metric}_sum", []))
+        count = sum(v for _, v in samples.get(f"{metric}_count", []))
+        snapshot[key] = {"buckets": buckets, "sum": total, "count": count}
+    return snapshot
+
+
+def histogram_window(before: Histogram, after: Histogram) -> dict[str, float | None]:
+    """Mean (exact) and p50 (linear within its bucket), in ms, of what was observed
+    between two snapshots."""
+    count = after["count"] - before["count"]
+    if count <= 0:
+        return {"mean_ms": None, "p50_ms": None, "count": 0}
+    bounds = sorted(after["buckets"])
+    half, lower, below, p50 = count / 2, 0.0, 0.0, None
+    for bound in bounds:
+        seen = after["buckets"][bound] - before["buckets"].get(bound, 0.0)
+        if seen >= half:
+            inside = seen - below
+            upper = bound if math.isfinite(bound) else lower
+            p50 = lower + ((half - below) / inside if inside else 0.0) * (upper - lower)
+            break
+        lower, below = bound, seen
+    mean = (after["sum"] - before["sum"]) / count
+    return {"mean_ms": 1000 * mean, "p50_ms": None if p50 is None else 1000 * p50, "count": count}
+
+
+def client_view(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[tuple[str, str], dict]:
+    """Each client's TTFT and ITL, p50 and mean in ms, over its whole run."""
+    measured = [m for m in ours["requests"] if not m["warmup"]]
+    our_ttft = [m["ttft_s"] for m in measured]
+    our_itl = [g for m in measured for g in m["itl_s"]]
+    their_itl = [g for gaps in theirs["itls"] for g in gaps]
+    view = {
+        ("ours", "ttft"): our_ttft,
+        ("ours", "itl"): our_itl,
+        ("vllm", "ttft"): theirs["ttfts"],
+        ("vllm", "itl"): their_itl,
+    }
+    return {
+        key: {
+            "p50_ms": 1000 * statistics.median(values),
+            "mean_ms": 1000 * statistics.mean(values),
+            "count": len(values),
+        }
+        for key, values in view.items()
+    }
+
+
 def _cluster_pids() -> set[int]:
     """Ray's daemons and workers, `serve run` and vLLM's engines on this machine."""
     import psutil
@@ -331,14 +419,23 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=150)
     runs: list[Agreement] = []
+    views: list[dict[tuple[str, str], dict]] = []
     with serve_run("single") as app:
         for repeat in range(args.repeats):
+            before = server_histograms(app.base_url)
             with tempfile.TemporaryDirectory() as folder:
                 ours, theirs = run_both_clients(
                     app.base_url, Path(folder), args.requests, _cluster_pids
                 )
+            time.sleep(RAY_EXPORT_PERIOD_S + 2)
+            after = server_histograms(app.base_url)
             runs.append(compare(ours, theirs))
+            views.append(
+                client_view(ours, theirs)
+                | {key: histogram_window(before[key], after[key]) for key in SERVER_HISTOGRAMS}
+            )
             console.print(f"repeat {repeat}: {runs[-1].report()}")
+    _print_views(console, views)
     table = Table(title=f"ours over vLLM's client, {args.requests} requests a client (single.yaml)")
     for column in ("repeat", "TTFT ratio", "ITL ratio", "TTFT p50 ours/vLLM", "ITL p50 ours/vLLM",
                    "ITL mean ours/vLLM"):  # fmt: skip
@@ -355,10 +452,39 @@ def main() -> None:
     table.add_row("median", f"{ttft:.3f}", f"{itl:.3f}", "", "", "")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    views_json = [{f"{who}_{what}": v for (who, what), v in view.items()} for view in views]
+    args.out.write_text(
+        json.dumps({"runs": [asdict(r) for r in runs], "views": views_json}, indent=1)
+    )
     console.print(f"saved {args.out}")
     within = abs(ttft - 1) <= TTFT_TOLERANCE and abs(itl - 1) <= ITL_TOLERANCE
     sys.exit(0 if within else 1)
+
+
+def _print_views(console: Any, views: list[dict[tuple[str, str], dict]]) -> None:
+    """Medians over the repeats of each view's p50 and mean, TTFT and ITL."""
+    from rich.table import Table
+
+    table = Table(title="TTFT and ITL as each saw them (ms; medians over the repeats)")
+    for column in ("seen by", "TTFT p50", "TTFT mean", "ITL p50", "ITL mean", "samples"):
+        table.add_column(column, justify="right")
+    seen_by = {
+        "ours": "our client",
+        "vllm": "vLLM's client",
+        "router": "router (both clients)",
+        "engine": "vLLM engine (both)",
+    }
+    for who, label in seen_by.items():
+        cells = []
+        for what in ("ttft", "itl"):
+            for figure in ("p50_ms", "mean_ms"):
+                values = [
+                    v[(who, what)][figure] for v in views if v[(who, what)][figure] is not None
+                ]
+                cells.append(f"{statistics.median(values):.2f}" if values else "-")
+        samples = statistics.median(v[(who, "ttft")]["count"] for v in views)
+        table.add_row(label, *cells, f"{samples:.0f}")
+    console.print(table)
 
 
 if __name__ == "__main__":
