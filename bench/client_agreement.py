@@ -312,8 +312,10 @@ def _log_ratios_to_neighbours(requests: Timed, others: Timed) -> list[float]:
 SERVER_HISTOGRAMS = {
     ("router", "ttft"): "splitserve_time_to_first_token_seconds",
     ("router", "itl"): "splitserve_inter_token_latency_seconds",
-    ("engine", "ttft"): "vllm:time_to_first_token_seconds",
-    ("engine", "itl"): "vllm:inter_token_latency_seconds",
+    # vLLM's vllm:time_to_first_token_seconds, as Ray's endpoints export it (Ray renames
+    # vllm:x to ray_vllm_x; dashboards/prometheus.yml renames it back at scrape time).
+    ("engine", "ttft"): "ray_vllm_time_to_first_token_seconds",
+    ("engine", "itl"): "ray_vllm_inter_token_latency_seconds",
 }
 # Ray exports vLLM's metrics every 10 s: wait that long before the last scrape.
 RAY_EXPORT_PERIOD_S = 10.0
@@ -325,27 +327,28 @@ Histogram = dict[str, Any]  # cumulative "buckets" {le: count}, "sum", "count"
 def server_histograms(base_url: str) -> dict[tuple[str, str], Histogram]:
     """Every SERVER_HISTOGRAMS entry now: the router's /metrics, and each of Ray's
     metrics endpoints of the cluster serve_run started (vLLM's metrics live there)."""
-    from loadgen.server_view import parse_metrics
-
     texts = [httpx.get(f"{base_url}/metrics", timeout=10).text]
     for group in json.loads(RAY_DISCOVERY.read_text()):
         for target in group["targets"]:
             with contextlib.suppress(httpx.HTTPError):
                 texts.append(httpx.get(f"http://{target}/metrics", timeout=10).text)
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    return {key: histogram_snapshot(texts, metric) for key, metric in SERVER_HISTOGRAMS.items()}
+
+
+def histogram_snapshot(texts: list[str], metric: str) -> Histogram:
+    """One histogram, summed over every series of every exposition in ``texts``."""
+    from loadgen.server_view import parse_metrics
+
+    buckets: dict[float, float] = {}
+    total = count = 0.0
     for text in texts:
-        for name, rows in parse_metrics(text).items():
-            samples.setdefault(name, []).extend(rows)
-    snapshot = {}
-    for key, metric in SERVER_HISTOGRAMS.items():
-        buckets: dict[float, float] = {}
+        samples = parse_metrics(text)
         for labels, value in samples.get(f"{metric}_bucket", []):
             bound = float(labels["le"])
             buckets[bound] = buckets.get(bound, 0.0) + value
-        total = sum(v for _, v in samples.get(f"{metric}_sum", []))
-        count = sum(v for _, v in samples.get(f"{metric}_count", []))
-        snapshot[key] = {"buckets": buckets, "sum": total, "count": count}
-    return snapshot
+        total += sum(v for _, v in samples.get(f"{metric}_sum", []))
+        count += sum(v for _, v in samples.get(f"{metric}_count", []))
+    return {"buckets": buckets, "sum": total, "count": count}
 
 
 def histogram_window(before: Histogram, after: Histogram) -> dict[str, float | None]:

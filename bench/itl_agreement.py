@@ -28,15 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
+from client_agreement import histogram_snapshot, histogram_window
 from overhead import peer_tool, run_client
 from rich.console import Console
 from rich.table import Table
 
 from deployments.launcher import REPO_ROOT, niced_like_ray_workers, serve_run
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
-from loadgen.server_view import parse_metrics
 
 console = Console(width=150)
 GUIDELLM_VERSION = "0.8.1"
@@ -49,35 +48,7 @@ def guidellm_binary() -> Path:
 
 def server_itl(base_url: str) -> dict[str, Any]:
     """The router's ITL histogram now: cumulative bucket counts, sum, count."""
-    samples = parse_metrics(httpx.get(f"{base_url}/metrics", timeout=10).text)
-    buckets: dict[float, float] = {}
-    for labels, value in samples.get(f"{ITL_HISTOGRAM}_bucket", []):
-        bound = float(labels["le"])
-        buckets[bound] = buckets.get(bound, 0.0) + value
-    total = sum(v for _, v in samples.get(f"{ITL_HISTOGRAM}_sum", []))
-    count = sum(v for _, v in samples.get(f"{ITL_HISTOGRAM}_count", []))
-    return {"buckets": buckets, "sum": total, "count": count}
-
-
-def window(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float | None]:
-    """Mean (exact) and p50 (linear within its bucket) of the gaps between two scrapes."""
-    count = after["count"] - before["count"]
-    if count <= 0:
-        return {"mean_ms": None, "p50_ms": None, "gaps": 0}
-    bounds = sorted(after["buckets"])
-    cumulative = [after["buckets"][b] - before["buckets"].get(b, 0.0) for b in bounds]
-    half, lower, below = count / 2, 0.0, 0.0
-    p50 = None
-    for bound, seen in zip(bounds, cumulative, strict=True):
-        if seen >= half:
-            inside = seen - below
-            share = (half - below) / inside if inside else 0.0
-            upper = bound if np.isfinite(bound) else lower
-            p50 = lower + share * (upper - lower)
-            break
-        lower, below = bound, seen
-    mean = (after["sum"] - before["sum"]) / count
-    return {"mean_ms": 1000 * mean, "p50_ms": None if p50 is None else 1000 * p50, "gaps": count}
+    return histogram_snapshot([httpx.get(f"{base_url}/metrics", timeout=10).text], ITL_HISTOGRAM)
 
 
 def run_ours(base_url: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
@@ -157,7 +128,7 @@ def main() -> None:
                         figures = run_vllm(app.base_url, args)
                     else:
                         figures = run_guidellm(app.base_url, args, Path(folder))
-                server = window(before, server_itl(app.base_url))
+                server = histogram_window(before, server_itl(app.base_url))
                 rows.append({"client": client, "repeat": repeat, **figures,
                              "server_itl_p50_ms": server["p50_ms"],
                              "server_itl_mean_ms": server["mean_ms"]})  # fmt: skip
