@@ -353,6 +353,10 @@ class TestOneRankEachSide:
             # Submitted anyway, the connector refuses to load it: recomputed, same tokens.
             before = _counters(directory)
             assert _decode_step(mismatched, prompt, first_token, handle) == expected
+            # The refusal reaches the directory actor without being awaited: wait for it.
+            deadline = time.monotonic() + PUSH_WAIT_S
+            while not _delta(before, _counters(directory)) and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert _delta(before, _counters(directory)) == {"failed": 1}
         finally:
             _stop_engine(mismatched)
