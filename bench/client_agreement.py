@@ -97,23 +97,26 @@ def client_timeout_s(requests: int) -> float:
     return 60.0 + 1.5 * requests / RATE  # imports, then requests on a slow box
 
 
+Figures = dict[str, Any]  # p50_ms, mean_ms, count
+
+
 @dataclass(frozen=True)
 class Agreement:
-    """Ours over vLLM's, over the same seconds, and each client's whole-run medians."""
+    """Ours over vLLM's, over the same seconds, and each client's whole-run figures
+    (``client_view``: ``ours_ttft``, ``ours_itl``, ``vllm_ttft``, ``vllm_itl``)."""
 
     requests: int
     ttft_ratio: float
     itl_ratio: float
-    ttft_p50_ms: dict[str, float]
-    itl_p50_ms: dict[str, float]
-    itl_mean_ms: dict[str, float]
+    clients: dict[str, Figures]
 
     def report(self) -> str:
+        c = self.clients
         return (
             f"ours/vLLM over the same seconds: TTFT {self.ttft_ratio:.3f}, ITL"
-            f" {self.itl_ratio:.3f}; whole-run TTFT p50 ours {self.ttft_p50_ms['ours']:.2f}"
-            f" ms vs vLLM {self.ttft_p50_ms['vllm']:.2f} ms, ITL p50 ours"
-            f" {self.itl_p50_ms['ours']:.3f} ms vs vLLM {self.itl_p50_ms['vllm']:.3f} ms"
+            f" {self.itl_ratio:.3f}; whole-run TTFT p50 ours {c['ours_ttft']['p50_ms']:.2f}"
+            f" ms vs vLLM {c['vllm_ttft']['p50_ms']:.2f} ms, ITL p50 ours"
+            f" {c['ours_itl']['p50_ms']:.3f} ms vs vLLM {c['vllm_itl']['p50_ms']:.3f} ms"
         )
 
 
@@ -151,25 +154,7 @@ def compare(ours: dict[str, Any], theirs: dict[str, Any]) -> Agreement:
         (our_sent, [statistics.median(m["itl_s"]) for m in measured]),
         (their_sent, [statistics.median(gaps) for gaps in theirs["itls"]]),
     )
-    our_gaps = [g for m in measured for g in m["itl_s"]]
-    their_gaps = [g for gaps in theirs["itls"] for g in gaps]
-    return Agreement(
-        requests=len(measured),
-        ttft_ratio=ttft,
-        itl_ratio=itl,
-        ttft_p50_ms={
-            "ours": 1000 * statistics.median(m["ttft_s"] for m in measured),
-            "vllm": 1000 * statistics.median(theirs["ttfts"]),
-        },
-        itl_p50_ms={
-            "ours": 1000 * statistics.median(our_gaps),
-            "vllm": 1000 * statistics.median(their_gaps),
-        },
-        itl_mean_ms={
-            "ours": 1000 * statistics.mean(our_gaps),
-            "vllm": 1000 * statistics.mean(their_gaps),
-        },
-    )
+    return Agreement(len(measured), ttft, itl, client_view(measured, theirs))
 
 
 def warm_up(base_url: str) -> str:
@@ -308,14 +293,14 @@ def _log_ratios_to_neighbours(requests: Timed, others: Timed) -> list[float]:
     return ratios
 
 
-# (where, metric) for the server's own view: TTFT and ITL as the router and vLLM see them.
+# <who>_<what> -> metric, for the server's own view: TTFT and ITL as the router and vLLM see them.
 SERVER_HISTOGRAMS = {
-    ("router", "ttft"): "splitserve_time_to_first_token_seconds",
-    ("router", "itl"): "splitserve_inter_token_latency_seconds",
+    "router_ttft": "splitserve_time_to_first_token_seconds",
+    "router_itl": "splitserve_inter_token_latency_seconds",
     # vLLM's vllm:time_to_first_token_seconds, as Ray's endpoints export it (Ray renames
     # vllm:x to ray_vllm_x; dashboards/prometheus.yml renames it back at scrape time).
-    ("engine", "ttft"): "ray_vllm_time_to_first_token_seconds",
-    ("engine", "itl"): "ray_vllm_inter_token_latency_seconds",
+    "engine_ttft": "ray_vllm_time_to_first_token_seconds",
+    "engine_itl": "ray_vllm_inter_token_latency_seconds",
 }
 # Ray exports vLLM's metrics every 10 s: wait that long before the last scrape.
 RAY_EXPORT_PERIOD_S = 10.0
@@ -324,7 +309,7 @@ RAY_DISCOVERY = Path("/tmp/ray/session_latest/prom_metrics_service_discovery.jso
 Histogram = dict[str, Any]  # cumulative "buckets" {le: count}, "sum", "count"
 
 
-def server_histograms(base_url: str) -> dict[tuple[str, str], Histogram]:
+def server_histograms(base_url: str) -> dict[str, Histogram]:
     """Every SERVER_HISTOGRAMS entry now: the router's /metrics, and each of Ray's
     metrics endpoints of the cluster serve_run started (vLLM's metrics live there)."""
     texts = [httpx.get(f"{base_url}/metrics", timeout=10).text]
@@ -371,17 +356,14 @@ def histogram_window(before: Histogram, after: Histogram) -> dict[str, float | N
     return {"mean_ms": 1000 * mean, "p50_ms": None if p50 is None else 1000 * p50, "count": count}
 
 
-def client_view(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[tuple[str, str], dict]:
-    """Each client's TTFT and ITL, p50 and mean in ms, over its whole run."""
-    measured = [m for m in ours["requests"] if not m["warmup"]]
-    our_ttft = [m["ttft_s"] for m in measured]
-    our_itl = [g for m in measured for g in m["itl_s"]]
-    their_itl = [g for gaps in theirs["itls"] for g in gaps]
+def client_view(measured: list[dict[str, Any]], theirs: dict[str, Any]) -> dict[str, Figures]:
+    """Each client's TTFT and ITL, p50 and mean in ms, over its whole run (``measured``:
+    our run's requests that were not warm-ups)."""
     view = {
-        ("ours", "ttft"): our_ttft,
-        ("ours", "itl"): our_itl,
-        ("vllm", "ttft"): theirs["ttfts"],
-        ("vllm", "itl"): their_itl,
+        "ours_ttft": [m["ttft_s"] for m in measured],
+        "ours_itl": [g for m in measured for g in m["itl_s"]],
+        "vllm_ttft": theirs["ttfts"],
+        "vllm_itl": [g for gaps in theirs["itls"] for g in gaps],
     }
     return {
         key: {
@@ -422,7 +404,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console(width=150)
     runs: list[Agreement] = []
-    views: list[dict[tuple[str, str], dict]] = []
+    views: list[dict[str, Figures]] = []
     with serve_run("single") as app:
         for repeat in range(args.repeats):
             before = server_histograms(app.base_url)
@@ -434,7 +416,7 @@ def main() -> None:
             after = server_histograms(app.base_url)
             runs.append(compare(ours, theirs))
             views.append(
-                client_view(ours, theirs)
+                runs[-1].clients
                 | {key: histogram_window(before[key], after[key]) for key in SERVER_HISTOGRAMS}
             )
             console.print(f"repeat {repeat}: {runs[-1].report()}")
@@ -446,25 +428,26 @@ def main() -> None:
     for repeat, run in enumerate(runs):
         table.add_row(
             str(repeat), f"{run.ttft_ratio:.3f}", f"{run.itl_ratio:.3f}",
-            f"{run.ttft_p50_ms['ours']:.2f} / {run.ttft_p50_ms['vllm']:.2f} ms",
-            f"{run.itl_p50_ms['ours']:.3f} / {run.itl_p50_ms['vllm']:.3f} ms",
-            f"{run.itl_mean_ms['ours']:.3f} / {run.itl_mean_ms['vllm']:.3f} ms",
+            _pair(run, "ttft", "p50_ms", 2), _pair(run, "itl", "p50_ms", 3),
+            _pair(run, "itl", "mean_ms", 3),
         )  # fmt: skip
     ttft = statistics.median(r.ttft_ratio for r in runs)
     itl = statistics.median(r.itl_ratio for r in runs)
     table.add_row("median", f"{ttft:.3f}", f"{itl:.3f}", "", "", "")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    views_json = [{f"{who}_{what}": v for (who, what), v in view.items()} for view in views]
-    args.out.write_text(
-        json.dumps({"runs": [asdict(r) for r in runs], "views": views_json}, indent=1)
-    )
+    args.out.write_text(json.dumps({"runs": [asdict(r) for r in runs], "views": views}, indent=1))
     console.print(f"saved {args.out}")
     within = abs(ttft - 1) <= TTFT_TOLERANCE and abs(itl - 1) <= ITL_TOLERANCE
     sys.exit(0 if within else 1)
 
 
-def _print_views(console: Any, views: list[dict[tuple[str, str], dict]]) -> None:
+def _pair(run: Agreement, what: str, figure: str, digits: int) -> str:
+    ours, theirs = run.clients[f"ours_{what}"][figure], run.clients[f"vllm_{what}"][figure]
+    return f"{ours:.{digits}f} / {theirs:.{digits}f} ms"
+
+
+def _print_views(console: Any, views: list[dict[str, Figures]]) -> None:
     """Medians over the repeats of each view's p50 and mean, TTFT and ITL."""
     from rich.table import Table
 
@@ -481,11 +464,10 @@ def _print_views(console: Any, views: list[dict[tuple[str, str], dict]]) -> None
         cells = []
         for what in ("ttft", "itl"):
             for figure in ("p50_ms", "mean_ms"):
-                values = [
-                    v[(who, what)][figure] for v in views if v[(who, what)][figure] is not None
-                ]
+                key = f"{who}_{what}"
+                values = [v[key][figure] for v in views if v[key][figure] is not None]
                 cells.append(f"{statistics.median(values):.2f}" if values else "-")
-        samples = statistics.median(v[(who, "ttft")]["count"] for v in views)
+        samples = statistics.median(v[f"{who}_ttft"]["count"] for v in views)
         table.add_row(label, *cells, f"{samples:.0f}")
     console.print(table)
 

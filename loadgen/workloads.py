@@ -334,11 +334,10 @@ def _trace_shapes(trace: BurstGPTTrace) -> list[RequestShape]:
 class MultiTurnChat:
     """Conversations whose history grows: every turn's prompt is the shared system
     prompt (``prefix_len`` tokens, rounded up to whole turns), then the conversation's
-    earlier turns, then
-    ``input_len`` new tokens; it asks for ``output_len``. The ``conversations`` take
-    turns (request i is turn i // C of conversation i % C), so a turn is sent C
-    requests after the one before it, whose answer is usually done by then; a
-    conversation that would outgrow the context starts over as a new one.
+    earlier turns, then ``input_len`` new tokens; it asks for ``output_len``. The
+    ``conversations`` take turns (request i is turn i // C of conversation i % C), so a
+    turn is sent C requests after the one before it, whose answer is usually done by
+    then; a conversation that would outgrow the context starts over as a new one.
 
     An earlier turn stands in the history as a block of its own tokens, not as the
     user's words and the server's answer: the load generator sends a schedule, not a
@@ -362,10 +361,10 @@ class MultiTurnChat:
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=self._turns(config, draws.num_requests, system_blocks, turns, "chat"),
+            shapes=self._turns(config, draws.num_requests, turn, system_blocks, turns, "chat"),
             # Conversations of their own: warm-ups must not cache the measured history.
             warmup_shapes=self._turns(
-                config, draws.warmup_requests, system_blocks, turns, "warmup"
+                config, draws.warmup_requests, turn, system_blocks, turns, "warmup"
             ),
             source="synthetic",
             prefix_block_tokens=turn,
@@ -373,10 +372,10 @@ class MultiTurnChat:
 
     @staticmethod
     def _turns(
-        config: WorkloadConfig, count: int, system_blocks: int, turns: int, name: str
+        config: WorkloadConfig, count: int, turn: int, system_blocks: int, turns: int, name: str
     ) -> list[RequestShape]:
+        """``count`` requests: ``turn`` tokens a past turn, ``turns`` turns a conversation."""
         assert config.input_len is not None and config.output_len is not None
-        turn = config.input_len + config.output_len
         system = tuple(f"{name}-system-{block}" for block in range(system_blocks))
         shapes = []
         for index in range(count):

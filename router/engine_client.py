@@ -357,11 +357,6 @@ class EngineClient:
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen())
 
-    def close(self) -> None:
-        """Stop listening and let the link go, without waiting (the router is torn down)."""
-        self.stop_listening()
-        self.shutdown_link()
-
     def stop_listening(self) -> None:
         """Cancel the listener (on the event loop's thread: a task is not thread-safe)."""
         if self._listener is not None:
