@@ -14,18 +14,28 @@ import logging
 from typing import Any
 
 import ray
+from ray import serve
 from ray.serve import Application
+from ray.serve.deployment import Deployment
 
 from deployments.config import AppConfig, parse_app_config
 from deployments.launcher import ENGINE_NAME_ENV
-from engines.host import ENGINE_HEALTH_CHECK_PERIOD_S, EngineReplica
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from engines.settings import EngineSpec, PlacementConfig, PoolConfig
 from kv_transfer.backend_registry import make_kv_backend
-from router.ingress import Router
 from splitserve.packaging import check_top_level_packages
 
 logger = logging.getLogger("splitserve.deployments")
+
+# The build names the replicas' classes by import path, and each replica imports its
+# own. Importing them here would import vLLM into Serve's build task: 10-13 s of every
+# start, during which Serve's proxy answers 404 (docs/DECISIONS.md).
+ROUTER_CLASS = "router.ingress.Router"
+ENGINE_REPLICA_CLASS = "engines.host.EngineReplica"
+# Serve's default (5) would queue requests in Serve's handles, away from our policies.
+MAX_ONGOING_REQUESTS = 4096
+# How often Serve asks whatever process hosts an engine whether that engine is alive.
+ENGINE_HEALTH_CHECK_PERIOD_S = 5
 
 # Ray Serve settings for our replicas, read by Serve when the replica process starts.
 # Serve's defaults isolate arbitrary user code: it runs on a second thread and event
@@ -40,6 +50,16 @@ SERVE_REPLICA_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
+
+
+class _NamedByPath:
+    """Stands in for a replica class until ``.options`` names it by import path."""
+
+
+def deployment_by_path(import_path: str, name: str, **options: Any) -> Deployment:
+    """A Serve deployment of the class at ``import_path``, which only its replicas import."""
+    stand_in = serve.deployment(_NamedByPath, name=name, **options)
+    return stand_in.options(func_or_class=import_path)
 
 
 def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig, int]]:
@@ -113,9 +133,15 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
         config, config.resources.engine_num_cpus, pool.ranks_per_replica
     )
     place(actor_options, pool.placement)
-    return EngineReplica.options(name=name, num_replicas=1, ray_actor_options=actor_options).bind(
-        spec
+    engine = deployment_by_path(
+        ENGINE_REPLICA_CLASS,
+        name,
+        num_replicas=1,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
+        ray_actor_options=actor_options,
     )
+    return engine.bind(spec)
 
 
 def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] | None:
@@ -138,7 +164,12 @@ def build_app_from_config(config: AppConfig) -> Application:
         "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
     }
     place(actor_options, config.router.placement)
-    router = Router.options(ray_actor_options=actor_options)
+    router = deployment_by_path(
+        ROUTER_CLASS,
+        "Router",
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        ray_actor_options=actor_options,
+    )
     return router.bind(config.ingress_settings(serve_http_host()), roles, engines)
 
 
@@ -158,8 +189,12 @@ def _router_hosting_engines(config: AppConfig) -> Application:
     num_cpus = resources.router_num_cpus + config.engine_replicas * resources.engine_num_cpus
     actor_options = engine_actor_options(config, num_cpus, devices)
     place(actor_options, config.router.placement)
-    router = Router.options(
-        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S, ray_actor_options=actor_options
+    router = deployment_by_path(
+        ROUTER_CLASS,
+        "Router",
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
+        ray_actor_options=actor_options,
     )
     return router.bind(config.ingress_settings(serve_http_host()), roles, {}, specs)
 

@@ -48,8 +48,6 @@ logger = logging.getLogger("splitserve.engine")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _SPAWN_LOCK = threading.Lock()
 SPAWN_POLL_S = 0.02  # how often a spawning engine looks for its new process
-# How often Serve asks whatever process hosts an engine whether that engine is alive.
-ENGINE_HEALTH_CHECK_PERIOD_S = 5
 
 
 class _LatestSchedulerStats:
@@ -370,7 +368,6 @@ def _restore(saved: Mapping[str, str | None]) -> None:
             os.environ[name] = value
 
 
-@serve.deployment(max_ongoing_requests=4096, health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S)
 class EngineReplica:
     """A Serve replica that hosts one engine (any backend) in a process of its own, so
     its front end (output processing, detokenization, stat loggers) runs beside the

@@ -78,7 +78,6 @@ async def _after(
         yield chunk, time.perf_counter()
 
 
-@serve.deployment(max_ongoing_requests=4096)
 @serve.ingress(app)
 class Router:
     async def __init__(

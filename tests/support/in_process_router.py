@@ -38,9 +38,9 @@ REPLICA = "x-splitserve-replica"
 PREFILL = "x-splitserve-prefill"
 PREFILL_REPLICA = "x-splitserve-prefill-replica"
 
-# Serve's deployment wraps the class (serve.ingress); the class itself comes next. Its
-# functions read a copy of the module's globals, which Serve's pickling made.
-ROUTER_CLASS: type = Router.func_or_class.__mro__[1]
+# serve.ingress wraps the class; the class itself comes next. Its functions read a copy
+# of the module's globals, which Serve's pickling made.
+ROUTER_CLASS: type = Router.__mro__[1]
 ROUTER_GLOBALS: dict[str, Any] = ROUTER_CLASS.__init__.__globals__
 
 
