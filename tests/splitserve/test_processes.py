@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from splitserve.processes import stop_process
+from splitserve.processes import ChildSettings, stop_process
 
 IGNORES_SIGINT = (
     "import signal, sys, time\n"
@@ -18,7 +18,11 @@ STOPS_ON_SIGINT = "import time\nprint('ready', flush=True)\ntime.sleep(60)\n"
 
 
 def _started(source: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE)
+    # Started as the launcher starts servers: SIGINT restored, which a test run from a
+    # background shell job would otherwise hand down ignored.
+    process = subprocess.Popen(
+        [sys.executable, "-c", source], stdout=subprocess.PIPE, preexec_fn=ChildSettings()
+    )
     assert process.stdout is not None and process.stdout.readline() == b"ready\n"
     return process
 
