@@ -20,6 +20,10 @@ Two ways to move blocks, one interface:
   runs on a side CUDA stream after the forward pass's writes and lands in pinned host
   memory, so it overlaps the next step's compute; loading is the reverse
   (``index_copy_`` on the side stream, waited for before the load is reported done).
+  What ``ray.get`` hands the decode side is the object store's pageable memory, from
+  which a host-to-device copy is synchronous and slower than from pinned memory, so a
+  GPU load stages each layer through one of two pinned buffers: the CPU fills one while
+  the GPU reads the other (``_PinnedStaging``; bench/kv_gpu_copy.py measures both).
 
 The wire format of one part is ``list[layer] -> list[run]`` of numpy arrays in either
 case; ``unpack`` takes both.
@@ -27,6 +31,7 @@ case; ``unpack`` takes both.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -82,6 +87,8 @@ class PagedKVCache:
         self._stream: Any = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
+        # Loads run on several threads (kv_transfer/worker_side.py): a stager each.
+        self._stagers = threading.local()
 
     @property
     def num_layers(self) -> int:
@@ -173,10 +180,59 @@ class PagedKVCache:
             if self._stream is None:
                 layer.index_copy_(0, kernel_ids, source)
                 continue
-            with torch.cuda.stream(self._stream):
-                layer.index_copy_(0, kernel_ids, source.to(self.device, non_blocking=True))
+            self._load_on_device(layer, kernel_ids, source)
         if self._stream is not None:
             self._stream.synchronize()  # written before the load is reported done
+
+    def _load_on_device(
+        self, layer: torch.Tensor, kernel_ids: torch.Tensor, source: torch.Tensor
+    ) -> None:
+        staged, slot = source, None
+        if not source.is_pinned():
+            staged, slot = self._stager().stage(source)
+        with torch.cuda.stream(self._stream):
+            layer.index_copy_(0, kernel_ids, staged.to(self.device, non_blocking=True))
+            if slot is not None:
+                self._stager().read_issued(slot, self._stream)
+
+    def _stager(self) -> _PinnedStaging:
+        stager = getattr(self._stagers, "stager", None)
+        if stager is None:
+            stager = self._stagers.stager = _PinnedStaging()
+        return stager
+
+
+class _PinnedStaging:
+    """Two pinned host buffers that a GPU load copies pageable layers through in turn:
+    the CPU fills one while the GPU still reads the other, and a buffer is refilled only
+    once the copy that reads it has finished (its CUDA event)."""
+
+    SLOTS = 2
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._read: list[Any] = [None] * self.SLOTS  # CUDA events, one per slot
+        self._next = 0
+
+    def stage(self, source: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``source`` copied into the next pinned buffer, and that buffer's slot."""
+        slot = self._next
+        self._next = (slot + 1) % self.SLOTS
+        if self._read[slot] is not None:
+            self._read[slot].synchronize()  # the GPU has read what the buffer held
+        nbytes = source.numel() * source.element_size()
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        staged = buffer[:nbytes].view(source.dtype).view(source.shape)
+        staged.copy_(source)
+        return staged, slot
+
+    def read_issued(self, slot: int, stream: Any) -> None:
+        """The copy that reads ``slot`` is queued on ``stream``: mark when it finishes."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._read[slot] = event
 
 
 def contiguous_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
