@@ -29,6 +29,9 @@ Strategy = Literal["single", "dp", "tp", "pp", "pd"]
 Accelerator = Literal["cpu", "gpu"]
 
 
+AT_LEAST_TWO = "at least two"
+
+
 class ResourcesConfig(StrictModel):
     """Ray logical CPUs reserved per actor: fractional, so the engines keep the real cores."""
 
@@ -93,18 +96,20 @@ class AppConfig(StrictModel):
                 raise ValueError(f"{block} is for strategy 'pd', not {self.strategy!r}")
         self._check_replica_choice_roles()
         pool = self.pools[0]
-        expected = {
+        # Per strategy: (replicas, tensor_parallel_size, pipeline_parallel_size), each
+        # exactly this number, AT_LEAST_TWO, or None for any (DP of tensor-parallel engines).
+        expected: tuple[int | str | None, ...] = {
             "single": (1, 1, 1),
-            "tp": (1, None, 1),
-            "pp": (1, 1, None),
-            "dp": (None, 1, 1),
+            "tp": (1, AT_LEAST_TWO, 1),
+            "pp": (1, 1, AT_LEAST_TWO),
+            "dp": (AT_LEAST_TWO, None, 1),
         }[self.strategy]
         actual = (pool.replicas, pool.tensor_parallel_size, pool.pipeline_parallel_size)
         names = ("replicas", "tensor_parallel_size", "pipeline_parallel_size")
         for name, want, got in zip(names, expected, actual, strict=True):
-            if want is None and got < 2:
+            if want == AT_LEAST_TWO and got < 2:
                 raise ValueError(f"strategy {self.strategy!r} needs {name} >= 2, got {got}")
-            if want is not None and got != want:
+            if isinstance(want, int) and got != want:
                 raise ValueError(f"strategy {self.strategy!r} needs {name} = {want}, got {got}")
         return self
 

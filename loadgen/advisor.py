@@ -31,7 +31,12 @@ goodput-optimal placement, simplified where said:
    - ``decode_load_threshold = B*``; ``decode_busy_min_length = step(1) / s``;
    - QoS: ``ttft_slo_s`` the objective; low priority refused above
      ``TTFT SLO - mean prompt tokens x s``, the room for one prompt ahead of it.
-3. **Output.** The winner's YAML with those values under ``deployments/`` and what it
+3. **Sizing** (``loadgen/sizing.py``, ``loadgen/deployment_plan.py``): the winner's
+   engines for a target rate or a device budget (PD: pools in the fitted ratio, scaled
+   to the measured level), each engine's tensor-parallel degree raised to what the
+   model's weights need on the target device, and every mode's best layout at each
+   device count (the Pareto front).
+4. **Output.** The winner's YAML with those values under ``deployments/`` and what it
    was chosen for (``router.traffic_profile``: mean lengths and the winner's knee; the
    router reports drift from it), and a report (markdown and PNG) with every
    candidate's measured goodput and why the winner won.
@@ -41,12 +46,17 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from loadgen import deployment_plan, sizing
+from loadgen.deployment_plan import DeployTarget, Plan
+from loadgen.sizing import MeasuredSize, ModelShape, PDCapacities
 
 # Simplest first: the tie-break between modes within TIE_SHARE of the best.
 SIMPLICITY = ("single", "dp", "tp", "pp", "pd_always", "pd")
@@ -84,14 +94,18 @@ class RunPoint:
     prefill_s_per_token: float | None = None
     decode_step_s: float | None = None
     transfer_s_per_request: float | None = None
+    repeat: str = "."  # which repeat of the sweep measured it (its folder)
 
 
 @dataclass
 class Candidate:
     mode: str
     devices: int
-    knee_qps: float
-    curve: list[tuple[float, float]]  # (qps, attainment), by qps
+    knee_qps: float  # on the median curve
+    curve: list[tuple[float, float]]  # (qps, median attainment over repeats), by qps
+    # (qps, lowest, highest attainment) over the repeats, and each repeat's own knee.
+    spread: list[tuple[float, float, float]] = field(default_factory=list)
+    repeat_knees: list[float] = field(default_factory=list)
 
     @property
     def goodput_per_device(self) -> float:
@@ -127,19 +141,24 @@ class Advice:
     # The workload as measured, for the YAML's traffic profile (the router's drift check).
     mean_input: float = 0.0
     mean_output: float = 0.0
+    plan: Plan | None = None  # the winner sized for the target (plan_for)
 
 
 # ---- reading a sweep -------------------------------------------------------------------
 
 
 def load_points(sweep_dir: Path, objectives: Objectives) -> list[RunPoint]:
-    """Every finite-rate run of a sweep, its SLO attainment recomputed for ``objectives``."""
+    """Every finite-rate run of a sweep, its SLO attainment recomputed for ``objectives``.
+    Runs in folders below ``sweep_dir`` (``repeat-1/runs/``, ...) are repeats of the
+    same cells, each named by its folder."""
     points = []
-    for path in sorted((sweep_dir / "runs").glob("*.json")):
+    for path in sorted(sweep_dir.rglob("runs/*.json")):
         document = json.loads(path.read_text())
         if "requests" not in document:
             continue  # the vLLM-format copy of a run
-        point = point_of(document, objectives)
+        point = point_of(
+            document, objectives, repeat=str(path.parent.parent.relative_to(sweep_dir))
+        )
         if point is not None:
             points.append(point)
     if not points:
@@ -147,7 +166,9 @@ def load_points(sweep_dir: Path, objectives: Objectives) -> list[RunPoint]:
     return points
 
 
-def point_of(document: dict[str, Any], objectives: Objectives) -> RunPoint | None:
+def point_of(
+    document: dict[str, Any], objectives: Objectives, repeat: str = "."
+) -> RunPoint | None:
     qps = float(document["qps"]) if document["qps"] not in ("inf", "replay") else math.inf
     if not math.isfinite(qps):
         return None  # an unlimited run has no rate to place on the curve
@@ -166,6 +187,7 @@ def point_of(document: dict[str, Any], objectives: Objectives) -> RunPoint | Non
         prefill_s_per_token=row.get("prefill_s_per_token"),
         decode_step_s=row.get("decode_step_s"),
         transfer_s_per_request=document.get("server", {}).get("kv_transfer_s_per_request"),
+        repeat=repeat,
     )
 
 
@@ -175,14 +197,25 @@ def _ms_to_s(value: Any) -> float | None:
     )
 
 
-def devices_of(mode: str, deployments_dir: Path) -> int:
-    """Engines x ranks the mode's YAML takes: GPUs on a GPU node, cores here."""
+Layout = tuple[tuple[tuple[str, int], ...], int]  # (role, replicas) per pool, ranks each
+
+
+def layout_of(mode: str, deployments_dir: Path) -> Layout:
+    """Each pool's role and replicas, and the ranks per engine (tensor x pipeline
+    parallel), of the mode's YAML."""
     document = yaml.safe_load((deployments_dir / f"{mode}.yaml").read_text())
     pools = document["applications"][0]["args"]["pools"]
-    return sum(
-        p.get("replicas", 1) * p.get("tensor_parallel_size", 1) * p.get("pipeline_parallel_size", 1)
-        for p in pools
+    roles = tuple((p.get("role", "mixed"), p.get("replicas", 1)) for p in pools)
+    ranks = max(
+        p.get("tensor_parallel_size", 1) * p.get("pipeline_parallel_size", 1) for p in pools
     )
+    return roles, ranks
+
+
+def devices_of(mode: str, deployments_dir: Path) -> int:
+    """Engines x ranks the mode's YAML takes: GPUs on a GPU node, cores here."""
+    roles, ranks = layout_of(mode, deployments_dir)
+    return sum(replicas for _, replicas in roles) * ranks
 
 
 # ---- choosing --------------------------------------------------------------------------
@@ -212,12 +245,7 @@ def advise(points: list[RunPoint], objectives: Objectives, devices: dict[str, in
     for point in points:
         by_mode[point.mode].append(point)
     candidates = [
-        Candidate(
-            mode,
-            devices[mode],
-            knee_of([(p.qps, p.attainment) for p in runs], objectives.attainment),
-            sorted((p.qps, p.attainment) for p in runs),
-        )
+        candidate_of(mode, runs, devices[mode], objectives.attainment)
         for mode, runs in sorted(by_mode.items())
     ]
     winner, reason = choose(candidates)
@@ -237,6 +265,25 @@ def advise(points: list[RunPoint], objectives: Objectives, devices: dict[str, in
         except ValueError as error:
             advice.notes.append(f"PD not fitted: {error}")
     return advice
+
+
+def candidate_of(mode: str, runs: list[RunPoint], devices: int, target: float) -> Candidate:
+    """A mode's curve: the median attainment at each rate over the repeats, its knee, and
+    the spread (each rate's lowest and highest, each repeat's own knee)."""
+    by_rate: dict[float, list[float]] = defaultdict(list)
+    by_repeat: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for run in runs:
+        by_rate[run.qps].append(run.attainment)
+        by_repeat[run.repeat].append((run.qps, run.attainment))
+    curve = [(qps, statistics.median(shares)) for qps, shares in sorted(by_rate.items())]
+    return Candidate(
+        mode,
+        devices,
+        knee_of(curve, target),
+        curve,
+        spread=[(qps, min(shares), max(shares)) for qps, shares in sorted(by_rate.items())],
+        repeat_knees=[knee_of(points, target) for _, points in sorted(by_repeat.items())],
+    )
 
 
 def choose(candidates: list[Candidate]) -> tuple[str, str]:
@@ -331,9 +378,32 @@ def _fit_step(runs: list[RunPoint]) -> tuple[float, float]:
 # ---- output ----------------------------------------------------------------------------
 
 
-def write_yaml(advice: Advice, deployments_dir: Path, path: Path) -> Path:
-    """The winner's YAML, with the fitted PD thresholds where the winner is PD and the
-    traffic profile it was chosen for."""
+def plan_for(
+    advice: Advice,
+    layouts: dict[str, Layout],
+    target: DeployTarget,
+    shape: ModelShape | None = None,
+) -> Plan:
+    """Size the winner for ``target`` (``layouts``: each mode's engines and ranks per
+    engine as measured); the plan is kept on ``advice``."""
+    measured = []
+    for candidate in advice.candidates:
+        roles, ranks = layouts[candidate.mode]
+        engines = sum(replicas for _, replicas in roles)
+        measured.append(MeasuredSize(candidate.mode, candidate.knee_qps, engines, ranks, roles))
+    fit = advice.pd_fit
+    capacities = None if fit is None else PDCapacities(fit.prefill_capacity, fit.decode_capacity)
+    advice.plan = deployment_plan.plan_deployment(
+        measured, advice.winner, capacities, target, shape
+    )
+    return advice.plan
+
+
+def write_yaml(
+    advice: Advice, deployments_dir: Path, path: Path, target: DeployTarget | None = None
+) -> Path:
+    """The winner's YAML, with the fitted PD thresholds where the winner is PD, the
+    traffic profile it was chosen for, and its pools sized for ``target``."""
     document = yaml.safe_load((deployments_dir / f"{advice.winner}.yaml").read_text())
     args = document["applications"][0]["args"]
     if advice.winner in PD_MODES and advice.pd_fit is not None:
@@ -346,9 +416,20 @@ def write_yaml(advice: Advice, deployments_dir: Path, path: Path) -> Path:
         f"# Written by python -m loadgen advise for workload {advice.workload}:"
         f" {advice.winner}, {advice.reason}.\n"
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(document, sort_keys=False))
-    return path
+    sized = advice.plan.sizing if advice.plan is not None else None
+    if sized is not None:
+        header += (
+            f"# Sized: {sized.devices} device(s), {_engines_text(sized.engines)}, tensor x"
+            f" pipeline parallel {sized.ranks_per_engine} each, for"
+            f" {sized.goodput:.2f} req/s within the objectives"
+            f" ({'measured' if sized.measured else 'fitted'}).\n"
+        )
+    plan = advice.plan or Plan(None, [])
+    return deployment_plan.write_yaml(plan, document, target or DeployTarget(), header, path)
+
+
+def _engines_text(engines: dict[str, int]) -> str:
+    return ", ".join(f"{count} {role}" for role, count in engines.items()) + " engine(s)"
 
 
 def traffic_profile(advice: Advice) -> dict[str, float]:
@@ -359,6 +440,8 @@ def traffic_profile(advice: Advice) -> dict[str, float]:
         "output_tokens": round(advice.mean_output, 1),
     }
     knee = next(c.knee_qps for c in advice.candidates if c.mode == advice.winner)
+    if advice.plan is not None and advice.plan.sizing is not None:
+        knee = advice.plan.sizing.goodput  # what the sized deployment is expected to serve
     if knee > 0:
         profile["request_rate"] = round(knee, 3)
     return profile
@@ -383,14 +466,19 @@ def write_report(advice: Advice, out_dir: Path, yaml_path: Path) -> tuple[Path, 
         "",
         f"**Serve it as `{advice.winner}`**: {advice.reason}. YAML: `{yaml_path}`.",
         "",
-        "| mode | devices | goodput (req/s) | per device | measured (req/s: share met) |",
-        "| --- | --- | --- | --- | --- |",
+        "Measured: every mode's share of requests within the objectives at each rate (the"
+        " median over the sweep's repeats, lowest-highest in brackets) and its goodput (the"
+        " knee of that curve). Fitted: PD's per-engine capacities and P:D, and every goodput"
+        " at a size the sweep did not run.",
+        "",
+        "| mode | devices | goodput (req/s) | per device | knee over repeats |"
+        " measured (req/s: share met) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for c in sorted(advice.candidates, key=lambda c: -c.goodput_per_device):
-        measured = ", ".join(f"{q:g}: {a:.0%}" for q, a in c.curve)
         lines.append(
             f"| {c.mode} | {c.devices} | {c.knee_qps:.2f} | {c.goodput_per_device:.2f} |"
-            f" {measured} |"
+            f" {_knee_spread(c)} | {_curve_text(c)} |"
         )
     if advice.pd_fit is not None:
         fit = advice.pd_fit
@@ -414,11 +502,63 @@ def write_report(advice: Advice, out_dir: Path, yaml_path: Path) -> tuple[Path, 
             f"- split_policy: {fit.thresholds}",
             f"- qos: {fit.qos}",
         ]
+    if advice.plan is not None:
+        lines += _plan_lines(advice.plan)
     lines += ["", *[f"- note: {note}" for note in advice.notes], "", f"![goodput]({png.name})"]
     markdown = out_dir / "advice.md"
     markdown.write_text("\n".join(lines) + "\n")
     (out_dir / "advice.json").write_text(json.dumps(_jsonable(advice), indent=1))
     return markdown, png
+
+
+def _knee_spread(candidate: Candidate) -> str:
+    knees = candidate.repeat_knees
+    if len(knees) < 2:
+        return "one run a rate"
+    return f"{min(knees):.2f}-{max(knees):.2f} ({len(knees)} repeats)"
+
+
+def _curve_text(candidate: Candidate) -> str:
+    spread = {qps: (low, high) for qps, low, high in candidate.spread}
+    parts = []
+    for qps, share in candidate.curve:
+        low, high = spread.get(qps, (share, share))
+        bracket = f" [{low:.0%}-{high:.0%}]" if high > low else ""
+        parts.append(f"{qps:g}: {share:.0%}{bracket}")
+    return ", ".join(parts)
+
+
+def _plan_lines(plan: Plan) -> list[str]:
+    lines = ["", "## Deployment", ""]
+    sized = plan.sizing
+    if sized is None:
+        lines.append(
+            "- not sized: the winner met the objectives at no rate, or the budget is short"
+        )
+    else:
+        lines.append(
+            f"- {sized.devices} device(s): {_engines_text(sized.engines)}, parallel degree"
+            f" {sized.ranks_per_engine} each, {sized.goodput:.2f} req/s within the objectives"
+            f" ({'measured' if sized.measured else 'fitted from ' + sized.measured_mode})"
+        )
+    if plan.tp_degrees:
+        lines.append(f"- tensor-parallel degrees the model allows: {plan.tp_degrees}")
+    lines += [f"- {note}" for note in plan.notes]
+    front = sizing.pareto_front(plan.pareto)
+    if front:
+        lines += [
+            "",
+            "Goodput against devices, the best layout at each size (the Pareto front):",
+            "",
+            "| devices | layout | goodput (req/s) | basis |",
+            "| --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {p.devices} | {p.mode}: {_engines_text(p.engines)} | {p.goodput:.2f} |"
+            f" {'measured' if p.measured else 'fitted'} |"
+            for p in front
+        ]
+    return lines
 
 
 def _jsonable(advice: Advice) -> dict[str, Any]:
@@ -429,13 +569,41 @@ def _jsonable(advice: Advice) -> dict[str, Any]:
     return document
 
 
+def _plot_pareto(axes: Any, plan: Plan | None) -> None:
+    """Goodput against devices: each mode's layouts (filled where measured, hollow where
+    fitted) and the front no layout beats with fewer devices."""
+    axes.set_title("goodput against devices")
+    axes.set_xlabel("devices")
+    axes.set_ylabel("goodput (req/s)")
+    if plan is None or not plan.pareto:
+        axes.text(0.5, 0.5, "not sized", ha="center", transform=axes.transAxes)
+        return
+    by_mode: dict[str, list[Any]] = defaultdict(list)
+    for point in plan.pareto:
+        by_mode[point.measured_mode].append(point)
+    for mode, points in sorted(by_mode.items()):
+        points.sort(key=lambda p: p.devices)
+        line = axes.plot([p.devices for p in points], [p.goodput for p in points], "-",
+                         alpha=0.5, label=mode)[0]  # fmt: skip
+        for point in points:
+            face = line.get_color() if point.measured else "none"
+            axes.plot(point.devices, point.goodput, "o", color=line.get_color(), mfc=face)
+    front = sizing.pareto_front(plan.pareto)
+    axes.step([p.devices for p in front], [p.goodput for p in front], where="post",
+              color="black", linewidth=1.5, label="Pareto front")  # fmt: skip
+    if plan.sizing is not None:
+        axes.plot(plan.sizing.devices, plan.sizing.goodput, "*", markersize=14,
+                  color="tab:green", label="advised")  # fmt: skip
+    axes.legend()
+
+
 def plot_advice(advice: Advice, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (bars, curves) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (bars, curves, pareto) = plt.subplots(1, 3, figsize=(16, 4))
     ordered = sorted(advice.candidates, key=lambda c: -c.goodput_per_device)
     colors = ["tab:green" if c.mode == advice.winner else "tab:grey" for c in ordered]
     bars.bar([c.mode for c in ordered], [c.goodput_per_device for c in ordered], color=colors)
@@ -443,11 +611,18 @@ def plot_advice(advice: Advice, path: Path) -> Path:
     bars.set_title(f"{advice.workload}: {advice.winner} wins")
     for candidate in advice.candidates:
         qps, attainment = zip(*candidate.curve, strict=True)
-        curves.plot(qps, [100 * a for a in attainment], "o-", label=candidate.mode)
+        line = curves.plot(qps, [100 * a for a in attainment], "o-", label=candidate.mode)[0]
+        if any(high > low for _, low, high in candidate.spread):
+            rates, lows, highs = zip(*candidate.spread, strict=True)
+            curves.fill_between(
+                rates, [100 * v for v in lows], [100 * v for v in highs],
+                color=line.get_color(), alpha=0.15,
+            )  # fmt: skip
     curves.axhline(100 * advice.objectives.attainment, linestyle=":", color="grey")
     curves.set_xlabel("offered load (req/s)")
     curves.set_ylabel("requests within the objectives (%)")
     curves.legend()
+    _plot_pareto(pareto, advice.plan)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -31,6 +31,7 @@ from loadgen.config import (
     WorkloadConfig,
 )
 from loadgen.demo import DEMO_CONFIG, DEMO_RATE, DEMO_REQUESTS, DemoOptions, run_demo
+from loadgen.deployment_plan import DeployTarget
 from loadgen.eventloop import run_event_loop
 from loadgen.exposition import Exposition
 from loadgen.fake_server import FakeServerConfig, run_fake_server
@@ -48,6 +49,7 @@ from loadgen.report import (
     write_summary_csv,
 )
 from loadgen.runner import RunError, RunResult, execute_run
+from loadgen.sizing import ModelShape, model_shape, read_model_config
 from loadgen.sweep import (
     SMOKE_QPS,
     SMOKE_REQUESTS,
@@ -654,10 +656,29 @@ def build_advise_parser() -> argparse.ArgumentParser:
         default=0.9,
         help="share of requests that must meet the objectives",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="--smoke: run every cell this many times"
+    )
     parser.add_argument("--deployments-dir", type=Path, default=DEFAULT_DEPLOYMENTS_DIR)
     parser.add_argument("--yaml", type=Path, help="default: deployments/advised-<workload>.yaml")
     parser.add_argument(
         "--out", type=Path, help="report folder (default results/loadgen/advice-<time>)"
+    )
+    target = parser.add_argument_group("where the advised YAML runs")
+    target.add_argument(
+        "--target",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="gpu: accelerator gpu, the model's own dtype, no cpu_binds or kv_cache_gib",
+    )
+    target.add_argument("--model", help="a Hugging Face id or local folder (default: the YAML's)")
+    target.add_argument("--target-rate", type=float, help="size the pools for this many req/s")
+    target.add_argument(
+        "--devices", type=int, help="size for this many devices (default: as measured)"
+    )
+    target.add_argument("--devices-per-node", type=int, default=8, help="the largest TP degree")
+    target.add_argument(
+        "--device-memory-gib", type=float, default=80.0, help="memory of one device (GPU)"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
@@ -672,17 +693,9 @@ def command_advise(argv: list[str], console: Console) -> int:
     sweep_dir = args.sweep
     if args.smoke:
         sweep_dir = out / "sweep"
-        sweep_argv = [
-            "--modes", ",".join(args.modes), "--workloads", args.workload, "--qps", args.qps,
-            "--num-requests", str(args.num_requests), "--warmup-requests", "2",
-            "--out", str(sweep_dir), "--no-plots", "--no-progress",
-            "--deployments-dir", str(args.deployments_dir),
-        ]  # fmt: skip
-        if args.trace:
-            sweep_argv += ["--trace", args.trace]
-        if args.trace_file:
-            sweep_argv += ["--trace-file", str(args.trace_file)]
-        command_sweep(sweep_argv, console)
+        for repeat in range(1, args.repeats + 1):
+            folder = sweep_dir / f"repeat-{repeat}" if args.repeats > 1 else sweep_dir
+            command_sweep(_advise_sweep_argv(args, folder), console)
     objectives = advisor.Objectives(
         ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
         tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else None,
@@ -690,15 +703,50 @@ def command_advise(argv: list[str], console: Console) -> int:
     )
     points = advisor.load_points(sweep_dir, objectives)
     modes = sorted({p.mode for p in points})
+    layouts = {mode: advisor.layout_of(mode, args.deployments_dir) for mode in modes}
     devices = {mode: advisor.devices_of(mode, args.deployments_dir) for mode in modes}
     advice = advisor.advise(points, objectives, devices)
+    target = DeployTarget(
+        accelerator=args.target,
+        model=args.model,
+        rate=args.target_rate,
+        devices=args.devices,
+        devices_per_node=args.devices_per_node,
+        device_gib=args.device_memory_gib,
+    )
+    advisor.plan_for(advice, layouts, target, _model_shape(args.model, console))
     slug = "".join(c if c.isalnum() else "-" for c in advice.workload).strip("-")
     yaml_path = args.yaml or args.deployments_dir / f"advised-{slug}.yaml"
-    advisor.write_yaml(advice, args.deployments_dir, yaml_path)
+    advisor.write_yaml(advice, args.deployments_dir, yaml_path, target)
     markdown, png = advisor.write_report(advice, out, yaml_path)
     console.print(markdown.read_text())
     console.print(f"YAML: {yaml_path}\nreport: {markdown}\nplot: {png}")
     return 0
+
+
+def _advise_sweep_argv(args: argparse.Namespace, folder: Path) -> list[str]:
+    argv = [
+        "--modes", ",".join(args.modes), "--workloads", args.workload, "--qps", args.qps,
+        "--num-requests", str(args.num_requests), "--warmup-requests", "2",
+        "--out", str(folder), "--no-plots", "--no-progress",
+        "--deployments-dir", str(args.deployments_dir),
+    ]  # fmt: skip
+    if args.trace:
+        argv += ["--trace", args.trace]
+    if args.trace_file:
+        argv += ["--trace-file", str(args.trace_file)]
+    return argv
+
+
+def _model_shape(model: str | None, console: Console) -> ModelShape | None:
+    """The model's heads and weight size, where its config.json can be read here."""
+    if model is None:
+        return None
+    config = read_model_config(model)
+    if config is None:
+        console.print(f"{model}: no config.json here (nothing is downloaded); TP not sized")
+        return None
+    return model_shape(config)
 
 
 def command_sweep(argv: list[str], console: Console) -> int:

@@ -39,11 +39,28 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
     assert binds == ["0", "1"]
 
 
+def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
+    # DP of TP-4 engines: what a model too large for one GPU serves as (the advisor
+    # writes it); each engine's ranks are its devices.
+    config = parse_app_config(
+        {
+            "strategy": "dp",
+            "accelerator": "gpu",
+            "pools": [{"replicas": 2, "tensor_parallel_size": 4}],
+        }
+    )
+    assert config.pools[0].ranks_per_replica == 4 and config.engine_replicas == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         ({"strategy": "dq", "pools": [{}]}, "strategy: Input should be 'single', 'dp'"),
         ({"strategy": "dp", "pools": [{"replicas": 1}]}, "needs replicas >= 2"),
+        (
+            {"strategy": "dp", "pools": [{"replicas": 2, "pipeline_parallel_size": 2}]},
+            "needs pipeline_parallel_size = 1",
+        ),
         ({"strategy": "tp", "pools": [{"tensor_parallel_size": 1}]}, "tensor_parallel_size >= 2"),
         ({"strategy": "single", "pools": [{"replicas": 2}]}, "needs replicas = 1"),
         ({"strategy": "pd", "pools": [{"role": "mixed"}]}, "one 'prefill' and one 'decode'"),

@@ -122,3 +122,83 @@ def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: P
     assert "Serve it as `pd`" in report and "| single | 1 |" in report
     assert (tmp_path / "report" / "advice.png").stat().st_size > 0
     assert yaml.safe_load(yaml_path.read_text())["applications"][0]["name"] == "splitserve"
+
+
+def _write_sweep(folder: Path, knees: dict[str, float], prefill_s_per_token: float) -> None:
+    runs = folder / "runs"
+    runs.mkdir(parents=True)
+    for mode, knee in knees.items():
+        for qps in (1, 2, 4, 8):
+            document = _run_document(mode, qps, met=qps <= knee)
+            document["summary_row"]["prefill_s_per_token"] = prefill_s_per_token
+            (runs / f"{mode}-general-qps{qps}.json").write_text(json.dumps(document))
+
+
+def _advise(tmp_path: Path, *extra: str) -> tuple[Path, str]:
+    yaml_path = tmp_path / "advised.yaml"
+    code = main([
+        "advise", "--sweep", str(tmp_path / "sweep"), "--slo-ttft-ms", "500",
+        "--slo-tpot-ms", "50", "--yaml", str(yaml_path), "--out", str(tmp_path / "report"),
+        *extra,
+    ])  # fmt: skip
+    assert code == 0
+    return yaml_path, (tmp_path / "report" / "advice.md").read_text()
+
+
+def test_a_gpu_yaml_validates_and_its_pools_follow_the_fitted_ratio(tmp_path: Path) -> None:
+    # Prefill is the bottleneck: 0.2 ms a token x 1024 tokens is 4.9 req/s per prefill
+    # engine against 15.2 per decode engine, so four devices split 3 prefill : 1 decode.
+    _write_sweep(tmp_path / "sweep", {"single": 1, "dp": 2, "pd": 4}, 2e-4)
+    model = "meta-llama/Llama-3.2-1B-Instruct"
+    yaml_path, report = _advise(tmp_path, "--target", "gpu", "--model", model, "--devices", "4")
+    config = load_app_config(yaml_path)
+    assert config.strategy == "pd" and config.accelerator == "gpu"
+    assert config.model.source == model and config.model.dtype == "auto"
+    replicas = {pool.role: pool.replicas for pool in config.pools}
+    assert replicas == {"prefill": 3, "decode": 1}
+    assert all(pool.cpu_binds is None for pool in config.pools)
+    assert "cpu_binds" not in yaml_path.read_text() and "kv_cache_gib" not in yaml_path.read_text()
+    assert "| 4 | pd: 3 prefill, 1 decode engine(s) |" in report  # on the Pareto front
+    assert (tmp_path / "report" / "advice.png").stat().st_size > 0
+
+
+def test_a_target_rate_sets_how_many_engines_from_the_measured_level(tmp_path: Path) -> None:
+    _write_sweep(tmp_path / "sweep", {"single": 1, "dp": 4}, 5e-5)
+    yaml_path, report = _advise(tmp_path, "--target-rate", "9")
+    config = load_app_config(yaml_path)
+    # dp served 4.4 req/s on two engines (measured): 9 req/s needs five engines of 2.2.
+    assert config.strategy == "dp" and config.pools[0].replicas == 5
+    assert config.pools[0].cpu_binds is None  # the template's two binds fit two engines
+    assert "5 device(s): 5 mixed engine(s)" in report and "fitted from dp" in report
+
+
+def test_the_model_sets_the_tensor_parallel_degree_each_engine_needs(tmp_path: Path) -> None:
+    _write_sweep(tmp_path / "sweep", {"single": 2, "dp": 4}, 5e-5)
+    model = tmp_path / "model"
+    model.mkdir()
+    seventy_b = {  # Llama-3-70B's shape: about 131 GiB of bf16 weights
+        "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+        "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    (model / "config.json").write_text(json.dumps(seventy_b))
+    yaml_path, report = _advise(
+        tmp_path, "--target", "gpu", "--model", str(model), "--devices", "8"
+    )
+    config = load_app_config(yaml_path)
+    # 80 GiB x 0.9 x 0.6 for weights: TP 2 (66 GiB a device) does not fit, TP 4 does.
+    assert config.strategy == "dp" and config.pools[0].tensor_parallel_size == 4
+    assert config.pools[0].replicas == 2
+    assert "each engine needs tensor parallel 4" in report
+    assert "[1, 2, 4, 8]" in report
+
+
+def test_repeats_give_a_median_curve_and_the_spread_of_knees(tmp_path: Path) -> None:
+    _write_sweep(tmp_path / "sweep" / "repeat-1", {"single": 1, "dp": 2}, 5e-5)
+    _write_sweep(tmp_path / "sweep" / "repeat-2", {"single": 2, "dp": 4}, 5e-5)
+    _write_sweep(tmp_path / "sweep" / "repeat-3", {"single": 2, "dp": 4}, 5e-5)
+    _, report = _advise(tmp_path)
+    # single: met at 2 req/s in two repeats of three (median met), missed in one.
+    assert "2: 100% [0%-100%]" in report
+    # Each repeat's own knee of single: 1 + 0.1 x 1 and 2 + 0.1 x 2 (all missed past it).
+    assert "1.10-2.20 (3 repeats)" in report
