@@ -26,6 +26,7 @@ import yaml
 
 from deployments.config import refuse_engine_overrides
 from splitserve.processes import (
+    RAY_WORKER_NICENESS,
     LaunchError,
     command_lines,
     descendants,
@@ -250,9 +251,6 @@ def _routers_ready(router_urls: tuple[str, ...], proxy_url: str | None) -> bool:
             " cluster was started without deployments.launcher.cluster_env()"
         )
     return False
-
-
-RAY_WORKER_NICENESS = 15  # Ray's default worker_niceness: proxy, router, engines
 
 
 @contextlib.contextmanager

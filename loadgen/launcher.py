@@ -17,7 +17,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.processes import ChildSettings, LaunchError, http_ok, running_process
+from splitserve.processes import (
+    RAY_WORKER_NICENESS,
+    ChildSettings,
+    LaunchError,
+    http_ok,
+    running_process,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
@@ -73,6 +79,8 @@ def launched_server(
         stop_timeout_s=stop_timeout_s,
         cwd=cwd,
         env={**os.environ, **(env or {})},
-        child=ChildSettings(new_session=True),
+        # Niced as Ray's workers are, and so is its session's scheduler group: the
+        # client measuring it must not wait behind it for the CPU.
+        child=ChildSettings(niceness=RAY_WORKER_NICENESS, new_session=True),
     ) as process:
         yield LaunchedServer(base_url, command, log_path, process.pid)

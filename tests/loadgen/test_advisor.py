@@ -97,18 +97,8 @@ def _run_document(mode: str, qps: float, met: bool) -> dict:
 
 
 def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: Path) -> None:
-    runs = tmp_path / "sweep" / "runs"
-    runs.mkdir(parents=True)
-    for mode, knee in (("single", 1), ("dp", 2), ("pd_always", 2), ("pd", 4)):
-        for qps in (1, 2, 4, 8):
-            document = _run_document(mode, qps, met=qps <= knee)
-            (runs / f"{mode}-general-qps{qps}.json").write_text(json.dumps(document))
-    yaml_path = tmp_path / "advised.yaml"
-    code = main([
-        "advise", "--sweep", str(tmp_path / "sweep"), "--slo-ttft-ms", "500",
-        "--slo-tpot-ms", "50", "--yaml", str(yaml_path), "--out", str(tmp_path / "report"),
-    ])  # fmt: skip
-    assert code == 0
+    _write_sweep(tmp_path / "sweep", {"single": 1, "dp": 2, "pd_always": 2, "pd": 4}, 5e-5)
+    yaml_path, report = _advise(tmp_path)
     config = load_app_config(yaml_path)
     assert config.strategy == "pd" and config.split_policy.mode == "conditional"
     assert config.qos.enabled and config.qos.ttft_slo_s == pytest.approx(0.5)
@@ -118,7 +108,6 @@ def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: P
     assert profile is not None
     assert (profile.prompt_tokens, profile.output_tokens) == (1024, 128)
     assert profile.request_rate == pytest.approx(4.4)
-    report = (tmp_path / "report" / "advice.md").read_text()
     assert "Serve it as `pd`" in report and "| single | 1 |" in report
     assert (tmp_path / "report" / "advice.png").stat().st_size > 0
     assert yaml.safe_load(yaml_path.read_text())["applications"][0]["name"] == "splitserve"

@@ -5,6 +5,9 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from splitserve.processes import ChildSettings, stop_process
 
@@ -37,3 +40,21 @@ def test_a_process_that_stops_names_nothing() -> None:
     process = _started(STOPS_ON_SIGINT)
     assert stop_process(process, timeout_s=10.0) == set()
     assert process.returncode not in (None, -signal.SIGKILL)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/autogroup").exists(), reason="the kernel's autogroup is off here"
+)
+def test_a_server_in_a_session_of_its_own_gets_its_niceness_as_a_group() -> None:
+    # With autogroup on, sessions share the CPU as equals before niceness counts: the
+    # server's whole session must be niced, or its client waits behind it.
+    source = "print(open('/proc/self/autogroup').read(), flush=True)"
+    done = subprocess.run(
+        [sys.executable, "-c", source],
+        capture_output=True,
+        text=True,
+        check=True,
+        preexec_fn=ChildSettings(niceness=15, new_session=True),
+    )
+    assert done.stdout.strip().endswith("nice 15")
+    assert Path("/proc/self/autogroup").read_text().strip() != done.stdout.strip()
