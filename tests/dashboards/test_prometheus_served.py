@@ -376,7 +376,7 @@ def test_the_command_line_scrapes_the_cluster_named_by_ray_address(
     command = [
         sys.executable, "-m", "dashboards.prometheus", "--ray-address", ray_address,
         "--port", str(free_port()), "--host", "127.0.0.1", "--router", f"127.0.0.1:{free_port()}",
-        "--loadgen", f"127.0.0.1:{free_port()}", "--scrape-interval", "1s",
+        "--loadgen", f"127.0.0.1:{free_port()}", "--scrape-interval", "5s",
         "--work-dir", str(tmp_path), "--no-install",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -390,7 +390,9 @@ def test_the_command_line_scrapes_the_cluster_named_by_ray_address(
         ray_rows = [row.split() for row in lines if row.strip().startswith(RAY_JOB + " ")]
         assert ray_rows, "\n".join(lines)
         # The table is each target's first scrape: under load one of Ray's endpoints can
-        # miss the 1 s deadline ("context deadline exceeded"); all must be up soon after.
+        # miss its deadline ("context deadline exceeded"); all must be up soon after. Late
+        # in a full run one endpoint missed a 1 s deadline for two minutes (its page holds
+        # every replica the session started), so scrapes here get 5 s.
         url = re.search(r"Prometheus: (http://\S+)", lines[0])
         assert url, "\n".join(lines)
         targets = _ray_targets_once_up(url[1])
