@@ -27,6 +27,7 @@ import yaml
 from deployments.config import refuse_engine_overrides
 from splitserve.processes import (
     RAY_WORKER_NICENESS,
+    SERVE_DEPLOY_FAILED,
     LaunchError,
     command_lines,
     descendants,
@@ -225,7 +226,9 @@ def serve_run(
     engines: set[int] = set()
     try:
         ready = functools.partial(_routers_ready, router_urls, proxy_url)
-        wait_until_ready(process, ready, log_path, ready_timeout_s, "serve run")
+        wait_until_ready(
+            process, ready, log_path, ready_timeout_s, "serve run", SERVE_DEPLOY_FAILED
+        )
         engines = app_engine_pids()
         yield RunningApp(router_urls[0], path, log_path, router_urls, proxy_url)
     finally:

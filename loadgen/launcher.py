@@ -19,6 +19,7 @@ from pathlib import Path
 
 from splitserve.processes import (
     RAY_WORKER_NICENESS,
+    SERVE_DEPLOY_FAILED,
     ChildSettings,
     LaunchError,
     http_ok,
@@ -82,5 +83,6 @@ def launched_server(
         # Niced as Ray's workers are, and so is its session's scheduler group: the
         # client measuring it must not wait behind it for the CPU.
         child=ChildSettings(niceness=RAY_WORKER_NICENESS, new_session=True),
+        failure_markers=SERVE_DEPLOY_FAILED,
     ) as process:
         yield LaunchedServer(base_url, command, log_path, process.pid)

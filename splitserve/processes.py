@@ -91,26 +91,68 @@ def start_process(
         )
 
 
+# What Serve's controller logs to the `serve run` console when an application will not
+# come up: its build failed, or its replicas kept failing to start
+# (ray/serve/_private/application_state.py, _update_status). `serve run` of a config
+# keeps running after either, so a launcher waiting for health would wait it out.
+SERVE_DEPLOY_FAILED = (
+    "Deploying app '",  # "... failed with exception:" (never "Deploying new app")
+    "Runtime env setup for app '",
+    "Unexpected error occurred while deploying application",
+    "Failed to update the deployments",
+)
+
+
 def wait_until_ready(
     process: subprocess.Popen[bytes],
     ready: Callable[[], bool],
     log_path: Path,
     timeout_s: float,
     what: str,
+    failure_markers: tuple[str, ...] = (),
 ) -> None:
     """Poll ``ready`` until it holds; raise LaunchError with the log's tail if the process
-    exits first or ``timeout_s`` passes."""
+    exits first, its log gains a line with one of ``failure_markers``, or ``timeout_s``
+    passes."""
     deadline = time.monotonic() + timeout_s
     pause = POLL_FIRST_S
+    watch = LogWatch(log_path, failure_markers)
     while True:
         if process.poll() is not None:
             raise LaunchError(f"{what} exited with {process.returncode}:\n{tail(log_path)}")
+        if (failure := watch.failure()) is not None:
+            raise LaunchError(f"{what} failed: {failure}\n{tail(log_path)}")
         if ready():
             return
         if time.monotonic() > deadline:
             raise LaunchError(f"{what} not ready after {timeout_s:.0f}s:\n{tail(log_path)}")
         time.sleep(pause)
         pause = min(pause * 2, POLL_MAX_S)
+
+
+class LogWatch:
+    """Reads what a log gained since the last look, for a line that means failure."""
+
+    def __init__(self, path: Path, markers: tuple[str, ...]) -> None:
+        self._path = path
+        self._markers = markers
+        self._offset = 0
+        self._partial = ""  # a line still being written
+
+    def failure(self) -> str | None:
+        """The first new complete line with a marker, if any."""
+        if not self._markers:
+            return None
+        try:
+            with self._path.open("rb") as log:
+                log.seek(self._offset)
+                gained = log.read()
+        except OSError:
+            return None
+        self._offset += len(gained)
+        lines = (self._partial + gained.decode(errors="replace")).split("\n")
+        self._partial = lines.pop()
+        return next((line.strip() for line in lines if any(m in line for m in self._markers)), None)
 
 
 def http_ok(url: str, timeout_s: float = HTTP_PROBE_TIMEOUT_S) -> bool:
@@ -158,12 +200,14 @@ def running_process(
     env: dict[str, str] | None = None,
     child: ChildSettings | None = None,
     stop_signal: signal.Signals = signal.SIGINT,
+    failure_markers: tuple[str, ...] = (),
 ) -> Iterator[subprocess.Popen[bytes]]:
     """The process for the length of a block, once ``ready``; stopped on the way out,
-    and a LaunchError if anything it started had to be killed."""
+    and a LaunchError if anything it started had to be killed. ``failure_markers``:
+    log lines that mean it will never be ready (see wait_until_ready)."""
     process = start_process(command, log_path, cwd=cwd, env=env, child=child)
     try:
-        wait_until_ready(process, ready, log_path, ready_timeout_s, what)
+        wait_until_ready(process, ready, log_path, ready_timeout_s, what, failure_markers)
         yield process
     finally:
         killed = stop_process(process, stop_timeout_s, stop_signal)

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.processes import ChildSettings, stop_process
+from splitserve.processes import (
+    SERVE_DEPLOY_FAILED,
+    ChildSettings,
+    LaunchError,
+    start_process,
+    stop_process,
+    wait_until_ready,
+)
 
 IGNORES_SIGINT = (
     "import signal, sys, time\n"
@@ -58,3 +65,25 @@ def test_a_server_in_a_session_of_its_own_gets_its_niceness_as_a_group() -> None
     )
     assert done.stdout.strip().endswith("nice 15")
     assert Path("/proc/self/autogroup").read_text().strip() != done.stdout.strip()
+
+
+def test_a_server_whose_log_says_it_will_never_be_ready_fails_at_once(tmp_path: Path) -> None:
+    # What `serve run` prints when Serve gives up on a replica, and then keeps running.
+    source = (
+        "import time\n"
+        "print('(ServeController pid=1) INFO -- Deploying new app ', flush=True)\n"
+        "time.sleep(0.3)\n"
+        "print('(ServeController pid=1) ERROR -- Failed to update the deployments"
+        " [\\'Router\\'].', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log_path = tmp_path / "serve.log"
+    process = start_process([sys.executable, "-c", source], log_path)
+    try:
+        with pytest.raises(LaunchError, match=r"failed: .*Failed to update the deployments"):
+            wait_until_ready(
+                process, lambda: False, log_path, 50.0, "serve run", SERVE_DEPLOY_FAILED
+            )
+        assert process.poll() is None  # it said so; it did not exit
+    finally:
+        stop_process(process, timeout_s=10.0)
