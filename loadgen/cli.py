@@ -714,7 +714,9 @@ def command_advise(argv: list[str], console: Console) -> int:
         devices_per_node=args.devices_per_node,
         device_gib=args.device_memory_gib,
     )
-    advisor.plan_for(advice, layouts, target, _model_shape(args.model, console))
+    # The model's weights against a device's memory size GPU engines only.
+    shape = _model_shape(args.model, console) if args.target == "gpu" else None
+    advisor.plan_for(advice, layouts, target, shape)
     slug = "".join(c if c.isalnum() else "-" for c in advice.workload).strip("-")
     yaml_path = args.yaml or args.deployments_dir / f"advised-{slug}.yaml"
     advisor.write_yaml(advice, args.deployments_dir, yaml_path, target)
