@@ -56,7 +56,7 @@ import yaml
 
 from loadgen import deployment_plan, sizing
 from loadgen.deployment_plan import DeployTarget, Plan
-from loadgen.sizing import MeasuredSize, ModelShape, PDCapacities
+from loadgen.sizing import Layout, MeasuredSize, ModelShape, PDCapacities
 
 # Simplest first: the tie-break between modes within TIE_SHARE of the best.
 SIMPLICITY = ("single", "dp", "tp", "pp", "pd_always", "pd")
@@ -197,25 +197,16 @@ def _ms_to_s(value: Any) -> float | None:
     )
 
 
-Layout = tuple[tuple[tuple[str, int], ...], int]  # (role, replicas) per pool, ranks each
-
-
 def layout_of(mode: str, deployments_dir: Path) -> Layout:
     """Each pool's role and replicas, and the ranks per engine (tensor x pipeline
-    parallel), of the mode's YAML."""
+    parallel), of the mode's YAML: its devices are GPUs on a GPU node, cores here."""
     document = yaml.safe_load((deployments_dir / f"{mode}.yaml").read_text())
     pools = document["applications"][0]["args"]["pools"]
     roles = tuple((p.get("role", "mixed"), p.get("replicas", 1)) for p in pools)
     ranks = max(
         p.get("tensor_parallel_size", 1) * p.get("pipeline_parallel_size", 1) for p in pools
     )
-    return roles, ranks
-
-
-def devices_of(mode: str, deployments_dir: Path) -> int:
-    """Engines x ranks the mode's YAML takes: GPUs on a GPU node, cores here."""
-    roles, ranks = layout_of(mode, deployments_dir)
-    return sum(replicas for _, replicas in roles) * ranks
+    return Layout(roles, ranks)
 
 
 # ---- choosing --------------------------------------------------------------------------
@@ -384,13 +375,9 @@ def plan_for(
     target: DeployTarget,
     shape: ModelShape | None = None,
 ) -> Plan:
-    """Size the winner for ``target`` (``layouts``: each mode's engines and ranks per
-    engine as measured); the plan is kept on ``advice``."""
-    measured = []
-    for candidate in advice.candidates:
-        roles, ranks = layouts[candidate.mode]
-        engines = sum(replicas for _, replicas in roles)
-        measured.append(MeasuredSize(candidate.mode, candidate.knee_qps, engines, ranks, roles))
+    """Size the winner for ``target`` (``layouts``: each mode's YAML as measured); the
+    plan is kept on ``advice``."""
+    measured = [MeasuredSize(c.mode, c.knee_qps, layouts[c.mode]) for c in advice.candidates]
     fit = advice.pd_fit
     capacities = None if fit is None else PDCapacities(fit.prefill_capacity, fit.decode_capacity)
     advice.plan = deployment_plan.plan_deployment(

@@ -704,7 +704,7 @@ def command_advise(argv: list[str], console: Console) -> int:
     points = advisor.load_points(sweep_dir, objectives)
     modes = sorted({p.mode for p in points})
     layouts = {mode: advisor.layout_of(mode, args.deployments_dir) for mode in modes}
-    devices = {mode: advisor.devices_of(mode, args.deployments_dir) for mode in modes}
+    devices = {mode: layout.devices for mode, layout in layouts.items()}
     advice = advisor.advise(points, objectives, devices)
     target = DeployTarget(
         accelerator=args.target,

@@ -107,7 +107,8 @@ def _with_tensor_parallel_floor(
         " to scale with devices (fitted, not measured)"
     )
     scale = floor / chosen.ranks_per_engine
-    return dataclasses.replace(chosen, ranks_per_engine=floor, goodput=chosen.goodput * scale)
+    layout = dataclasses.replace(chosen.layout, ranks_per_engine=floor)
+    return dataclasses.replace(chosen, layout=layout, goodput=chosen.goodput * scale)
 
 
 def write_yaml(

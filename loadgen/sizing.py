@@ -39,18 +39,44 @@ PAIR_SEARCH_MAX_DEVICES = 256
 
 
 @dataclass(frozen=True)
-class MeasuredSize:
-    """One mode as the sweep measured it: its goodput at its YAML's size."""
+class Layout:
+    """A deployment's pools as its YAML holds them."""
 
-    mode: str
-    goodput: float  # req/s within the objectives (the knee)
-    engines: int
+    pools: tuple[tuple[str, int], ...]  # (role, replicas) of each pool
     ranks_per_engine: int  # tensor x pipeline parallel degree
-    pools: tuple[tuple[str, int], ...] = ()  # (role, replicas) of each pool
+
+    @property
+    def engines(self) -> int:
+        return sum(replicas for _, replicas in self.pools)
 
     @property
     def devices(self) -> int:
         return self.engines * self.ranks_per_engine
+
+
+@dataclass(frozen=True)
+class MeasuredSize:
+    """One mode as the sweep measured it: its goodput at its YAML's layout."""
+
+    mode: str
+    goodput: float  # req/s within the objectives (the knee)
+    layout: Layout
+
+    @property
+    def pools(self) -> tuple[tuple[str, int], ...]:
+        return self.layout.pools
+
+    @property
+    def ranks_per_engine(self) -> int:
+        return self.layout.ranks_per_engine
+
+    @property
+    def engines(self) -> int:
+        return self.layout.engines
+
+    @property
+    def devices(self) -> int:
+        return self.layout.devices
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from loadgen.sizing import (
+    Layout,
     MeasuredSize,
     PDCapacities,
     calibrated,
@@ -18,9 +19,9 @@ from loadgen.sizing import (
     size_for_rate,
 )
 
-DP = MeasuredSize("dp", 4.0, engines=2, ranks_per_engine=1, pools=(("mixed", 2),))
-PD = MeasuredSize("pd", 3.0, engines=2, ranks_per_engine=1, pools=(("prefill", 1), ("decode", 1)))
-TP = MeasuredSize("tp", 3.0, engines=1, ranks_per_engine=2, pools=(("mixed", 1),))
+DP = MeasuredSize("dp", 4.0, Layout((("mixed", 2),), ranks_per_engine=1))
+PD = MeasuredSize("pd", 3.0, Layout((("prefill", 1), ("decode", 1)), ranks_per_engine=1))
+TP = MeasuredSize("tp", 3.0, Layout((("mixed", 1),), ranks_per_engine=2))
 # Fitted: a prefill engine serves 2 req/s, a decode engine 6; measured, the pair served 3.
 FIT = PDCapacities(prefill=2.0, decode=6.0)
 LLAMA_1B = {
