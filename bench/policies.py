@@ -5,6 +5,8 @@ meet both the TTFT and the TPOT objective. Same two-engine budget for every poli
   dp           deployments/dp.yaml         two replicas, round-robin (the study's DP)
   pd-always    deployments/pd_always.yaml  every prompt prefilled remotely (the study's PD)
   pd-cond      deployments/pd.yaml         the conditional split policy, prefix-aware
+  auto         deployments/auto.yaml       dp.yaml's engines without roles: the cost policy
+                                           picks local or remote prefill per request
 The workload is the load generator's `mixed` one (70% 128/128 chat turns, 30% 2048/32
 documents) with bursty gamma arrivals, at rising rates. Prints a table, saves JSON
 and a plot of goodput against rate.
@@ -29,7 +31,7 @@ from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.runner import execute_run
 
 console = Console()
-POLICIES = {"dp": "dp", "pd-always": "pd_always", "pd-cond": "pd"}
+POLICIES = {"dp": "dp", "pd-always": "pd_always", "pd-cond": "pd", "auto": "auto"}
 # The tiny model on two cores; pd.yaml's QoS defends the same TTFT.
 SLO_TTFT_MS = 1000.0
 SLO_TPOT_MS = 50.0
@@ -80,6 +82,7 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
     for column in ("policy", "rate", "goodput", "SLO met", "req/s", "TTFT p50", "TTFT p95"):
         table.add_column(column, justify="right")
     table.add_column("TPOT p50", justify="right")
+    table.add_column("remote/local", justify="right")
     for policy, rows in results.items():
         for row in rows:
             table.add_row(
@@ -91,6 +94,7 @@ def print_table(results: dict[str, list[dict[str, Any]]]) -> None:
                 f"{row['ttft_p50_ms']:.0f} ms",
                 f"{row['ttft_p95_ms']:.0f} ms",
                 f"{row['tpot_p50_ms']:.1f} ms",
+                f"{row['prefill_remote']:.0f}/{row['prefill_local']:.0f}",
             )
     console.print(table)
 

@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
-from deployments.config import AppConfig, parse_app_config
+from deployments.config import KV_STRATEGIES, AppConfig, parse_app_config
 from deployments.launcher import ENGINE_NAME_ENV
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from engines.settings import EngineSpec, PlacementConfig, PoolConfig
@@ -145,8 +145,9 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
 
 
 def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] | None:
-    roles = {"prefill": "kv_producer", "decode": "kv_consumer"}
-    if config.strategy != "pd" or pool.role not in roles:
+    """PD's pools produce or consume KV; auto's engines do both, per request."""
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}
+    if config.strategy not in KV_STRATEGIES:
         return None
     return make_kv_backend(config.kv_transfer).engine_config(roles[pool.role])
 

@@ -25,7 +25,11 @@ from router.settings import (
 )
 from splitserve.config_base import StrictModel
 
-Strategy = Literal["single", "dp", "tp", "pp", "pd"]
+Strategy = Literal["single", "dp", "tp", "pp", "pd", "auto"]
+# Strategies whose engines hand KV over to each other: PD's pools, auto's role-free pool.
+KV_STRATEGIES = ("pd", "auto")
+# Role-free pools decide per request; without a mode in the YAML they weigh the cost.
+AUTO_SPLIT_MODE = "cost"
 Accelerator = Literal["cpu", "gpu"]
 
 
@@ -51,12 +55,12 @@ class AppConfig(StrictModel):
     resources: ResourcesConfig = ResourcesConfig()
     kv_transfer: KVTransferConfig = Field(
         default_factory=KVTransferConfig,
-        description="PD only: the KV backend (backend: object_store) and its settings.",
+        description="PD and auto only: the KV backend (backend: object_store) and its settings.",
     )
     split_policy: SplitPolicyConfig = Field(
         default_factory=SplitPolicyConfig,
-        description="PD only: the split policy (mode: always, never, conditional) and its"
-        " settings.",
+        description="PD and auto only: the split policy (mode: always, never, conditional,"
+        " cost; auto defaults to cost) and its settings.",
     )
     qos: QoSConfig = QoSConfig()
     auth: AuthConfig = Field(
@@ -64,6 +68,18 @@ class AppConfig(StrictModel):
         description="API keys (by environment variable name, key_env, or as they are), each"
         " with its highest priority, queue cap and routes; and the routes open without one.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_weighs_cost_by_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("strategy") != "auto":
+            return data
+        split = data.get("split_policy")
+        if split is None:
+            return {**data, "split_policy": {"mode": AUTO_SPLIT_MODE}}
+        if isinstance(split, dict) and "mode" not in split:
+            return {**data, "split_policy": {"mode": AUTO_SPLIT_MODE, **split}}
+        return data
 
     @model_validator(mode="after")
     def _synthetic_engines_serve_single_and_dp(self) -> AppConfig:
@@ -91,9 +107,13 @@ class AppConfig(StrictModel):
             return self._check_replica_choice_roles()
         if roles != ["mixed"]:
             raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
+        if self.strategy == "auto":
+            return self._check_role_free_pool()
         for block in ("split_policy", "kv_transfer"):
             if block in self.model_fields_set:
-                raise ValueError(f"{block} is for strategy 'pd', not {self.strategy!r}")
+                raise ValueError(
+                    f"{block} is for strategies 'pd' and 'auto', not {self.strategy!r}"
+                )
         self._check_replica_choice_roles()
         pool = self.pools[0]
         # Per strategy: (replicas, tensor_parallel_size, pipeline_parallel_size), each
@@ -112,6 +132,19 @@ class AppConfig(StrictModel):
             if isinstance(want, int) and got != want:
                 raise ValueError(f"strategy {self.strategy!r} needs {name} = {want}, got {got}")
         return self
+
+    def _check_role_free_pool(self) -> AppConfig:
+        """Every engine of auto's one pool prefills for the others and decodes theirs."""
+        pool = self.pools[0]
+        if pool.replicas < 2:
+            raise ValueError(
+                "strategy 'auto' needs replicas >= 2 (an engine to hand KV to),"
+                f" got {pool.replicas}"
+            )
+        make_kv_backend(self.kv_transfer).check_parallelism(
+            pool.tensor_parallel_size, pool.pipeline_parallel_size
+        )
+        return self._check_replica_choice_roles()
 
     @property
     def engine_replicas(self) -> int:
@@ -162,7 +195,7 @@ class AppConfig(StrictModel):
             router=self.router,
             split_policy=self.split_policy,
             qos=self.qos,
-            kv_transfer=self.kv_transfer if self.strategy == "pd" else None,
+            kv_transfer=self.kv_transfer if self.strategy in KV_STRATEGIES else None,
             engine_backend=self.engine.backend,
             auth=self.auth,
             http_host=http_host,

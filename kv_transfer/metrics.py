@@ -97,6 +97,16 @@ class TransferStats:
         }
 
 
+def handover_seconds(snapshot: dict[str, Any]) -> float:
+    """Seconds spent handing KV over since the directory started, put and load, as one
+    transfer's ranks spend them side by side (parts of one transfer overlap)."""
+    seconds = snapshot["seconds"]
+    total = seconds["put"]["sum"] + seconds["get"]["sum"]
+    loaded = snapshot["transfers_total"].get("loaded", 0)
+    parts_per_transfer = max(1.0, seconds["get"]["count"] / loaded) if loaded else 1.0
+    return total / parts_per_transfer
+
+
 class KVTransferCollector:
     """A prometheus-client collector that renders the latest directory snapshot.
 

@@ -6,6 +6,7 @@ for free; ``start`` commits the plan: prefix-cache mirrors, choice counts, the s
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from router.split_policy import SplitDecision, SplitInputs, make_split_policy
 REPLICA_HEADER = "x-splitserve-replica"
 PREFILL_REPLICA_HEADER = "x-splitserve-prefill-replica"
 PREFILL_HEADER = "x-splitserve-prefill"
+# How a role-free pool picks the engine that prefills for another (Choice.reason too).
+PEER_CHOICE = "soonest_first_token"
 
 
 @dataclass(slots=True)
@@ -75,8 +78,13 @@ class Dispatcher:
         settings: IngressSettings,
         pool: EnginePool,
         kv: KVRouterSide | None = None,
+        transfer_s: Callable[[int], float | None] | None = None,
     ) -> None:
-        self._disaggregated = kv is not None
+        """``kv``: the KV backend's router side, for PD and role-free pools;
+        ``transfer_s``: a prompt's expected KV hand-over time, None until measured."""
+        # Role-free (strategy auto): one mixed pool, any engine prefills for any other.
+        self._role_free = settings.strategy == "auto"
+        self._disaggregated = kv is not None and not self._role_free
         # Read at every request: members may join and leave while the router serves.
         self._pool = pool
         router = settings.router
@@ -89,8 +97,13 @@ class Dispatcher:
         split = settings.split_policy
         self._split_policy = make_split_policy(split.mode, split.settings, settings.qos)
         self._pd = PrefillDecodeFlow(kv) if kv is not None else None
+        self._transfer_s = transfer_s or (lambda tokens: None)
 
-    def policy_of(self, role: str) -> str:
+    def policy_of(self, role: str, prefill: bool = False) -> str:
+        """The replica choice that picked a plan's replica of ``role`` (``prefill``: the
+        one that computes the prompt remotely)."""
+        if prefill and self._role_free:
+            return PEER_CHOICE
         return self._choice_names[role]
 
     def earliest_ttft_s(self, priority: Priority) -> float | None:
@@ -120,28 +133,14 @@ class Dispatcher:
         local_cached = main.replica.state.cached_tokens(prompt)
         decision = SplitDecision("local", "colocated")
         prefill = None
-        if self._disaggregated:
-            prefill = self._choose("prefill", prompt)
+        if self._pd is not None:
+            prefill = self._prefill_candidate(main.replica, prompt)
             if prefill is None:
-                decision = SplitDecision("local", "prefill_unavailable")
+                unavailable = "no_peer" if self._role_free else "prefill_unavailable"
+                decision = SplitDecision("local", unavailable)
             else:
-                engine_priority = ENGINE_PRIORITY[priority]
-                remote_tokens = max(1, len(prompt) - prefill.replica.state.cached_tokens(prompt))
-                local_tokens = max(1, len(prompt) - local_cached)
                 decision = self._split_policy.decide(
-                    SplitInputs(
-                        prompt_len=len(prompt),
-                        prefix_cached_len=local_cached,
-                        prefill_queue=prefill.replica.state.prefill_queue,
-                        decode_active=main.replica.state.active,
-                        priority=priority,
-                        remote_ttft_s=prefill.replica.state.estimate_ttft_s(
-                            remote_tokens, engine_priority
-                        ),
-                        local_ttft_s=main.replica.state.estimate_ttft_s(
-                            local_tokens, engine_priority
-                        ),
-                    )
+                    self._split_inputs(prompt, priority, main.replica, prefill.replica)
                 )
                 prefill = prefill if decision.remote else None
         cached = prefill.replica.state.cached_tokens(prompt) if prefill else local_cached
@@ -154,6 +153,47 @@ class Dispatcher:
             decision=decision,
             expected_cached_tokens=cached,
             prefill_tokens=max(1, len(prompt) - cached),
+        )
+
+    def _prefill_candidate(self, decode: EngineClient, prompt: PromptBlocks) -> Choice | None:
+        """Who would compute the prompt remotely: the prefill pool's choice, or in a
+        role-free pool the other healthy engine whose first token would come soonest."""
+        if not self._role_free:
+            return self._choose("prefill", prompt)
+        peers = [r for r in self._pool.of_role("mixed") if r.healthy and r is not decode]
+        if not peers:
+            return None
+
+        def soonest(replica: EngineClient) -> tuple[float, int, int]:
+            tokens = max(1, len(prompt) - replica.state.cached_tokens(prompt))
+            estimate = replica.state.estimate_ttft_s(tokens)
+            state = replica.state
+            return (math.inf if estimate is None else estimate, state.prefill_queue, state.active)
+
+        return Choice(min(peers, key=soonest), PEER_CHOICE)
+
+    def _split_inputs(
+        self,
+        prompt: PromptBlocks,
+        priority: Priority,
+        decode: EngineClient,
+        prefill: EngineClient,
+    ) -> SplitInputs:
+        engine_priority = ENGINE_PRIORITY[priority]
+        local_cached = decode.state.cached_tokens(prompt)
+        remote_tokens = max(1, len(prompt) - prefill.state.cached_tokens(prompt))
+        local_tokens = max(1, len(prompt) - local_cached)
+        return SplitInputs(
+            prompt_len=len(prompt),
+            prefix_cached_len=local_cached,
+            prefill_queue=prefill.state.prefill_queue,
+            decode_active=decode.state.active,
+            priority=priority,
+            remote_ttft_s=prefill.state.estimate_ttft_s(remote_tokens, engine_priority),
+            local_ttft_s=decode.state.estimate_ttft_s(local_tokens, engine_priority),
+            prefill_active=prefill.state.active,
+            # The decode engine loads what its own cache lacks.
+            transfer_s=self._transfer_s(local_tokens),
         )
 
     def start(self, plan: Plan, on_accepted: Callable[[], None] | None = None) -> Dispatch:
@@ -199,7 +239,7 @@ class Dispatcher:
     def replan_elsewhere(self, plan: Plan) -> Plan | None:
         """After ``plan``'s replica could not take the request: the same request on
         another healthy replica of its pool, or None (PD falls back on its own)."""
-        if self._pd is not None:
+        if self._disaggregated:
             return None
         failed = plan.main.replica
         failed.healthy = False  # until its next successful stats poll

@@ -13,9 +13,40 @@ from typing import Any
 
 from engines.protocol import EngineStats
 from kv_transfer import KVRouterSide
+from kv_transfer.metrics import handover_seconds
 from router.engine_client import EngineClient
 from router.engine_pool import EnginePool
 from router.metrics import RouterMetrics
+from router.replica_state import MovingAverage
+
+# How vLLM counts prompt tokens whose KV came from another engine (EngineStats).
+TRANSFERRED_TOKENS = "external_kv_transfer"
+
+
+class TransferCostMeter:
+    """Seconds of KV hand-over per transferred prompt token: between two polls, the KV
+    backend's put and load seconds over the prompt tokens the engines report as
+    transferred, averaged over the intervals that moved any."""
+
+    def __init__(self, ema_weight: float) -> None:
+        self.seconds_per_token = MovingAverage(ema_weight)
+        self._last: tuple[float, int] | None = None
+
+    def update(self, snapshot: dict[str, Any], transferred_tokens: int) -> None:
+        seconds = handover_seconds(snapshot)
+        last, self._last = self._last, (seconds, transferred_tokens)
+        if last is None:
+            return
+        new_seconds, new_tokens = seconds - last[0], transferred_tokens - last[1]
+        # An engine that restarted counts from zero again: no sample from that interval.
+        if new_tokens > 0 and new_seconds >= 0:
+            self.seconds_per_token.add(new_seconds / new_tokens)
+
+    def estimate_s(self, tokens: int) -> float | None:
+        """The hand-over's expected time for a prompt of ``tokens``; None until measured."""
+        per_token = self.seconds_per_token.value
+        return None if per_token is None else per_token * tokens
+
 
 logger = logging.getLogger("splitserve.router")
 
@@ -28,6 +59,7 @@ class EngineStatePoller:
         interval_s: float,
         unhealthy_after_failed_polls: int,
         kv: KVRouterSide | None = None,
+        ema_weight: float = 0.2,
     ) -> None:
         self._pool = pool
         self._metrics = metrics
@@ -37,6 +69,7 @@ class EngineStatePoller:
         self._failed_polls: dict[str, int] = {}
         # The KV backend's last metrics snapshot (PD only), rendered at scrape time.
         self.kv_transfer_snapshot: dict[str, Any] | None = None
+        self.transfer_cost = TransferCostMeter(ema_weight)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -50,8 +83,17 @@ class EngineStatePoller:
             if self._kv is not None:
                 polls.append(self._poll_kv_metrics(self._kv))
             await asyncio.gather(*polls)
+            if self._kv is not None and self.kv_transfer_snapshot is not None:
+                self.transfer_cost.update(self.kv_transfer_snapshot, self._transferred_tokens())
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
+
+    def _transferred_tokens(self) -> int:
+        return sum(
+            replica.state.engine.prompt_tokens.get(TRANSFERRED_TOKENS, 0)
+            for replica in self._pool
+            if replica.state.engine is not None
+        )
 
     async def _poll_kv_metrics(self, kv: KVRouterSide) -> None:
         try:

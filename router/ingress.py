@@ -143,7 +143,6 @@ class Router:
         self._kv: KVRouterSide | None = None
         if settings.kv_transfer is not None:
             self._kv = make_kv_backend(settings.kv_transfer).router_side()
-        self._dispatcher = Dispatcher(settings, self._pool, self._kv)
         self._admission = AdmissionControl(settings.qos)
         record = settings.router.traffic_record
         self._recorder = (
@@ -163,6 +162,10 @@ class Router:
             settings.router.stats_interval_s,
             settings.router.unhealthy_after_failed_polls,
             kv=self._kv,
+            ema_weight=qos.ema_weight,
+        )
+        self._dispatcher = Dispatcher(
+            settings, self._pool, self._kv, self._engine_state.transfer_cost.estimate_s
         )
         self._metrics.registry.register(
             KVTransferCollector(lambda: self._engine_state.kv_transfer_snapshot)
@@ -349,10 +352,10 @@ class Router:
         return accepted
 
     def _count_choices(self, plan: Plan) -> None:
-        for choice in (plan.main, plan.prefill):
+        for choice, prefill in ((plan.main, False), (plan.prefill, True)):
             if choice is not None:
                 replica = choice.replica
-                policy = self._dispatcher.policy_of(replica.role)
+                policy = self._dispatcher.policy_of(replica.role, prefill)
                 self._metrics.replica_choices.labels(
                     replica.role, policy, replica.name, choice.reason
                 ).inc()

@@ -200,13 +200,15 @@ class RouterConfig(StrictModel):
 
 
 class SplitPolicyConfig(StrictModel):
-    """PD only: which registered split policy decides where a prompt is computed, and
-    its settings; in YAML one flat block, ``mode`` plus the policy's own fields."""
+    """PD and auto only: which registered split policy decides where a prompt is
+    computed, and its settings; in YAML one flat block, ``mode`` plus the policy's own
+    fields."""
 
     mode: str = Field(
         "conditional",
         description="A registered split policy (router.split_policy): always (the study's PD),"
-        " never (the decode replica prefills every prompt), conditional.",
+        " never (the decode replica prefills every prompt), conditional, cost (weighs the"
+        " KV hand-over and both engines' load; auto's default).",
     )
     settings: SerializeAsAny[StrictModel] = Field(default_factory=StrictModel)
 
@@ -372,7 +374,7 @@ class IngressSettings(StrictModel):
     router: RouterConfig
     split_policy: SplitPolicyConfig
     qos: QoSConfig
-    kv_transfer: KVTransferConfig | None = None  # PD only
+    kv_transfer: KVTransferConfig | None = None  # PD and auto only
     engine_backend: str = "vllm"
     auth: AuthConfig = Field(default_factory=AuthConfig)
     # Where Serve listens for HTTP (the YAML's http_options.host), when the builder
@@ -381,4 +383,5 @@ class IngressSettings(StrictModel):
 
     @property
     def disaggregated(self) -> bool:
-        return self.kv_transfer is not None
+        """Separate prefill and decode pools (PD); auto's one pool is role-free."""
+        return self.kv_transfer is not None and self.strategy == "pd"

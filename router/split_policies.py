@@ -1,4 +1,5 @@
-"""The built-in PD split policies (see router/split_policy.py): always, never, conditional.
+"""The built-in PD split policies (see router/split_policy.py): always, never,
+conditional, cost.
 
 ``conditional`` follows the disaggregation chapter's ``should_offload_prefill`` (here
 ``should_prefill_remotely``), with two deliberate differences: a busy decode replica
@@ -6,6 +7,10 @@ only sends prompts to a prefill pool that is
 not full (sending more work to a saturated pool lengthens everyone's TTFT, which is the
 chapter's own argument for the queue check), and the priority rules of its QoS section
 are part of the same decision.
+
+``cost`` is for role-free pools (strategy ``auto``), where the engine that would prefill
+remotely is decoding too: it weighs where the first token comes sooner, counting the
+KV hand-over at its measured rate, and whose decodes the prefill would stall.
 """
 
 from __future__ import annotations
@@ -138,3 +143,82 @@ def _remote_too_slow_and_local_sooner(
     remote = inputs.remote_ttft_s
     limit = policy.remote_ttft_max_s or qos.ttft_slo_s
     return qos.enabled and remote is not None and remote > limit and _local_is_sooner(inputs)
+
+
+class CostSettings(StrictModel):
+    prompt_length_threshold: int = Field(
+        256,
+        ge=1,
+        description="Tokens left after the prefix-cache hit below which a prompt is"
+        " computed where it decodes: its hand-over would cost more than the stall it saves.",
+    )
+    decode_load_threshold: int = Field(
+        4,
+        ge=1,
+        description="Active requests on the decode engine at which a long prompt is sent to"
+        " an engine with fewer, so that its prefill stalls fewer streams.",
+    )
+    max_transfer_s: float = Field(
+        0.25,
+        gt=0,
+        description="A KV hand-over expected to take longer than this (prompt tokens times"
+        " the measured seconds per transferred token) keeps the prompt local: the second"
+        " token waits for it.",
+    )
+    min_ttft_gain: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="The share of the local TTFT estimate by which the remote one plus the"
+        " hand-over must be sooner: per-token estimates of equal engines differ by noise,"
+        " and a prompt handed over for noise costs a transfer for nothing.",
+    )
+    remote_ttft_max_s: float | None = Field(
+        None,
+        gt=0,
+        description="To spare a busy decode engine, a prompt goes remote only while the"
+        " other engine's TTFT estimate for it is at most this (unset: qos.ttft_slo_s with"
+        " QoS on, no limit without).",
+    )
+
+
+@SPLIT_POLICIES.register("cost")
+class CostSplit:
+    """Remote when another engine gives the first token (plus the KV hand-over) sooner,
+    or when the decode engine is busy and the other engine stalls fewer streams."""
+
+    settings_model: ClassVar[type[StrictModel]] = CostSettings
+
+    def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
+        assert isinstance(settings, CostSettings)
+        self._settings = settings
+        self._qos = qos
+
+    def decide(self, inputs: SplitInputs) -> SplitDecision:
+        return cheaper_side(inputs, self._settings, self._qos)
+
+
+def cheaper_side(inputs: SplitInputs, policy: CostSettings, qos: QoSConfig) -> SplitDecision:
+    """Where to prefill one prompt when either side could (see the module docstring)."""
+    if inputs.priority == "low" and inputs.prefill_queue >= qos.low_priority_remote_max_queue:
+        return SplitDecision("local", "low_priority")
+    if inputs.prompt_len - inputs.prefix_cached_len < policy.prompt_length_threshold:
+        return SplitDecision("local", "short_prompt")
+    transfer = inputs.transfer_s or 0.0
+    if transfer > policy.max_transfer_s:
+        return SplitDecision("local", "transfer_too_slow")
+    remote, local = inputs.remote_ttft_s, inputs.local_ttft_s
+    if (
+        remote is not None
+        and local is not None
+        and remote + transfer < local * (1 - policy.min_ttft_gain)
+    ):
+        return SplitDecision("remote", "remote_sooner")
+    decode_busy = inputs.decode_active >= policy.decode_load_threshold
+    if decode_busy and inputs.prefill_active < inputs.decode_active:
+        limit = policy.remote_ttft_max_s or (qos.ttft_slo_s if qos.enabled else None)
+        if remote is None or limit is None or remote <= limit:
+            return SplitDecision("remote", "decode_busy")
+        return SplitDecision("local", "remote_too_slow")
+    measured = remote is not None and local is not None
+    return SplitDecision("local", "local_sooner" if measured else "unmeasured")

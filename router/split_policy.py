@@ -6,7 +6,7 @@ A policy is a class registered in ``SPLIT_POLICIES`` under the name configs use
 ``split_policy:`` block. It decides from numbers the dispatcher gathers
 (``SplitInputs``) and the QoS settings, without side effects, and says why (the
 ``reason`` label of ``splitserve_prefill_decisions_total``). The built-in ones
-(``always``, ``never``, ``conditional``) are in ``router/split_policies.py``.
+(``always``, ``never``, ``conditional``, ``cost``) are in ``router/split_policies.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ class SplitInputs:
     prompt_len: prompt tokens; prefix_cached_len: of those, expected in the decode
     replica's prefix cache; prefill_queue: prefills queued or running on the prefill
     replica that would take it; decode_active: requests active on the decode replica;
-    the two TTFT estimates count only the work queued ahead of this priority.
+    prefill_active: requests active on the prefill replica (in a role-free pool, the
+    decodes a remote prefill would stall there); the two TTFT estimates count only the
+    work queued ahead of this priority; transfer_s: the KV hand-over's expected time
+    for this prompt, at the rate the object store measured (None until measured).
     """
 
     prompt_len: int
@@ -51,6 +54,8 @@ class SplitInputs:
     # on the decode replica (router/replica_state.py); None until measured.
     remote_ttft_s: float | None = None
     local_ttft_s: float | None = None
+    prefill_active: int = 0
+    transfer_s: float | None = None
 
 
 class SplitPolicy(Protocol):

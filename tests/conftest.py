@@ -173,6 +173,7 @@ SERVING_ORDER = (
     "tests.loadgen.test_agreement_served",
     "tests.deployments.test_strategies_served",
     "tests.deployments.test_pd_served",
+    "tests.deployments.test_auto_served",
     "tests.deployments.test_cold_start_served",
     "tests.router.test_policies_served",
     "tests.dashboards.test_prometheus_served",

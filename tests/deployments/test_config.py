@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deployments.app import engine_names, engine_process_env
+from deployments.app import engine_names, engine_process_env, engine_spec
 from deployments.config import (
     ConfigError,
     load_app_config,
@@ -19,7 +19,7 @@ from deployments.config import (
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp", "pd", "pd_always"])
+@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp", "pd", "pd_always", "auto"])
 def test_shipped_configs_are_valid(name: str) -> None:
     config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
     assert config.strategy == name.split("_")[0]
@@ -27,6 +27,24 @@ def test_shipped_configs_are_valid(name: str) -> None:
     settings = config.ingress_settings()
     assert settings.router is config.router and settings.qos is config.qos
     assert settings.disaggregated == (config.strategy == "pd")
+
+
+def test_auto_engines_hand_kv_both_ways_and_weigh_the_cost_by_default() -> None:
+
+    config = parse_app_config({"strategy": "auto", "pools": [{"replicas": 2}]})
+    assert config.split_policy.mode == "cost"
+    assert config.ingress_settings().kv_transfer is not None
+    for name, pool, index in engine_names(config):
+        spec = engine_spec(config, name, pool, index)
+        assert spec.kv_transfer is not None and spec.kv_transfer["kv_role"] == "kv_both"
+    chosen = parse_app_config(
+        {"strategy": "auto", "pools": [{"replicas": 2}], "split_policy": {"mode": "always"}}
+    )
+    assert chosen.split_policy.mode == "always"
+    tuned = parse_app_config(
+        {"strategy": "auto", "pools": [{"replicas": 2}], "split_policy": {"max_transfer_s": 1}}
+    )
+    assert tuned.split_policy.flat()["max_transfer_s"] == 1
 
 
 def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
@@ -100,8 +118,20 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         ({"strategy": "single", "pools": [{}], "model": {"max_model_len": 0}}, "max_model_len"),
         (
+            {"strategy": "auto", "pools": [{"replicas": 1}]},
+            "strategy 'auto' needs replicas >= 2 (an engine to hand KV to), got 1",
+        ),
+        (
+            {"strategy": "auto", "pools": [{"replicas": 2, "pipeline_parallel_size": 2}]},
+            "kv_transfer backend 'object_store' does not support pipeline parallelism",
+        ),
+        (
+            {"strategy": "auto", "pools": [{"role": "prefill"}, {"role": "decode"}]},
+            "strategy 'auto' needs one 'mixed' pool",
+        ),
+        (
             {"strategy": "dp", "pools": [{"replicas": 2}], "split_policy": {"mode": "never"}},
-            "split_policy is for strategy 'pd', not 'dp'",
+            "split_policy is for strategies 'pd' and 'auto', not 'dp'",
         ),
         (
             {
@@ -110,7 +140,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
                 "split_policy": {"mode": "sometimes"},
             },
             "split_policy: unknown split policy 'sometimes'; registered: always, conditional,"
-            " never",
+            " cost, never",
         ),
         (
             {

@@ -9,7 +9,6 @@ store nor the engines hold anything.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import signal
@@ -21,11 +20,11 @@ import httpx
 import pytest
 
 from deployments.launcher import RunningApp, replica_engine_pids
+from tests.support.greedy import MODEL, greedy, metric
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
 
-MODEL = "splitserve-tiny-llama"
 MAX_TOKENS = 10
 # The CPU backend's KV block is 128 tokens: one block, its neighbours, many blocks.
 LENGTHS = [1, 2, 17, 127, 128, 129, 256, 300, 511, 700, 1000, 1500]
@@ -38,54 +37,12 @@ KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # block x K,V x layers x kv heads x he
 
 
 def _complete(base_url: str, prompt: list[int], stream: bool = False) -> tuple[list[int], dict]:
-    return _post(base_url, "/v1/completions", {"prompt": prompt}, stream)
+    return greedy(base_url, "/v1/completions", {"prompt": prompt}, MAX_TOKENS, stream)[:2]
 
 
 def _chat(base_url: str, content: str, stream: bool = False) -> tuple[list[int], dict]:
     messages = [{"role": "user", "content": content}]
-    return _post(base_url, "/v1/chat/completions", {"messages": messages}, stream)
-
-
-def _post(base_url: str, route: str, prompt: dict, stream: bool) -> tuple[list[int], dict]:
-    """Greedy token ids and usage of one request, streamed or not."""
-    body = {
-        "model": MODEL,
-        **prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": stream,
-        "stream_options": {"include_usage": True} if stream else None,
-    }
-    with httpx.Client(base_url=base_url, timeout=120) as http:
-        if not stream:
-            response = http.post(route, json=body)
-            assert response.status_code == 200, response.text
-            data = response.json()
-            return data["choices"][0]["token_ids"], data["usage"]
-        token_ids: list[int] = []
-        usage: dict = {}
-        with http.stream("POST", route, json=body) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                assert "error" not in event, event
-                usage = event.get("usage") or usage
-                for choice in event["choices"]:
-                    token_ids.extend(choice.get("token_ids") or [])
-        return token_ids, usage
-
-
-def _metric(base_url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for row in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        is_sample = row.startswith(name) and row[len(name)] in " {"
-        if is_sample and all(f'{k}="{v}"' in row for k, v in labels.items()):
-            total += float(row.split()[-1])
-    return total
+    return greedy(base_url, "/v1/chat/completions", {"messages": messages}, MAX_TOKENS, stream)[:2]
 
 
 def single_reference(base_url: str) -> dict[str, Any]:
@@ -114,12 +71,12 @@ def test_completions_match_single_engine(pd_app: RunningApp, reference: dict) ->
         assert usage["prompt_tokens"] == len(prompt)
         assert usage["completion_tokens"] == MAX_TOKENS
     # The KV moved rather than being recomputed on the decode side.
-    assert _metric(pd_app.base_url, "splitserve_kv_transfers_total", outcome="loaded") >= 15
-    assert _metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="remote") >= 20
+    assert metric(pd_app.base_url, "splitserve_kv_transfers_total", outcome="loaded") >= 15
+    assert metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="remote") >= 20
     # Pushed to the decode engine the router named, not claimed when the load was due.
     loads = "splitserve_kv_transfer_loads_total"
-    assert _metric(pd_app.base_url, loads, path="pushed") >= 15
-    assert _metric(pd_app.base_url, loads, path="claimed") <= 1
+    assert metric(pd_app.base_url, loads, path="pushed") >= 15
+    assert metric(pd_app.base_url, loads, path="claimed") <= 1
 
 
 def test_streams_match_single_engine(pd_app: RunningApp, reference: dict) -> None:
@@ -168,9 +125,9 @@ def test_nothing_left_after_clients_leave_mid_stream(pd_app: RunningApp, ray_add
 
 def _holding(base_url: str) -> dict[str, float]:
     return {
-        "live transfers": _metric(base_url, "splitserve_kv_transfer_live_transfers"),
-        "unfinished": _metric(base_url, "splitserve_engine_requests", state="unfinished"),
-        "kv used": _metric(base_url, "splitserve_engine_kv_cache_usage_ratio"),
+        "live transfers": metric(base_url, "splitserve_kv_transfer_live_transfers"),
+        "unfinished": metric(base_url, "splitserve_engine_requests", state="unfinished"),
+        "kv used": metric(base_url, "splitserve_engine_kv_cache_usage_ratio"),
     }
 
 
@@ -202,7 +159,7 @@ def test_requests_complete_when_the_prefill_replica_dies(pd_app: RunningApp) -> 
     for thread in threads:
         thread.join(timeout=180)
     assert results == [MAX_TOKENS] * 16
-    assert _metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="local") >= 1
+    assert metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="local") >= 1
     # The router replaced the prefill engine alone: the decode engine never stopped.
     deadline = time.monotonic() + 180
     while not (replica_engine_pids("prefill-0") - dead):

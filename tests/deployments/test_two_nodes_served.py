@@ -31,6 +31,7 @@ import yaml
 
 from deployments.launcher import DEPLOYMENTS_DIR, ENGINE_PROCESS_MARKERS, cluster_env, serve_run
 from splitserve.processes import command_lines
+from tests.support.greedy import metric
 from tests.support.local_ports import forget_cluster, free_port
 from tests.support.served_apps import ServedApps
 
@@ -133,15 +134,6 @@ def _complete(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
     )
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for row in httpx.get(url, timeout=10).text.splitlines():
-        is_sample = row.startswith(name) and row[len(name)] in " {"
-        if is_sample and all(f'{k}="{v}"' in row for k, v in labels.items()):
-            total += float(row.split()[-1])
-    return total
-
-
 def _eventually(check: object, timeout_s: float = 40.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -183,8 +175,8 @@ def test_pd_across_two_nodes(
         assert [ids for ids, _ in answers] == reference
         assert {where for _, where in answers} == {"remote:always"}
         metrics = f"{app.base_url}/metrics"
-        assert _metric(metrics, "splitserve_kv_transfers_total", outcome="loaded") >= 5
-        assert _metric(metrics, "splitserve_kv_transfer_bytes_total", op="get") > 0
+        assert metric(metrics, "splitserve_kv_transfers_total", outcome="loaded") >= 5
+        assert metric(metrics, "splitserve_kv_transfer_bytes_total", op="get") > 0
         # Not asserted: that the bytes crossed object stores. With both nodes on one
         # host, each engine's KV connector joins Ray as a driver, and Ray attaches a
         # driver to the head node's raylet when several share the host; read against a
@@ -192,7 +184,7 @@ def test_pd_across_two_nodes(
         # requests (2 before, 2 after, 40 s later). On separate machines each driver
         # has one raylet to attach to; not yet checked there.
         # Freed on both nodes once loaded.
-        assert _eventually(lambda: _metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
+        assert _eventually(lambda: metric(metrics, "splitserve_kv_transfer_live_transfers") == 0)
         assert _eventually(lambda: not _large_object_ids(two_nodes.dashboard_url) - baseline), (
             "KV objects left in an object store"
         )
@@ -201,7 +193,7 @@ def test_pd_across_two_nodes(
         node = _prefill_node_commands(two_nodes.marker)
         raylets = {pid for pid, command in node.items() if "raylet" in command}
         assert raylets, "no raylet found for the prefill node"
-        local_before = _metric(metrics, "splitserve_prefill_decisions_total", where="local")
+        local_before = metric(metrics, "splitserve_prefill_decisions_total", where="local")
         for pid in raylets:
             os.kill(pid, signal.SIGKILL)
         # Ray's actor calls go worker to worker, so the replica may answer until the GCS
@@ -212,7 +204,7 @@ def test_pd_across_two_nodes(
         ), "still prefilling on a dead node"
         after = [_complete(app.base_url, _fresh_prompt()) for _ in range(4)]
         assert all(where.startswith("local:") for _, where in after), after
-        local_after = _metric(metrics, "splitserve_prefill_decisions_total", where="local")
+        local_after = metric(metrics, "splitserve_prefill_decisions_total", where="local")
         assert local_after - local_before >= len(after), (local_before, local_after)
         # No engine outlives its node: the replica and its engine core exit with the raylet.
         assert _eventually(

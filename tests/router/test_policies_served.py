@@ -20,6 +20,7 @@ import pytest
 
 from deployments.config import load_app_config
 from deployments.launcher import RunningApp, config_path
+from tests.support.greedy import metric
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
@@ -33,15 +34,6 @@ _rng = random.Random(11)
 
 def _prompt(length: int) -> list[int]:
     return [_rng.randrange(3, 256) for _ in range(length)]
-
-
-def _metric(base_url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for row in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
-        is_sample = row.startswith(name) and row[len(name)] in " {"
-        if is_sample and all(f'{k}="{v}"' in row for k, v in labels.items()):
-            total += float(row.split()[-1])
-    return total
 
 
 @dataclass(frozen=True)
@@ -131,8 +123,8 @@ def test_long_prompt_goes_remote_and_its_prefix_then_stays_local(pd_app: Running
     assert change.tokens.get(("decode-0", "local_compute"), 0) < THRESHOLD
     assert not any(replica == "prefill-0" for replica, _ in change.tokens)
     # The router's mirror of the decode replica's cache agreed with what vLLM found.
-    estimated = _metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="estimated")
-    reported = _metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="reported")
+    estimated = metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="estimated")
+    reported = metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="reported")
     assert estimated == reported > 0
 
 
@@ -253,10 +245,10 @@ def test_overload_sheds_low_priority_and_keeps_high_within_slo(pd_app: RunningAp
     assert all(o.retry_after is not None for o in refused)
     refusal_p95 = sorted(o.elapsed_s for o in refused)[int(0.95 * (len(refused) - 1))]
     assert refusal_p95 < FAST_REFUSAL_S, f"refusals took {refusal_p95:.3f} s at p95"
-    assert _metric(pd_app.base_url, "splitserve_rejections_total", priority="low") >= len(refused)
+    assert metric(pd_app.base_url, "splitserve_rejections_total", priority="low") >= len(refused)
     # Nothing is left running once the answers are in.
     deadline = time.monotonic() + 20
-    while _metric(pd_app.base_url, "splitserve_engine_requests", state="unfinished") > 0:
+    while metric(pd_app.base_url, "splitserve_engine_requests", state="unfinished") > 0:
         assert time.monotonic() < deadline, "engines still hold requests after the overload"
         time.sleep(0.5)
 

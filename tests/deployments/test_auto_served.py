@@ -1,0 +1,124 @@
+"""A role-free pool (``deployments/auto.yaml``) on real vLLM engines: every engine runs
+the KV connector both ways, and the KV a prompt computed on one engine is loaded by the
+other with the same greedy tokens as one engine gives.
+
+The YAML's cost policy decides by load, which a test cannot steer; this module serves
+auto.yaml with ``split_policy.mode: always`` (every prompt prefilled on the engine that
+does not decode it), so each engine is producer and consumer many times over. The cost
+policy's decisions are tested without a cluster (tests/router/test_cost_split.py,
+test_role_free.py).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from deployments.launcher import RunningApp, config_path
+from router.dispatch import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
+from tests.support.greedy import MODEL, greedy, metric
+from tests.support.served_apps import ServedApps
+
+pytestmark = pytest.mark.serving
+
+MAX_TOKENS = 8
+# The CPU backend's KV block is 128 tokens: less than one, exactly one, several.
+_rng = random.Random(11)
+PROMPTS = [[_rng.randrange(0, 256) for _ in range(n)] for n in (5, 127, 128, 129, 700, 1500)]
+CHAT = "Which engine computed this prompt?"
+
+
+def _complete(base_url: str, prompt: list[int], stream: bool = False) -> tuple[list[int], Any]:
+    token_ids, _, headers = greedy(
+        base_url, "/v1/completions", {"prompt": prompt}, MAX_TOKENS, stream
+    )
+    return token_ids, headers
+
+
+def _chat(base_url: str, stream: bool = False) -> list[int]:
+    messages = [{"role": "user", "content": CHAT}]
+    return greedy(base_url, "/v1/chat/completions", {"messages": messages}, MAX_TOKENS, stream)[0]
+
+
+def single_reference(base_url: str) -> dict[str, Any]:
+    """single.yaml's tokens for this module's prompts (asked by conftest's single_answers)."""
+    return {
+        "completions": [_complete(base_url, prompt)[0] for prompt in PROMPTS],
+        "chat": _chat(base_url),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(single_answers: dict[str, Any]) -> dict[str, Any]:
+    return single_answers[__name__]
+
+
+@pytest.fixture(scope="module")
+def auto_app(reference: dict, served_apps: ServedApps, serve_logs: Path) -> RunningApp:
+    document = yaml.safe_load(config_path("auto").read_text())
+    document["applications"][0]["args"]["split_policy"] = {"mode": "always"}
+    path = serve_logs / "auto_always.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return served_apps.get(str(path))
+
+
+def test_each_engine_prefills_for_the_other_with_single_engine_tokens(
+    auto_app: RunningApp, reference: dict
+) -> None:
+    roles: Counter[tuple[str, str]] = Counter()
+    for _ in range(2):  # round two: each prompt's blocks are cached where it decoded before
+        for prompt, expected in zip(PROMPTS, reference["completions"], strict=True):
+            token_ids, headers = _complete(auto_app.base_url, prompt)
+            assert token_ids == expected, f"prompt of {len(prompt)} tokens"
+            assert headers[PREFILL_HEADER] == "remote:always"
+            decode, prefill = headers[REPLICA_HEADER], headers[PREFILL_REPLICA_HEADER]
+            assert decode != prefill
+            roles[(decode, prefill)] += 1
+    # Both engines produced KV and both consumed it.
+    assert set(roles) == {("engine-0", "engine-1"), ("engine-1", "engine-0")}
+    url = auto_app.base_url
+    assert metric(url, "splitserve_kv_transfers_total", outcome="loaded") >= len(PROMPTS)
+    assert metric(url, "splitserve_kv_transfer_loads_total", path="pushed") >= len(PROMPTS)
+    assert metric(url, "splitserve_prefill_decisions_total", where="remote", reason="always") >= 12
+
+
+def test_streams_and_chat_match_single_engine(auto_app: RunningApp, reference: dict) -> None:
+    for index in (0, 4, 5):
+        token_ids, _ = _complete(auto_app.base_url, PROMPTS[index], stream=True)
+        assert token_ids == reference["completions"][index]
+    assert _chat(auto_app.base_url) == reference["chat"]
+    assert _chat(auto_app.base_url, stream=True) == reference["chat"]
+
+
+def test_nothing_is_held_after_clients_leave_mid_stream(auto_app: RunningApp) -> None:
+    body = {"model": MODEL, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=auto_app.base_url, timeout=120) as http:
+        for i in range(20):
+            leaves = i % 4 == 0  # 5 of 20 leave right after the first token of 200
+            asked = {**body, "prompt": PROMPTS[4 + i % 2], "max_tokens": 200 if leaves else 12}
+            with http.stream("POST", "/v1/completions", json=asked) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                if leaves:
+                    next(line for line in lines if '"text"' in line)
+                    continue
+                assert any(line == "data: [DONE]" for line in lines)
+    deadline = time.monotonic() + 40  # the YAML's ttl_s and then some
+    while time.monotonic() < deadline and any(_holding(auto_app.base_url).values()):
+        time.sleep(1)
+    assert _holding(auto_app.base_url) == {"live transfers": 0, "unfinished": 0, "kv used": 0}
+
+
+def _holding(base_url: str) -> dict[str, float]:
+    return {
+        "live transfers": metric(base_url, "splitserve_kv_transfer_live_transfers"),
+        "unfinished": metric(base_url, "splitserve_engine_requests", state="unfinished"),
+        "kv used": metric(base_url, "splitserve_engine_kv_cache_usage_ratio"),
+    }
