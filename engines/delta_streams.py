@@ -43,6 +43,11 @@ class DeltaStreams:
             on_gone(subscriber)
             self._outboxes.pop(subscriber, None)
 
+    def broadcast(self, item: tuple[str, Any]) -> None:
+        """The same item to every subscriber (a change every router must see)."""
+        for outbox in self._outboxes.values():
+            outbox.put_nowait(item)
+
     def close_all(self) -> None:
         """End every stream after what is queued, so subscribers move on."""
         for outbox in self._outboxes.values():

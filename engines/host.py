@@ -26,9 +26,12 @@ from ray import serve
 
 from engines.backends import ENGINE_BACKENDS
 from engines.delta_streams import DeltaStreams, Outbox
+from engines.kv_events import KVEventRelay
 from engines.metrics import replica_stat_logger
 from engines.model_source import resolve_model
 from engines.protocol import (
+    CACHE_UPDATES,
+    CacheUpdate,
     DeltaBatch,
     EngineStats,
     GenerateChunk,
@@ -102,7 +105,8 @@ def _stat_logger_factory(latest: _LatestSchedulerStats) -> Any:
     return SchedulerStatsTap
 
 
-def build_engine_args(spec: EngineSpec) -> Any:
+def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -> Any:
+    """vLLM's engine arguments; ``kv_events``: the relay the engine publishes them to."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     model = resolve_model(spec.model)
@@ -131,6 +135,8 @@ def build_engine_args(spec: EngineSpec) -> Any:
         kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
     if spec.kv_transfer is not None:
         kwargs["kv_transfer_config"] = spec.kv_transfer
+    if kv_events is not None:
+        kwargs["kv_events_config"] = kv_events.events_config()
     kwargs.update(pool.engine_kwargs)
     return AsyncEngineArgs(**kwargs)
 
@@ -167,19 +173,32 @@ class EngineHost:
         self._latest = _LatestSchedulerStats()
         self._streams = DeltaStreams()
         self._running: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        # The loop the delta streams are read on, once a router subscribes: the KV event
+        # relay's thread hands its cache updates over to it.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._kv_events = (
+            KVEventRelay(spec.name, self._relay_cache_update) if spec.kv_events else None
+        )
+        if self._kv_events is not None:
+            self._kv_events.start()
         started = time.perf_counter()
         gpu_ids = self._gpu_ids()
         # One spawn at a time per process: each engine's processes must inherit its own
         # environment, not a neighbour's. Only the spawn itself: the engines of one
         # router then load side by side, each on its own cores.
-        with _spawning_with(self._process_env(gpu_ids)):
-            self._engine: AsyncLLM = AsyncLLM.from_engine_args(
-                build_engine_args(self._spec),
-                stat_loggers=[
-                    _stat_logger_factory(self._latest),
-                    replica_stat_logger(self._spec.name, self._spec.role),
-                ],
-            )
+        try:
+            with _spawning_with(self._process_env(gpu_ids)):
+                self._engine: AsyncLLM = AsyncLLM.from_engine_args(
+                    build_engine_args(self._spec, self._kv_events),
+                    stat_loggers=[
+                        _stat_logger_factory(self._latest),
+                        replica_stat_logger(self._spec.name, self._spec.role),
+                    ],
+                )
+        except BaseException:
+            if self._kv_events is not None:
+                self._kv_events.stop()  # no engine will publish to it
+            raise
         # After the engine: its processes exist now, and a failed start samples nothing.
         # An engine that shares its host process samples its own engine core alone.
         root_pid = os.getpid() if self._spec.device_offset is None else self._engine_core_pid()
@@ -239,7 +258,18 @@ class EngineHost:
         Each item holds all deltas ready since the previous one, so a Ray message
         carries one engine step of many requests instead of one token of one request.
         """
+        self._loop = asyncio.get_running_loop()
+        if self._kv_events is not None:
+            # A router's view of the cache starts whole; later changes follow it.
+            outbox = self._streams.outbox(subscriber)
+            outbox.put_nowait((CACHE_UPDATES, self._kv_events.snapshot()))
         return self._streams.stream(subscriber, self._subscriber_gone)
+
+    def _relay_cache_update(self, update: CacheUpdate) -> None:
+        """From the relay's thread: to every router's stream, on their loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._streams.broadcast, (CACHE_UPDATES, update))
 
     def _subscriber_gone(self, subscriber: str) -> None:
         # The router process is gone (or resubscribes): nobody will read these.
@@ -313,6 +343,9 @@ class EngineHost:
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.shutdown()
+        kv_events = getattr(self, "_kv_events", None)
+        if kv_events is not None:
+            kv_events.stop()
 
 
 @contextlib.contextmanager

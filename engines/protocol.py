@@ -52,8 +52,25 @@ class GenerateFailure:
     engine_dead: bool = False
 
 
+@dataclass(slots=True)
+class CacheUpdate:
+    """A change to an engine's prefix cache, from its KV events (engines/kv_events.py).
+
+    stored: (vLLM's block hash, the router's chained hash of the same block);
+    removed: vLLM's block hashes; cleared: forget every block first (a snapshot sets
+    cleared and lists every block it holds).
+    """
+
+    stored: list[tuple[Any, int]] = field(default_factory=list)
+    removed: list[Any] = field(default_factory=list)
+    cleared: bool = False
+
+
+# The request id under which cache updates travel on a delta stream (no request has it).
+CACHE_UPDATES = ""
+
 # One item of an engine's delta stream: every (request id, delta) ready since the last.
-DeltaBatch = list[tuple[str, GenerateChunk | GenerateFailure]]
+DeltaBatch = list[tuple[str, GenerateChunk | GenerateFailure | CacheUpdate]]
 
 
 @dataclass(slots=True)

@@ -136,6 +136,8 @@ class EngineSpec(StrictModel):
     accelerator: str
     # vLLM's kv_transfer_config for PD roles (the KV backend's connector), else None.
     kv_transfer: dict[str, Any] | None = None
+    # Publish the engine's KV events to its routers (router.prefix_signal: kv_events).
+    kv_events: bool = False
     # Environment of this engine's own processes (its core binding, its KV cache size),
     # set while they are spawned: several engines may share one host process.
     process_env: dict[str, str] = Field(default_factory=dict)

@@ -39,6 +39,8 @@ class Plan:
     # Of the replica that computes the prompt: expected prefix-cache hit, tokens left.
     expected_cached_tokens: int
     prefill_tokens: int
+    # The same hit by each prefix signal that replica has (replica_state.KV_EVENTS, MIRROR).
+    cached_by_signal: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefill_replica(self) -> EngineClient:
@@ -130,7 +132,6 @@ class Dispatcher:
         main = self._choose(main_role, prompt) or Choice(
             self._pool.of_role(main_role)[0], "unhealthy"
         )
-        local_cached = main.replica.state.cached_tokens(prompt)
         decision = SplitDecision("local", "colocated")
         prefill = None
         if self._pd is not None:
@@ -143,7 +144,9 @@ class Dispatcher:
                     self._split_inputs(prompt, priority, main.replica, prefill.replica)
                 )
                 prefill = prefill if decision.remote else None
-        cached = prefill.replica.state.cached_tokens(prompt) if prefill else local_cached
+        computes = (prefill or main).replica.state
+        by_signal = computes.cached_tokens_by_signal(prompt)
+        cached = by_signal[computes.prefix_signal]
         return Plan(
             request=request,
             prompt=prompt,
@@ -153,6 +156,7 @@ class Dispatcher:
             decision=decision,
             expected_cached_tokens=cached,
             prefill_tokens=max(1, len(prompt) - cached),
+            cached_by_signal=by_signal,
         )
 
     def _prefill_candidate(self, decode: EngineClient, prompt: PromptBlocks) -> Choice | None:

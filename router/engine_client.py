@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engines.protocol import (
+    CacheUpdate,
     DeltaBatch,
     EngineStats,
     GenerateChunk,
@@ -470,6 +471,9 @@ class EngineClient:
                 await self._link.wait_ready()
                 async for batch in self._link.deltas(self._subscriber):
                     for request_id, item in batch:
+                        if isinstance(item, CacheUpdate):
+                            self.state.apply_cache_update(item)
+                            continue
                         queue = self._pending.get(request_id)
                         if queue is not None:
                             queue.put_nowait(item)
@@ -478,6 +482,8 @@ class EngineClient:
             except Exception as error:
                 logger.warning("delta stream from %s broke: %s", self.name, error)
             self.healthy = False
+            # The cache it described may be gone too; the next stream starts with a snapshot.
+            self.state.blocks = None
             # Whatever was in flight on that stream is lost with it.
             lost = GenerateFailure(f"engine replica {self.name} went away", engine_dead=True)
             for queue in self._pending.values():

@@ -127,7 +127,11 @@ class Router:
                     roles[name],
                     link,
                     submit_timeout_s,
-                    ReplicaState(qos.ema_weight, qos.min_prefill_tokens_per_sample),
+                    ReplicaState(
+                        qos.ema_weight,
+                        qos.min_prefill_tokens_per_sample,
+                        kv_events_pending_s=settings.router.kv_events_pending_s,
+                    ),
                     PrefillGate(settings.router.max_prefills_per_engine),
                 )
                 for name, link in links.items()
@@ -475,6 +479,10 @@ class Router:
         tokens = self._metrics.prefix_cache_tokens
         tokens.labels(name, "estimated").inc(dispatch.expected_cached_tokens)
         tokens.labels(name, "reported").inc(chunk.num_cached_tokens)
+        for signal, estimate in dispatch.plan.cached_by_signal.items():
+            tokens.labels(name, signal).inc(estimate)
+            error = abs(estimate - chunk.num_cached_tokens)
+            self._metrics.prefix_estimate_error.labels(signal).observe(error)
 
     def _observe_token_timing(
         self, arrival: float, last_token_at: float | None, now: float, outcome: PrefillOutcome

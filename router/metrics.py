@@ -9,6 +9,10 @@ from router.settings import PRIORITIES
 # key_queue_full: an API key's own cap (router/auth.py).
 REJECTION_REASONS = ("queue_full", "ttft_slo", "key_queue_full")
 
+# Zero (the signal was right), then whole blocks (16 tokens on GPUs, 128 on vLLM's CPU
+# backend) up to a long prompt.
+PREFIX_ERROR_BUCKETS = (0.5, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
 # From 1 ms (the tiny model on a CPU) to a minute (long prompts on a loaded GPU).
 LATENCY_BUCKETS_S = (
     0.001,
@@ -116,8 +120,17 @@ class RouterMetrics:
         self.prefix_cache_tokens = Counter(
             "splitserve_prefix_cache_tokens",
             "Prompt tokens found in a replica's prefix cache: as the router estimated before"
-            " routing, and as vLLM reported for the same requests.",
+            " routing (estimated: the signal it routed by; kv_events, mirror: each signal),"
+            " and as vLLM reported for the same requests (reported).",
             ["replica", "source"],
+            registry=r,
+        )
+        self.prefix_estimate_error = Histogram(
+            "splitserve_prefix_estimate_error_tokens",
+            "Per request, how far each prefix signal's cached-token count was from what vLLM"
+            " found (absolute, tokens).",
+            ["signal"],
+            buckets=PREFIX_ERROR_BUCKETS,
             registry=r,
         )
         self.replica_requests = Counter(

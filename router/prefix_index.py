@@ -1,21 +1,26 @@
-"""The router's estimate of what each engine replica holds in its prefix cache.
+"""What each engine replica holds in its prefix cache, as the router sees it.
 
 vLLM caches KV per full block and finds a prompt's cached prefix by chaining block
-hashes, each over its parent's hash and its own tokens. The router mirrors that: it
-records the chained hashes of every prompt it sends to a replica and, for a new prompt,
-counts the leading blocks a replica has seen. The mirror is bounded by the replica's KV
-capacity and forgets least recently used blocks first, as vLLM's free-block queue does;
-it cannot see evictions forced by other traffic, so it is an estimate, checked against
-the ``num_cached_tokens`` vLLM reports (``splitserve_prefix_cache_tokens_total``).
+hashes, each over its parent's hash and its own tokens; the router chains its own
+hashes the same way (``engines.kv_events.chain_hash``). Two sources:
+- ``BlockIndex``: the engine's own KV events (engines/kv_events.py), exact, evictions
+  included; used wherever the engine publishes them.
+- ``PrefixIndex``: a mirror of what the router sent, bounded by the replica's KV capacity
+  and forgetting least recently used blocks first, as vLLM's free-block queue does; it
+  cannot see evictions forced by other traffic (the fallback where events are off).
+Both are checked against the ``num_cached_tokens`` vLLM reports
+(``splitserve_prefix_cache_tokens_total``, ``splitserve_prefix_estimate_error_tokens``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Container, Sequence
+from typing import Any
 
-# Any fixed value: the parent of a prompt's first block.
-ROOT_HASH = 0
+from engines.kv_events import ROOT_HASH, chain_hash
+from engines.protocol import CacheUpdate
 
 
 class PromptBlocks:
@@ -33,7 +38,7 @@ class PromptBlocks:
         if block_size not in self._hashes:
             chain, parent = [], ROOT_HASH
             for start in range(0, len(self.token_ids) - block_size + 1, block_size):
-                parent = hash((parent, tuple(self.token_ids[start : start + block_size])))
+                parent = chain_hash(parent, self.token_ids[start : start + block_size])
                 chain.append(parent)
             self._hashes[block_size] = chain
         return self._hashes[block_size]
@@ -42,6 +47,78 @@ class PromptBlocks:
         # vLLM recomputes at least the last prompt token to get its logits, so a full hit
         # is worth one block less when the prompt ends on a block boundary.
         return min(hit_blocks * block_size, (len(self.token_ids) - 1) // block_size * block_size)
+
+
+def leading_hits(prompt: PromptBlocks, block_size: int, held: Container[int]) -> int:
+    """Leading prompt tokens found among ``held`` block hashes (anything with ``in``)."""
+    hits = 0
+    for block_hash in prompt.hashes(block_size):
+        if block_hash not in held:
+            break
+        hits += 1
+    return prompt.cacheable_tokens(block_size, hits) if hits else 0
+
+
+class BlockIndex:
+    """One engine's cached blocks as its KV events report them, and the blocks of prompts
+    sent to it that its events have not confirmed yet.
+
+    A block is stored only once computed, but a request with the same prefix that comes
+    while the first is still prefilling finds it cached by the time it runs; so a sent
+    prompt's blocks count as held for ``pending_s`` unless an event stores them first
+    (the events own them then) or removes them.
+    """
+
+    def __init__(self, pending_s: float = 0.0) -> None:
+        self._pending_s = pending_s
+        self._names: dict[Any, int] = {}  # vLLM's block hash -> the router's
+        # The router's hashes held, by how many of vLLM's blocks carry each (two requests
+        # computing one prefix at once may each store a block of the same content).
+        self._held: Counter[int] = Counter()
+        self._pending: dict[int, float] = {}  # the router's hash -> until when
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, block_hash: object) -> bool:
+        if block_hash in self._held:
+            return True
+        until = self._pending.get(block_hash)  # type: ignore[call-overload]
+        return until is not None and until > time.monotonic()
+
+    def cached_tokens(self, prompt: PromptBlocks, block_size: int) -> int:
+        """Leading prompt tokens the engine holds (its block size, from its stats)."""
+        return leading_hits(prompt, block_size, self)
+
+    def expect(self, prompt: PromptBlocks, block_size: int) -> None:
+        """The prompt was sent to this engine: its blocks are about to be stored."""
+        if self._pending_s <= 0:
+            return
+        now = time.monotonic()
+        until = now + self._pending_s
+        if len(self._pending) > len(self._held) + 4096:  # a burst of misses: drop the expired
+            self._pending = {h: t for h, t in self._pending.items() if t > now}
+        for block_hash in prompt.hashes(block_size):
+            if block_hash not in self._held:
+                self._pending[block_hash] = until
+
+    def apply(self, update: CacheUpdate) -> None:
+        """Idempotent per block: a snapshot may repeat changes that crossed it."""
+        if update.cleared:
+            self._names.clear()
+            self._held.clear()
+        for vllm_hash, ours in update.stored:
+            self._pending.pop(ours, None)
+            if vllm_hash not in self._names:
+                self._names[vllm_hash] = ours
+                self._held[ours] += 1
+        for vllm_hash in update.removed:
+            ours = self._names.pop(vllm_hash, None)
+            if ours is not None:
+                self._pending.pop(ours, None)
+                self._held[ours] -= 1
+                if self._held[ours] <= 0:
+                    del self._held[ours]
 
 
 class PrefixIndex:
@@ -59,12 +136,7 @@ class PrefixIndex:
 
     def cached_tokens(self, prompt: PromptBlocks) -> int:
         """Leading prompt tokens this replica should find in its prefix cache."""
-        hits = 0
-        for block_hash in prompt.hashes(self.block_size):
-            if block_hash not in self._blocks:
-                break
-            hits += 1
-        return prompt.cacheable_tokens(self.block_size, hits) if hits else 0
+        return leading_hits(prompt, self.block_size, self._blocks)
 
     def record(self, prompt: PromptBlocks) -> None:
         """The replica computed (or loaded) this prompt: its full blocks are now cached."""

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engines.protocol import EngineStats
-from router.prefix_index import PrefixIndex, PromptBlocks
+from engines.protocol import CacheUpdate, EngineStats
+from router.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
+
+# The prefix-cache signals, as metrics label them: the engine's KV events, the mirror.
+KV_EVENTS, MIRROR = "kv_events", "mirror"
 
 
 class MovingAverage:
@@ -44,6 +47,8 @@ class PrefillTicket:
 class ReplicaState:
     ema_weight: float = 0.2
     min_prefill_tokens_per_sample: int = 64
+    # How long a sent prompt's blocks count as cached before the engine's events say so.
+    kv_events_pending_s: float = 0.0
     in_flight: int = 0
     queued_prefills: int = 0
     queued_prefill_tokens: int = 0
@@ -55,6 +60,8 @@ class ReplicaState:
     waiting_tokens_by_priority: dict[int, int] = field(default_factory=dict)
     engine: EngineStats | None = None
     prefix: PrefixIndex | None = None
+    # From the engine's KV events, once it sends any (then the signal routing uses).
+    blocks: BlockIndex | None = None
     # Seconds of time-to-first-token per prefill token queued ahead or in the prompt.
     prefill_s_per_token: MovingAverage = field(init=False)
     # Seconds between tokens: the decode step a new prompt is batched into.
@@ -99,11 +106,35 @@ class ReplicaState:
     # ---- prefix cache ---------------------------------------------------------------------
 
     def cached_tokens(self, prompt: PromptBlocks) -> int:
-        return self.prefix.cached_tokens(prompt) if self.prefix else 0
+        """Leading prompt tokens the replica holds: by its KV events where it sends them,
+        else by the mirror of what the router sent it."""
+        return self.cached_tokens_by_signal(prompt)[self.prefix_signal]
+
+    @property
+    def prefix_signal(self) -> str:
+        return KV_EVENTS if self._block_size and self.blocks is not None else MIRROR
+
+    def cached_tokens_by_signal(self, prompt: PromptBlocks) -> dict[str, int]:
+        """Each available signal's count, for routing and for checking them against vLLM."""
+        counts = {MIRROR: self.prefix.cached_tokens(prompt) if self.prefix else 0}
+        if self._block_size and self.blocks is not None:
+            counts[KV_EVENTS] = self.blocks.cached_tokens(prompt, self._block_size)
+        return counts
+
+    @property
+    def _block_size(self) -> int:
+        return self.engine.block_size if self.engine is not None else 0
 
     def record_prompt(self, prompt: PromptBlocks) -> None:
         if self.prefix is not None:
             self.prefix.record(prompt)
+        if self.blocks is not None and self._block_size:
+            self.blocks.expect(prompt, self._block_size)
+
+    def apply_cache_update(self, update: CacheUpdate) -> None:
+        if self.blocks is None:
+            self.blocks = BlockIndex(self.kv_events_pending_s)
+        self.blocks.apply(update)
 
     # ---- time to first token --------------------------------------------------------------
 

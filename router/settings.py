@@ -69,6 +69,21 @@ class RouterConfig(StrictModel):
         description="Settings of a replica choice, by its name, e.g. {prefix_affinity:"
         " {max_load_imbalance: 4}}; unset fields take the policy's defaults.",
     )
+    prefix_signal: Literal["kv_events", "mirror"] = Field(
+        "kv_events",
+        description="What the router knows of each engine's prefix cache: kv_events (the"
+        " engine's own BlockStored/BlockRemoved events, evictions included) or mirror (what"
+        " the router sent it, bounded by its capacity; blind to evictions). Engines that"
+        " publish no events (the synthetic backend) are mirrored either way.",
+    )
+    kv_events_pending_s: float = Field(
+        5.0,
+        ge=0,
+        description="With kv_events: a prompt sent to an engine counts as cached there for"
+        " this long before the engine's events confirm its blocks (they are stored only"
+        " once computed, and a request with the same prefix arriving meanwhile finds them"
+        " by the time it runs); an eviction event ends it sooner. Cover a long prefill.",
+    )
     placement: PlacementConfig | None = Field(
         None,
         description="Run the router (the HTTP ingress) on named Ray nodes, e.g. beside the"

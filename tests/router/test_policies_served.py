@@ -122,10 +122,15 @@ def test_long_prompt_goes_remote_and_its_prefix_then_stays_local(pd_app: Running
     assert change.tokens.get(("decode-0", "local_cache_hit"), 0) >= 3 * THRESHOLD
     assert change.tokens.get(("decode-0", "local_compute"), 0) < THRESHOLD
     assert not any(replica == "prefill-0" for replica, _ in change.tokens)
-    # The router's mirror of the decode replica's cache agreed with what vLLM found.
-    estimated = metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="estimated")
-    reported = metric(pd_app.base_url, "splitserve_prefix_cache_tokens_total", source="reported")
-    assert estimated == reported > 0
+    # What the router knew of the decode replica's cache agreed with what vLLM found: by
+    # the signal it routed by, and by the engine's own KV events relayed to it (blocks
+    # loaded from another engine are stored blocks too).
+    tokens = "splitserve_prefix_cache_tokens_total"
+    reported = metric(pd_app.base_url, tokens, source="reported")
+    assert metric(pd_app.base_url, tokens, source="estimated") == reported > 0
+    assert metric(pd_app.base_url, tokens, source="kv_events") == reported
+    errors = "splitserve_prefix_estimate_error_tokens_count"
+    assert metric(pd_app.base_url, errors, signal="kv_events") >= 2
 
 
 def test_a_busy_prefill_pool_sends_long_prompts_local(pd_app: RunningApp) -> None:
