@@ -100,6 +100,7 @@ def engine_spec(
         pool=pool,
         accelerator=config.accelerator,
         kv_transfer=_kv_transfer_config(config, pool),
+        kv_backend=config.kv_transfer if config.strategy in KV_STRATEGIES else None,
         kv_events=config.router.prefix_signal == "kv_events",
         process_env={ENGINE_NAME_ENV: name, **engine_process_env(config, pool, replica_index)},
         device_offset=device_offset,

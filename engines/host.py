@@ -41,7 +41,7 @@ from engines.protocol import (
 from engines.sampler import start_replica_sampler
 from engines.settings import EngineSpec
 from engines.transport import EngineTransportServer, TransportAddress
-from kv_transfer.handle import check_handle_compatible, consumer_id, is_transfer_params
+from kv_transfer.backend_registry import make_kv_backend
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -205,7 +205,10 @@ class EngineHost:
         self._sampler = start_replica_sampler(self._spec.name, self._spec.role, gpu_ids, root_pid)
         # vLLM refuses a priority other than 0 unless it schedules by priority.
         self._schedules_by_priority = self._engine.vllm_config.scheduler_config.policy == "priority"
-        self._kv_consumer = consumer_id(self._engine.vllm_config)  # reported with every stats
+        # The KV backend's part in this host: how prefill requests name the engine (reported
+        # with every stats), and which handles it refuses.
+        self._kv = make_kv_backend(spec.kv_backend).engine_side() if spec.kv_backend else None
+        self._kv_consumer = self._kv.consumer_name(self._engine.vllm_config) if self._kv else None
         logger.info(
             "engine %s (%s) ready in %.1fs",
             self._spec.name,
@@ -237,10 +240,10 @@ class EngineHost:
         """Start a request; its deltas go out on the subscriber's ``deltas`` stream."""
         if request.request_id in self._running:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        if is_transfer_params(request.kv_transfer_params):
+        if self._kv is not None and request.kv_transfer_params is not None:
             # Refuse KV from an engine with another layout now, with the fields that
             # differ, instead of letting the connector fall back silently.
-            check_handle_compatible(request.kv_transfer_params, self._engine.vllm_config)
+            self._kv.check_request(request.kv_transfer_params, self._engine.vllm_config)
         outbox = self._streams.outbox(request.subscriber)
         task = asyncio.get_running_loop().create_task(self._run(request, outbox))
         self._running[request.request_id] = (request.subscriber, task)

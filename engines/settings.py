@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from engines.protocol import EngineRole
+from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
 
 
@@ -136,6 +137,8 @@ class EngineSpec(StrictModel):
     accelerator: str
     # vLLM's kv_transfer_config for PD roles (the KV backend's connector), else None.
     kv_transfer: dict[str, Any] | None = None
+    # The KV backend behind that connector: the host's side of the hand-over.
+    kv_backend: KVTransferConfig | None = None
     # Publish the engine's KV events to its routers (router.prefix_signal: kv_events).
     kv_events: bool = False
     # Environment of this engine's own processes (its core binding, its KV cache size),

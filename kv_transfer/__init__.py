@@ -4,9 +4,8 @@ Backends by name (``KV_BACKENDS``, kv_transfer/backend_registry.py): ``object_st
 ``example_disk`` (vLLM's ExampleConnector, a benchmark baseline). A backend gives each
 engine its vLLM ``kv_transfer_config`` and the router its side of the hand-over
 (``KVRouterSide``: the prefill request's params, releasing a transfer nobody will
-load, the metrics that ``KVTransferCollector`` exports). Engine side:
-``consumer_id`` is how a decode engine is named, ``check_handle_compatible`` lets a
-decode host refuse a handle from an engine with another KV layout before submitting.
+load, the metrics that ``KVTransferCollector`` exports) and each engine's host its
+side (``KVEngineSide``: how a decode engine is named, which handles it refuses).
 The connector class is imported lazily, so the router does not import torch for it.
 """
 
@@ -14,7 +13,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kv_transfer.backend_registry import KV_BACKENDS, KVBackend, KVRouterSide, make_kv_backend
+from kv_transfer.backend_registry import (
+    KV_BACKENDS,
+    KVBackend,
+    KVEngineSide,
+    KVRouterSide,
+    make_kv_backend,
+)
 from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
 from kv_transfer.handle import (
     KVLayoutMismatchError,
@@ -33,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KV_BACKENDS",
     "KVBackend",
+    "KVEngineSide",
     "KVLayoutMismatchError",
     "KVRouterSide",
     "KVTransferCollector",

@@ -24,6 +24,10 @@ class KVRouterSide(Protocol):
     def prefill_params(self, consumer: str | None) -> dict[str, Any]:
         """``kv_transfer_params`` of a prefill request whose KV goes to ``consumer``."""
 
+    def decode_params(self, handle: dict[str, Any] | None) -> dict[str, Any]:
+        """``kv_transfer_params`` of the decode request that loads what the prefill request
+        returned (``handle``, opaque to the router)."""
+
     def release(self, handle: dict[str, Any]) -> None:
         """Free a transfer nobody will load (its client left); fire and forget."""
 
@@ -32,6 +36,18 @@ class KVRouterSide(Protocol):
 
     def shutdown(self) -> None:
         """The application is going away: free what the backend holds for it."""
+
+
+class KVEngineSide(Protocol):
+    """An engine host's part in a backend's hand-over: the host never reads a handle."""
+
+    def consumer_name(self, vllm_config: Any) -> str | None:
+        """How prefill requests name this engine as their KV's consumer, so that the KV is
+        pushed to it ahead of the decode request; None where it is not one."""
+
+    def check_request(self, kv_transfer_params: dict[str, Any], vllm_config: Any) -> None:
+        """Raise ValueError, naming what differs, for KV this engine must not load; before
+        the request is submitted, so that it fails instead of falling back silently."""
 
 
 class KVBackend(Protocol):
@@ -43,6 +59,8 @@ class KVBackend(Protocol):
         """vLLM's ``kv_transfer_config`` engine argument for an engine of ``role``."""
 
     def router_side(self) -> KVRouterSide: ...
+
+    def engine_side(self) -> KVEngineSide: ...
 
     def check_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         """Raise ValueError for engine shapes this backend cannot hand over."""

@@ -14,7 +14,13 @@ from typing import Any, ClassVar
 
 from kv_transfer.backend_registry import KV_BACKENDS
 from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
-from kv_transfer.handle import remote_decode_params
+from kv_transfer.handle import (
+    check_handle_compatible,
+    consumer_id,
+    is_transfer_params,
+    remote_decode_params,
+    remote_prefill_params,
+)
 from kv_transfer.settings import ExampleDiskSettings, KVRole, ObjectStoreSettings
 from splitserve.config_base import StrictModel
 
@@ -50,6 +56,9 @@ class DirectoryRouterSide:
     def prefill_params(self, consumer: str | None) -> dict[str, Any]:
         return remote_decode_params(consumer)
 
+    def decode_params(self, handle: dict[str, Any] | None) -> dict[str, Any]:
+        return remote_prefill_params(handle)
+
     def release(self, handle: dict[str, Any]) -> None:
         if self._releases:
             release_handle(handle)
@@ -61,6 +70,28 @@ class DirectoryRouterSide:
         # The directory is a detached actor: it goes with the application.
         with contextlib.suppress(Exception):
             shutdown_kv_directory(self._namespace)
+
+
+class HandleCheckingEngineSide:
+    """Engines of the object-store connector: named by their KV engine id, and a handle
+    from an engine with another KV layout is refused before it reaches vLLM."""
+
+    def consumer_name(self, vllm_config: Any) -> str | None:
+        return consumer_id(vllm_config)
+
+    def check_request(self, kv_transfer_params: dict[str, Any], vllm_config: Any) -> None:
+        if is_transfer_params(kv_transfer_params):
+            check_handle_compatible(kv_transfer_params, vllm_config)
+
+
+class PassiveEngineSide:
+    """Engines of a connector that finds its KV itself (by prompt): nothing to name or check."""
+
+    def consumer_name(self, vllm_config: Any) -> str | None:
+        return None
+
+    def check_request(self, kv_transfer_params: dict[str, Any], vllm_config: Any) -> None:
+        return None
 
 
 @KV_BACKENDS.register("object_store")
@@ -79,6 +110,9 @@ class ObjectStoreBackend:
 
     def router_side(self) -> DirectoryRouterSide:
         return DirectoryRouterSide(self.settings.namespace, releases=True)
+
+    def engine_side(self) -> HandleCheckingEngineSide:
+        return HandleCheckingEngineSide()
 
     def check_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         if pipeline_parallel_size > 1:
@@ -105,6 +139,9 @@ class ExampleDiskBackend:
     def router_side(self) -> DirectoryRouterSide:
         # Its files are never handed over, so there is nothing to release.
         return DirectoryRouterSide(self.settings.namespace, releases=False)
+
+    def engine_side(self) -> PassiveEngineSide:
+        return PassiveEngineSide()
 
     def check_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         return None  # vLLM's connector handles what vLLM runs

@@ -115,6 +115,12 @@ def remote_decode_params(consumer: str | None = None) -> dict[str, Any]:
     return params
 
 
+def remote_prefill_params(handle: dict[str, Any] | None) -> dict[str, Any]:
+    """A decode request's ``kv_transfer_params``: load the KV ``handle`` names (a prefill's
+    output), compute only what it lacks."""
+    return {"do_remote_prefill": True, **(handle or {})}
+
+
 def consumer_id(vllm_config: VllmConfig) -> str | None:
     """How a prefill request names this engine as its KV's consumer (None: not one)."""
     transfer_config = vllm_config.kv_transfer_config

@@ -23,7 +23,6 @@ from router.engine_client import EngineClient, EngineFailed
 
 logger = logging.getLogger("splitserve.router")
 
-DO_REMOTE_PREFILL = {"do_remote_prefill": True}
 # Outcomes where the decode replica prefilled although the plan was remote.
 PREFILL_FALLBACK_REASONS = ("prefill_failed", "no_prefill_replica")
 
@@ -38,8 +37,8 @@ class PrefillOutcome:
 
 class PrefillDecodeFlow:
     def __init__(self, kv: KVRouterSide) -> None:
-        # The KV backend's side of the hand-over: the prefill request's params, and
-        # releasing transferred KV nobody will load (client gone).
+        # The KV backend's side of the hand-over: the prefill and the decode request's
+        # params, and releasing transferred KV nobody will load (client gone).
         self._kv = kv
 
     async def run(
@@ -81,7 +80,7 @@ class PrefillDecodeFlow:
         try:
             # Inside the try: a client that leaves at the first token must free the KV too.
             yield dataclasses.replace(first, finish_reason=None, stop_reason=None)
-            decode_request = _decode_request(request, first, handle)
+            decode_request = _decode_request(request, first, self._kv.decode_params(handle))
             async for chunk in decode.generate(decode_request, prefill_tokens=0):
                 consumed = True
                 yield chunk
@@ -128,7 +127,7 @@ def _consumer_of(decode: EngineClient) -> str | None:
 
 
 def _decode_request(
-    request: GenerateRequest, first: GenerateChunk, handle: dict[str, Any] | None
+    request: GenerateRequest, first: GenerateChunk, kv_transfer_params: dict[str, Any]
 ) -> GenerateRequest:
     params = request.sampling_params.clone()
     params.max_tokens = request.sampling_params.max_tokens - len(first.token_ids)
@@ -138,7 +137,7 @@ def _decode_request(
         request_id=f"{request.request_id}-decode",
         prompt_token_ids=[*request.prompt_token_ids, *first.token_ids],
         sampling_params=params,
-        kv_transfer_params={**DO_REMOTE_PREFILL, **(handle or {})},
+        kv_transfer_params=kv_transfer_params,
     )
 
 

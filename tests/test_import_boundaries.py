@@ -213,3 +213,16 @@ def test_every_kind_of_import_is_seen(source: str, expected: set[str]) -> None:
     found = parse_imports(source, where)
     assert {i.module for i in found} == expected
     assert all(i.path == where and i.line > 0 for i in found)
+
+
+def test_engines_and_router_know_no_kv_handle_format() -> None:
+    """The KV backend owns both sides of the hand-over: engine hosts and the router call
+    its KVEngineSide and KVRouterSide, never the object-store backend's handle module."""
+    offenders = [
+        str(found)
+        for package in ("engines", "router")
+        for _, path in modules_of(package)
+        for found in imports_of(path)
+        if found.module.startswith(("kv_transfer.handle", "kv_transfer.directory"))
+    ]
+    assert not offenders, "the KV handle format stays in kv_transfer/:\n" + "\n".join(offenders)

@@ -21,7 +21,7 @@ from engines.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
-from kv_transfer.handle import remote_decode_params
+from kv_transfer.handle import remote_decode_params, remote_prefill_params
 
 FIRST_TOKEN = 100
 
@@ -97,6 +97,9 @@ class RecordingKV:
 
     def prefill_params(self, consumer: str | None) -> dict[str, Any]:
         return remote_decode_params(consumer)
+
+    def decode_params(self, handle: dict[str, Any] | None) -> dict[str, Any]:
+        return remote_prefill_params(handle)
 
     def release(self, handle: dict[str, Any]) -> None:
         self.released.append(handle)
