@@ -143,9 +143,7 @@ class KVEventRelay:
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if expected is not None and seq != expected:
                     logger.warning("lost KV events %d-%d; the prefix index restarts", expected, seq)
-                    with self._lock:
-                        cleared = self._names.clear()
-                    self._deliver_all([cleared])
+                    self._forget_all()
                 expected = seq + 1
                 events = decoder.decode(payload).events
                 with self._lock:
@@ -154,11 +152,15 @@ class KVEventRelay:
         except Exception:  # the router falls back to underestimating, never to wrong hits
             logger.exception("KV event relay stopped")
             with contextlib.suppress(Exception):
-                with self._lock:
-                    cleared = self._names.clear()
-                self._deliver_all([cleared])
+                self._forget_all()
         finally:
             socket.close(linger=0)
+
+    def _forget_all(self) -> None:
+        """The names no longer match the engine's cache: routers start over from nothing."""
+        with self._lock:
+            cleared = self._names.clear()
+        self._deliver(cleared)
 
     def _deliver_all(self, updates: list[CacheUpdate | None]) -> None:
         for update in updates:

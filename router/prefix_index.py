@@ -22,6 +22,10 @@ from typing import Any
 from engines.kv_events import ROOT_HASH, chain_hash
 from engines.protocol import CacheUpdate
 
+# Pending blocks beyond the held ones that trigger a sweep of the expired: they pile up
+# only where sent prompts never reach the engine (aborted), so the sweep is rare.
+PENDING_SWEEP_SLACK = 4096
+
 
 class PromptBlocks:
     """A prompt's chained block hashes, computed once per block size however many
@@ -96,7 +100,7 @@ class BlockIndex:
             return
         now = time.monotonic()
         until = now + self._pending_s
-        if len(self._pending) > len(self._held) + 4096:  # a burst of misses: drop the expired
+        if len(self._pending) > len(self._held) + PENDING_SWEEP_SLACK:
             self._pending = {h: t for h, t in self._pending.items() if t > now}
         for block_hash in prompt.hashes(block_size):
             if block_hash not in self._held:

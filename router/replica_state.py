@@ -108,7 +108,9 @@ class ReplicaState:
     def cached_tokens(self, prompt: PromptBlocks) -> int:
         """Leading prompt tokens the replica holds: by its KV events where it sends them,
         else by the mirror of what the router sent it."""
-        return self.cached_tokens_by_signal(prompt)[self.prefix_signal]
+        if self._block_size and self.blocks is not None:
+            return self.blocks.cached_tokens(prompt, self._block_size)
+        return self.prefix.cached_tokens(prompt) if self.prefix else 0
 
     @property
     def prefix_signal(self) -> str:

@@ -102,9 +102,7 @@ def should_prefill_remotely(
 ) -> SplitDecision:
     """Where to prefill one prompt, by the chapter's rules (see the module docstring)."""
     queue = inputs.prefill_queue
-    if inputs.priority == "low" and queue >= qos.low_priority_remote_max_queue:
-        # Remote prefill spends extra cluster resources for latency; under load they are
-        # kept for the requests that pay for it.
+    if _low_priority_kept_local(inputs, qos):
         return SplitDecision("local", "low_priority")
     effective_len = max(0, inputs.prompt_len - inputs.prefix_cached_len)
     prefill_available = queue < policy.prefill_queue_max
@@ -126,6 +124,12 @@ def should_prefill_remotely(
     if inputs.prompt_len >= policy.prompt_length_threshold:
         return SplitDecision("local", "prefix_cached")
     return SplitDecision("local", "short_prompt")
+
+
+def _low_priority_kept_local(inputs: SplitInputs, qos: QoSConfig) -> bool:
+    """Remote prefill spends extra cluster resources for latency; under load they are
+    kept for the requests that pay for it."""
+    return inputs.priority == "low" and inputs.prefill_queue >= qos.low_priority_remote_max_queue
 
 
 def _local_is_sooner(inputs: SplitInputs) -> bool:
@@ -200,7 +204,7 @@ class CostSplit:
 
 def cheaper_side(inputs: SplitInputs, policy: CostSettings, qos: QoSConfig) -> SplitDecision:
     """Where to prefill one prompt when either side could (see the module docstring)."""
-    if inputs.priority == "low" and inputs.prefill_queue >= qos.low_priority_remote_max_queue:
+    if _low_priority_kept_local(inputs, qos):
         return SplitDecision("local", "low_priority")
     if inputs.prompt_len - inputs.prefix_cached_len < policy.prompt_length_threshold:
         return SplitDecision("local", "short_prompt")
