@@ -19,10 +19,10 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from deployments.config import KV_STRATEGIES, AppConfig, parse_app_config
-from deployments.launcher import ENGINE_NAME_ENV
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
-from engines.settings import EngineSpec, PlacementConfig, PoolConfig
+from engines.settings import CPU_BIND_ENV, ENGINE_NAME_ENV, EngineSpec, PlacementConfig, PoolConfig
 from kv_transfer.backend_registry import make_kv_backend
+from router.settings import ScaledPoolSettings
 from splitserve.packaging import check_top_level_packages
 
 logger = logging.getLogger("splitserve.deployments")
@@ -36,6 +36,17 @@ ENGINE_REPLICA_CLASS = "engines.host.EngineReplica"
 MAX_ONGOING_REQUESTS = 4096
 # How often Serve asks whatever process hosts an engine whether that engine is alive.
 ENGINE_HEALTH_CHECK_PERIOD_S = 5
+# A scaled pool: Serve's autoscaling policy and the request router that tells routers
+# which replicas run (both named by path: Serve imports them where they run).
+SCALED_POOL_POLICY = "engines.pool_scaling:SloPolicy"
+SCALED_POOL_REQUEST_ROUTER = "router.pool_membership:PoolMembership"
+# How often each engine of a scaled pool reports its measurements to Serve, and the
+# span Serve averages them over (each engine already measures over its window_s).
+SCALING_METRICS_INTERVAL_S = 1.0
+SCALING_LOOK_BACK_S = 2.0
+# What an engine takes to stop once drained (vLLM gives its core up to 5 s): Serve
+# kills a replica that takes longer than the drain and this together.
+ENGINE_STOP_S = 15.0
 
 # Ray Serve settings for our replicas, read by Serve when the replica process starts.
 # Serve's defaults isolate arbitrary user code: it runs on a second thread and event
@@ -62,14 +73,34 @@ def deployment_by_path(import_path: str, name: str, **options: Any) -> Deploymen
     return stand_in.options(func_or_class=import_path)
 
 
+def pool_name(pool: PoolConfig) -> str:
+    """What a pool's engines are named after: ``engine`` (mixed), ``prefill``, ``decode``."""
+    return "engine" if pool.role == "mixed" else pool.role
+
+
 def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig, int]]:
-    """Stable replica names: ``engine-0``, ``engine-1`` or ``prefill-0``, ``decode-0``,
-    each with its pool and its index there (which of the pool's cpu_binds)."""
+    """Stable replica names of the pools of fixed size: ``engine-0``, ``engine-1`` or
+    ``prefill-0``, ``decode-0``, each with its pool and its index there (which of the
+    pool's cpu_binds). Scaled pools' engines are named by Serve's replica ids instead."""
     names = []
     for pool in config.pools:
-        prefix = "engine" if pool.role == "mixed" else pool.role
-        names.extend((f"{prefix}-{index}", pool, index) for index in range(pool.replicas))
+        if pool.autoscaling is None:
+            prefix = pool_name(pool)
+            names.extend((f"{prefix}-{index}", pool, index) for index in range(pool.replicas))
     return names
+
+
+def scaled_pool_settings(config: AppConfig) -> list[ScaledPoolSettings]:
+    return [
+        ScaledPoolSettings(
+            deployment=f"{pool_name(pool)}-pool",
+            name=pool_name(pool),
+            role=pool.role,
+            drain_timeout_s=pool.autoscaling.drain_timeout_s,
+        )
+        for pool in config.pools
+        if pool.autoscaling is not None
+    ]
 
 
 # Environment of every process that hosts engines, inherited by vLLM's processes.
@@ -82,7 +113,7 @@ def engine_process_env(config: AppConfig, pool: PoolConfig, replica_index: int) 
     if config.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(pool.kv_cache_gib)
         if pool.cpu_binds is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = pool.cpu_binds[replica_index]
+            env[CPU_BIND_ENV] = pool.cpu_binds[replica_index]
     return env
 
 
@@ -146,6 +177,44 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
     return engine.bind(spec)
 
 
+def build_scaled_pool(config: AppConfig, settings: ScaledPoolSettings) -> Application:
+    """One Serve deployment for the whole pool, grown and shrunk by Serve's autoscaling
+    from the SLOs its engines measure (engines/pool_scaling.py)."""
+    pool = config.pool(settings.role)  # type: ignore[arg-type]
+    scaling = pool.autoscaling
+    assert scaling is not None
+    actor_options = engine_actor_options(
+        config, config.resources.engine_num_cpus, pool.ranks_per_replica
+    )
+    place(actor_options, pool.placement)
+    policy_kwargs = {
+        "ttft_slo_s": scaling.ttft_slo_s or config.qos.ttft_slo_s,
+        "tpot_slo_s": scaling.tpot_slo_s,
+        "scale_up_at": scaling.scale_up_at,
+        "scale_down_at": scaling.scale_down_at,
+    }
+    engines = deployment_by_path(
+        ENGINE_REPLICA_CLASS,
+        settings.deployment,
+        autoscaling_config={
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            "initial_replicas": pool.replicas,
+            "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s,
+            "metrics_interval_s": SCALING_METRICS_INTERVAL_S,
+            "look_back_period_s": SCALING_LOOK_BACK_S,
+            "policy": {"policy_function": SCALED_POOL_POLICY, "policy_kwargs": policy_kwargs},
+        },
+        request_router_config={"request_router_class": SCALED_POOL_REQUEST_ROUTER},
+        graceful_shutdown_timeout_s=scaling.drain_timeout_s + ENGINE_STOP_S,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
+        ray_actor_options=actor_options,
+    )
+    return engines.bind(engine_spec(config, pool_name(pool), pool, 0))
+
+
 def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] | None:
     """PD's pools produce or consume KV; auto's engines do both, per request."""
     roles = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}
@@ -162,6 +231,8 @@ def build_app_from_config(config: AppConfig) -> Application:
     for name, pool, index in engine_names(config):
         engines[name] = build_engine(config, name, pool, index)
         roles[name] = pool.role
+    scaled = scaled_pool_settings(config)
+    pools = {settings.deployment: build_scaled_pool(config, settings) for settings in scaled}
     actor_options: dict[str, Any] = {
         "num_cpus": config.resources.router_num_cpus,
         "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
@@ -173,7 +244,8 @@ def build_app_from_config(config: AppConfig) -> Application:
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options=actor_options,
     )
-    return router.bind(config.ingress_settings(serve_http_host()), roles, engines)
+    ingress = config.ingress_settings(serve_http_host()).model_copy(update={"scaled_pools": scaled})
+    return router.bind(ingress, roles, engines, None, pools)
 
 
 def _router_hosting_engines(config: AppConfig) -> Application:

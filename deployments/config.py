@@ -124,7 +124,12 @@ class AppConfig(StrictModel):
             "pp": (1, 1, AT_LEAST_TWO),
             "dp": (AT_LEAST_TWO, None, 1),
         }[self.strategy]
-        actual = (pool.replicas, pool.tensor_parallel_size, pool.pipeline_parallel_size)
+        if pool.autoscaling is not None and self.strategy != "dp":
+            raise ValueError(
+                f"strategy {self.strategy!r} serves one engine; pools grow and shrink"
+                " (pools[].autoscaling) under strategies dp, pd and auto"
+            )
+        actual = (_most_replicas(pool), pool.tensor_parallel_size, pool.pipeline_parallel_size)
         names = ("replicas", "tensor_parallel_size", "pipeline_parallel_size")
         for name, want, got in zip(names, expected, actual, strict=True):
             if want == AT_LEAST_TWO and got < 2:
@@ -136,10 +141,10 @@ class AppConfig(StrictModel):
     def _check_role_free_pool(self) -> AppConfig:
         """Every engine of auto's one pool prefills for the others and decodes theirs."""
         pool = self.pools[0]
-        if pool.replicas < 2:
+        if _most_replicas(pool) < 2:
             raise ValueError(
                 "strategy 'auto' needs replicas >= 2 (an engine to hand KV to),"
-                f" got {pool.replicas}"
+                f" got {_most_replicas(pool)}"
             )
         make_kv_backend(self.kv_transfer).check_parallelism(
             pool.tensor_parallel_size, pool.pipeline_parallel_size
@@ -156,11 +161,16 @@ class AppConfig(StrictModel):
         hop between processes through Ray (docs/DECISIONS.md); ``auto`` does so unless a
         pool is placed on named nodes, whose replicas must be actors of their own there."""
         setting = self.router.engine_in_router
-        return setting is True or (setting == "auto" and not self.placed)
+        return setting is True or (setting == "auto" and not self.placed and not self.scaled)
 
     @property
     def placed(self) -> bool:
         return any(pool.placement is not None for pool in self.pools)
+
+    @property
+    def scaled(self) -> bool:
+        """Some pool grows and shrinks: Serve, not the router, starts its engines."""
+        return any(pool.autoscaling is not None for pool in self.pools)
 
     @model_validator(mode="after")
     def _placed_pools_run_apart(self) -> AppConfig:
@@ -168,6 +178,11 @@ class AppConfig(StrictModel):
             raise ValueError(
                 "pools placed on named nodes run as engine replicas of their own, each on its"
                 " node: set router.engine_in_router to auto or false, not true"
+            )
+        if self.scaled and self.router.engine_in_router is True:
+            raise ValueError(
+                "pools with autoscaling run as engine replicas of their own, which Serve adds"
+                " and removes: set router.engine_in_router to auto or false, not true"
             )
         return self
 
@@ -200,6 +215,11 @@ class AppConfig(StrictModel):
             auth=self.auth,
             http_host=http_host,
         )
+
+
+def _most_replicas(pool: PoolConfig) -> int:
+    """The most engines the pool runs at once: its count, or a scaled pool's ceiling."""
+    return pool.replicas if pool.autoscaling is None else pool.autoscaling.max_replicas
 
 
 # Engine settings that shape the KV cache: prefill and decode must agree on all of them,

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from deployments.config import refuse_engine_overrides
+from engines.settings import ENGINE_NAME_ENV
 from splitserve.processes import (
     RAY_WORKER_NICENESS,
     SERVE_DEPLOY_FAILED,
@@ -41,8 +42,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS_DIR = REPO_ROOT / "deployments"
 ENGINE_PROCESS_MARKERS = ("VLLM::", "EngineCore")
 APP_NAME = "splitserve"  # the application name in every YAML under deployments/
-# Set in every engine process's environment to its replica's name (engine-0, prefill-0).
-ENGINE_NAME_ENV = "SPLITSERVE_ENGINE"
 DEFAULT_PORT = 8000
 ROUTER_DEPLOYMENT = "Router"
 

@@ -39,7 +39,8 @@ from engines.protocol import (
     GenerateRequest,
 )
 from engines.sampler import start_replica_sampler
-from engines.settings import EngineSpec
+from engines.settings import EngineSpec, member_name
+from engines.slo_meter import MeteredHost, SloMeter
 from engines.transport import EngineTransportServer, TransportAddress
 from kv_transfer.backend_registry import make_kv_backend
 
@@ -51,6 +52,13 @@ logger = logging.getLogger("splitserve.engine")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _SPAWN_LOCK = threading.Lock()
 SPAWN_POLL_S = 0.02  # how often a spawning engine looks for its new process
+# An engine outside a scaled pool measures its SLOs too (nothing reads them yet).
+DEFAULT_WINDOW_S = 10.0
+# How long an engine taken out of a scaled pool serves before it looks whether it is
+# idle (a router learns of its removal a moment after Serve decides it), and how often
+# it looks after that.
+DRAIN_SETTLE_S = 1.0
+DRAIN_POLL_S = 0.1
 
 
 class _LatestSchedulerStats:
@@ -408,39 +416,74 @@ class EngineReplica:
     """A Serve replica that hosts one engine (any backend) in a process of its own, so
     its front end (output processing, detokenization, stat loggers) runs beside the
     other engines' and the router's, not on their GIL. Routers reach it through its
-    transport (engines/transport.py); Serve places, health-checks and restarts it."""
+    transport (engines/transport.py); Serve places, health-checks and restarts it.
+
+    A scaled pool (``pools[].autoscaling``) is one Serve deployment of many such
+    replicas: each names its engine after its Serve replica id, reports the SLO
+    measurements Serve's autoscaling policy reads, and when Serve takes it out, it
+    finishes the streams it carries before its engine stops."""
 
     async def __init__(self, spec: EngineSpec) -> None:
-        # A plain `serve run` applies a YAML's deployment overrides without our launcher,
-        # which refuses them: a second replica under one engine name would split one
-        # engine name over two engines the router cannot tell apart.
-        replicas = serve.get_replica_context().world_size
-        if replicas != 1:
+        context = serve.get_replica_context()
+        self._scaling = spec.pool.autoscaling
+        if self._scaling is None and context.world_size != 1:
+            # A plain `serve run` applies a YAML's deployment overrides without our
+            # launcher, which refuses them: a second replica under one engine name would
+            # split one engine name over two engines the router cannot tell apart.
             raise ValueError(
-                f"engine deployment {spec.name!r} has {replicas} Serve replicas;"
-                " scale engines by args.pools[].replicas, not by Serve overrides"
+                f"engine deployment {spec.name!r} has {context.world_size} Serve replicas;"
+                " scale engines by args.pools[].replicas or pools[].autoscaling,"
+                " not by Serve overrides"
             )
+        if self._scaling is not None:
+            name = member_name(spec.name, context.replica_id.unique_id)
+            spec = spec.as_member(name, context.rank.local_rank)
         # Routers send vLLM's SamplingParams: without this, unpickling the first submit
         # would import vLLM (seconds) on the event loop of a synthetic engine.
         import vllm.sampling_params  # noqa: F401
 
         self._host = ENGINE_BACKENDS.get(spec.backend.backend)(spec)
-        self._transport = EngineTransportServer(self._host)
+        window_s = self._scaling.window_s if self._scaling is not None else DEFAULT_WINDOW_S
+        self._metered = MeteredHost(self._host, SloMeter(window_s))
+        self._transport = EngineTransportServer(self._metered)
         await self._transport.start(ray.util.get_node_ip_address())
 
-    def transport_address(self) -> TransportAddress:
-        """Where routers connect, and the secret they say first (asked once per connect)."""
+    def transport_address(self, replica: str | None = None) -> TransportAddress:
+        """Where routers connect, and the secret they say first (asked once per connect).
+
+        ``replica``: the Serve replica id a router means, for a scaled pool; the pool's
+        request router (router/pool_membership.py) sends the call there."""
         assert self._transport.address is not None
         return self._transport.address
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling reads these (engines/pool_scaling.py)."""
+        return self._metered.meter.signals()
 
     async def check_health(self) -> None:
         # Serve calls this periodically; raising marks the replica unhealthy and restarts it.
         await self._host.check_health()
 
     async def __del__(self) -> None:
+        metered = getattr(self, "_metered", None)
+        if self._scaling is not None and metered is not None:
+            await drain(metered.meter, self._scaling.drain_timeout_s)
         transport = getattr(self, "_transport", None)
         if transport is not None:
             await transport.stop()
         host = getattr(self, "_host", None)
         if host is not None:
             host.shutdown()
+
+
+async def drain(meter: SloMeter, timeout_s: float) -> None:
+    """Wait for the requests this engine carries to finish, up to ``timeout_s``.
+
+    Serve stops sending a replica it takes out at once, but a router learns of it a
+    moment later: requests that arrive meanwhile are served too (DRAIN_SETTLE_S)."""
+    deadline = time.monotonic() + timeout_s
+    await asyncio.sleep(min(DRAIN_SETTLE_S, timeout_s))
+    while meter.in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    if meter.in_flight > 0:
+        logger.warning("stopping with %d requests still in flight", meter.in_flight)

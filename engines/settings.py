@@ -13,6 +13,17 @@ from engines.protocol import EngineRole
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
 
+# Set in every engine process's environment to its replica's name (engine-0, prefill-0),
+# so that tools can tell which processes belong to which engine.
+ENGINE_NAME_ENV = "SPLITSERVE_ENGINE"
+# vLLM's CPU backend: the cores an engine's ranks run on.
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def member_name(pool_name: str, replica_id: str) -> str:
+    """A scaled pool's engine: its pool's name and its Serve replica id (decode-a1b2c3d4)."""
+    return f"{pool_name}-{replica_id}"
+
 
 class ModelConfig(StrictModel):
     """Which weights to serve and how vLLM should hold them."""
@@ -59,6 +70,59 @@ class PlacementConfig(StrictModel):
         return self
 
 
+class PoolAutoscaling(StrictModel):
+    """Ray Serve grows and shrinks the pool between ``min_replicas`` and
+    ``max_replicas`` from what its engines measure of the SLOs: the time to first token
+    against ``ttft_slo_s`` and the time per output token against ``tpot_slo_s``
+    (engines/pool_scaling.py). The pool then runs as one Serve deployment whose
+    replicas each host an engine; routers find them as Serve adds and removes them."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(ge=1)
+    ttft_slo_s: float | None = Field(
+        None, gt=0, description="The TTFT the pool is sized for; default: qos.ttft_slo_s."
+    )
+    tpot_slo_s: float = Field(
+        0.05, gt=0, description="The time per output token the pool is sized for."
+    )
+    scale_up_at: float = Field(
+        0.8,
+        gt=0,
+        description="Grow by one engine when the engines' mean share of an SLO (the worse of"
+        " TTFT and TPOT) reaches this.",
+    )
+    scale_down_at: float = Field(
+        0.3,
+        ge=0,
+        description="Shrink by one when it is at most this, and one engine fewer would still"
+        " stay below scale_up_at (the gap between the two is the hysteresis).",
+    )
+    upscale_delay_s: float = Field(10.0, ge=0, description="How long growth must be wanted.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="How long shrinking must be wanted.")
+    window_s: float = Field(
+        10.0, gt=0, description="The span each engine measures its TTFT and TPOT over."
+    )
+    drain_timeout_s: float = Field(
+        120.0,
+        ge=0,
+        description="How long an engine taken out finishes the streams it carries before it"
+        " stops (no new request reaches it meanwhile).",
+    )
+
+    @model_validator(mode="after")
+    def _bounds_and_hysteresis(self) -> PoolAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})"
+            )
+        if self.scale_down_at >= self.scale_up_at:
+            raise ValueError(
+                f"scale_down_at ({self.scale_down_at:g}) must be below scale_up_at"
+                f" ({self.scale_up_at:g}), or the pool would grow and shrink in turn"
+            )
+        return self
+
+
 class PoolConfig(StrictModel):
     """A group of identical engine replicas with one role."""
 
@@ -83,12 +147,19 @@ class PoolConfig(StrictModel):
         description="Run this pool's replicas on named Ray nodes (e.g. prefill on one"
         " node, decode on another). Placed pools run as engine replicas of their own.",
     )
+    autoscaling: PoolAutoscaling | None = Field(
+        None,
+        description="Grow and shrink this pool with the load; ``replicas`` is then the number"
+        " it starts with. Scaled pools run as engine replicas of their own.",
+    )
 
     @model_validator(mode="after")
     def _binds_match_replicas(self) -> PoolConfig:
-        if self.cpu_binds is not None and len(self.cpu_binds) != self.replicas:
+        most = self.replicas if self.autoscaling is None else self.autoscaling.max_replicas
+        if self.cpu_binds is not None and len(self.cpu_binds) != most:
+            counted = "replicas" if self.autoscaling is None else "autoscaling.max_replicas"
             raise ValueError(
-                f"cpu_binds has {len(self.cpu_binds)} entries but replicas is {self.replicas};"
+                f"cpu_binds has {len(self.cpu_binds)} entries but {counted} is {most};"
                 " give one bind per replica"
             )
         ranks = self.tensor_parallel_size * self.pipeline_parallel_size
@@ -99,6 +170,19 @@ class PoolConfig(StrictModel):
                     f" engine has tensor_parallel_size*pipeline_parallel_size = {ranks};"
                     " separate ranks with '|'"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _scaled_pool_bounds(self) -> PoolConfig:
+        scaling = self.autoscaling
+        if scaling is None:
+            return self
+        if not scaling.min_replicas <= self.replicas <= scaling.max_replicas:
+            raise ValueError(
+                f"replicas ({self.replicas}), the count a scaled pool starts with, must be"
+                f" within autoscaling's min_replicas ({scaling.min_replicas}) and"
+                f" max_replicas ({scaling.max_replicas})"
+            )
         return self
 
     @property
@@ -117,6 +201,12 @@ class EngineBackendConfig(StrictModel):
     )
     step_interval_s: float = Field(
         0.0, ge=0, description="synthetic only: pause between steps; 0 runs them back to back."
+    )
+    max_num_seqs: int = Field(
+        0,
+        ge=0,
+        description="synthetic only: the requests each step serves, oldest first, as vLLM's"
+        " max_num_seqs caps a batch; later ones wait for their first token (0: no cap).",
     )
 
     @field_validator("backend")
@@ -148,3 +238,13 @@ class EngineSpec(StrictModel):
     # among the host's (ray.get_gpu_ids()); None when the engine has the host's GPUs alone.
     device_offset: int | None = None
     backend: EngineBackendConfig = EngineBackendConfig()
+
+    def as_member(self, name: str, local_rank: int) -> EngineSpec:
+        """The engine of a scaled pool's replica: named after it, and on a CPU bound to
+        the cores of its rank among the pool's replicas on its node (Serve hands ranks
+        out from 0 and gives a stopped replica's rank to the next one it starts)."""
+        env = {**self.process_env, ENGINE_NAME_ENV: name}
+        binds = self.pool.cpu_binds
+        if self.accelerator == "cpu" and binds:
+            env[CPU_BIND_ENV] = binds[local_rank % len(binds)]
+        return self.model_copy(update={"name": name, "process_env": env})

@@ -5,7 +5,9 @@ the same for it as for a vLLM engine, so ``engine_backend: synthetic`` measures 
 one router replica can relay when the engines are not the bottleneck
 (bench/relay_capacity.py). Each step gives every running request one token, as a
 decode step of a continuous-batching engine does; ``engine.step_interval_s`` paces
-the steps (0: back to back, yielding to the event loop between them).
+the steps (0: back to back, yielding to the event loop between them), and
+``engine.max_num_seqs`` caps how many requests a step serves, so that a queue forms
+under load as in a real engine.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class SyntheticEngineHost:
     def __init__(self, spec: EngineSpec) -> None:
         self._spec = spec
         self._step_interval_s = self._spec.backend.step_interval_s
+        self._max_num_seqs = self._spec.backend.max_num_seqs
         self._streams = DeltaStreams()
         self._running: dict[str, _Running] = {}
         self._work = asyncio.Event()
@@ -83,7 +86,8 @@ class SyntheticEngineHost:
         return EngineStats(
             replica=self._spec.name,
             role=self._spec.role,
-            num_running=len(self._running),
+            num_running=min(len(self._running), self._max_num_seqs or len(self._running)),
+            num_waiting=max(0, len(self._running) - (self._max_num_seqs or len(self._running))),
             num_unfinished=len(self._running),
             reported_at=time.time(),
         )
@@ -106,7 +110,10 @@ class SyntheticEngineHost:
 
     def _step(self) -> None:
         self._steps += 1
-        for request_id, running in list(self._running.items()):
+        batch = list(self._running.items())  # oldest first: dicts keep insertion order
+        if self._max_num_seqs:
+            batch = batch[: self._max_num_seqs]
+        for request_id, running in batch:
             running.remaining -= 1
             finished = running.remaining <= 0
             chunk = GenerateChunk(

@@ -26,7 +26,7 @@ from engines.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
-from engines.transport import encode_frame, read_frame
+from engines.transport import TransportAddress, encode_frame, read_frame
 from router.prefill_gate import PrefillGate
 from router.replica_state import PrefillTicket, ReplicaState
 
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("splitserve.router")
 RESUBSCRIBE_DELAY_S = 0.5
+# How long one ask for an engine replica's address may take: Serve holds a call for a
+# replica that is not running yet (or any more), and the link then asks again.
+ADDRESS_TIMEOUT_S = 10.0
 # How long a local engine's death waits for a stop to be announced before it counts as
 # a crash and the engine is restarted (the stop signal reaches both within this).
 STOP_GRACE_S = 1.0
@@ -82,8 +85,11 @@ class SocketEngineLink:
     it; the router's listener then reconnects, to the replica Serve restarted if it died.
     """
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, replica: str | None = None) -> None:
+        """``replica``: in a scaled pool, the Serve replica id of this link's engine (the
+        pool's request router sends the address call there, router/pool_membership.py)."""
         self._handle = handle
+        self._replica = replica
         self._connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._secret = ""
         self._subscribed = False
@@ -103,12 +109,17 @@ class SocketEngineLink:
                 try:
                     # Serve routes to a replica once its constructor (the engine's start)
                     # returned, so the address is one of an engine that can serve.
-                    address = await self._handle.transport_address.remote()
+                    address = await asyncio.wait_for(self._transport_address(), ADDRESS_TIMEOUT_S)
                     self._connection = await asyncio.open_connection(address.host, address.port)
                     self._secret = address.secret
                 except Exception as error:
                     logger.debug("engine replica not reachable yet: %s", error)
                     await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+
+    async def _transport_address(self) -> TransportAddress:
+        if self._replica is None:
+            return await self._handle.transport_address.remote()
+        return await self._handle.transport_address.remote(replica=self._replica)
 
     async def submit(self, request: GenerateRequest) -> None:
         await self._call("submit", request)

@@ -67,8 +67,19 @@ class EnginePool:
     async def remove(self, name: str, drain_timeout_s: float) -> EngineClient:
         """Take a member out: no new request goes to it at once, and the requests it
         carries finish first (up to ``drain_timeout_s``), so none is dropped."""
+        member = self.take_out(name)
+        await self.finish(member, drain_timeout_s)
+        return member
+
+    def take_out(self, name: str) -> EngineClient:
+        """No new request goes to the member from now on (``finish`` it after)."""
         member = self.get(name)
         self._members.remove(member)
+        return member
+
+    async def finish(self, member: EngineClient, drain_timeout_s: float) -> None:
+        """Stop a member taken out once the requests it carries have finished."""
+        name = member.name
         try:
             await asyncio.wait_for(_drained(member), drain_timeout_s)
         except TimeoutError:
@@ -79,7 +90,6 @@ class EnginePool:
             )
         await member.stop()
         logger.info("engine %s (%s) left the pool", member.name, member.role)
-        return member
 
     def close(self) -> None:
         """Stop every member without waiting for its requests (the router is torn down).

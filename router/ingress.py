@@ -48,6 +48,7 @@ from router.errors import OpenAIError, routing_error_response
 from router.metrics import RouterMetrics
 from router.openapi import describe_request_bodies
 from router.pd import PREFILL_FALLBACK_REASONS, PrefillOutcome
+from router.pool_watcher import PoolWatcher
 from router.prefill_gate import PrefillGate
 from router.qos import ENGINE_PRIORITY, AdmissionControl, Rejection
 from router.readiness import Readiness
@@ -86,9 +87,11 @@ class Router:
         roles: dict[str, str],
         engines: dict[str, Any],
         local_engines: dict[str, EngineSpec] | None = None,
+        pool_handles: dict[str, Any] | None = None,
     ) -> None:
         """``engines``: Serve handles by replica name; ``local_engines``: the specs of
-        engines this process hosts itself (see deployments/app.py)."""
+        engines this process hosts itself; ``pool_handles``: the Serve handles of scaled
+        pools, by deployment name (see deployments/app.py)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self._config = settings
@@ -107,7 +110,6 @@ class Router:
         )
         self._auth = ApiKeys.from_settings(settings.auth)
         warn_if_open(self._auth, settings.http_host, logger)
-        submit_timeout_s = settings.router.submit_timeout_s
         qos = settings.qos
         # Started side by side; each spawn alone (its processes inherit its environment).
         restarts = settings.router.engine_restart_attempts
@@ -121,29 +123,24 @@ class Router:
         }
         links.update(zip(local_engines or {}, self._local_engines, strict=True))
         self._pool = EnginePool(
-            [
-                EngineClient(
-                    name,
-                    roles[name],
-                    link,
-                    submit_timeout_s,
-                    ReplicaState(
-                        qos.ema_weight,
-                        qos.min_prefill_tokens_per_sample,
-                        kv_events_pending_s=settings.router.kv_events_pending_s,
-                    ),
-                    PrefillGate(settings.router.max_prefills_per_engine),
-                )
-                for name, link in links.items()
-            ]
+            [self._pool_member(name, roles[name], link) for name, link in links.items()]
         )
         self._pool.start()
+        handles = pool_handles or {}
+        self._pool_watcher = PoolWatcher(
+            self._pool,
+            [(scaled, handles[scaled.deployment]) for scaled in settings.scaled_pools],
+            self._pool_member,
+        )
+        self._pool_watcher.start()
         # Engines load in the background; until all are up the router says so (503), and
         # before it admits anything it times a prefill on each (the TTFT estimate's seed).
         calibration = functools.partial(
             calibrate_ttft, self._pool, qos.calibration_prompt_tokens, vocab_size
         )
-        self._readiness = Readiness(self._pool, on_engines_ready=calibration)
+        self._readiness = Readiness(
+            self._pool, on_engines_ready=calibration, members_known=self._pool_watcher.populated
+        )
         self._kv: KVRouterSide | None = None
         if settings.kv_transfer is not None:
             self._kv = make_kv_backend(settings.kv_transfer).router_side()
@@ -175,6 +172,21 @@ class Router:
             KVTransferCollector(lambda: self._engine_state.kv_transfer_snapshot)
         )
         self._engine_state.start()
+
+    def _pool_member(self, name: str, role: str, link: EngineLink) -> EngineClient:
+        settings = self._config
+        return EngineClient(
+            name,
+            role,
+            link,
+            settings.router.submit_timeout_s,
+            ReplicaState(
+                settings.qos.ema_weight,
+                settings.qos.min_prefill_tokens_per_sample,
+                kv_events_pending_s=settings.router.kv_events_pending_s,
+            ),
+            PrefillGate(settings.router.max_prefills_per_engine),
+        )
 
     # ---- routes -------------------------------------------------------------------------
 
@@ -512,6 +524,9 @@ class Router:
 
     def __del__(self) -> None:
         # Stopping, not dying: no engine is restarted and no stream reconnects from here.
+        watcher = getattr(self, "_pool_watcher", None)
+        if watcher is not None:
+            watcher.stop()
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.close()

@@ -24,11 +24,14 @@ class Readiness:
         self,
         replicas: Iterable[EngineClient],
         on_engines_ready: Callable[[], Awaitable[None]] | None = None,
+        members_known: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """``on_engines_ready``: work between the engines being up and the router
-        admitting requests (the TTFT estimate's calibration)."""
+        admitting requests (the TTFT estimate's calibration); ``members_known``: until
+        the engines of scaled pools are known (Serve starts those, not the router)."""
         self._replicas = replicas
         self._on_engines_ready = on_engines_ready
+        self._members_known = members_known
         self._ready = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._wait_for_engines())
 
@@ -48,6 +51,8 @@ class Readiness:
         return [replica.name for replica in self._replicas if not replica.link.ready]
 
     async def _wait_for_engines(self) -> None:
+        if self._members_known is not None:
+            await self._members_known()
         await asyncio.gather(*(replica.link.wait_ready() for replica in self._replicas))
         if self._on_engines_ready is not None:
             try:

@@ -380,6 +380,16 @@ class AuthConfig(StrictModel):
         return [key.name or key.key_env or f"keys[{index}]" for index, key in enumerate(self.keys)]
 
 
+class ScaledPoolSettings(StrictModel):
+    """A pool that Serve grows and shrinks: one Serve deployment whose replicas the
+    router follows (router/pool_watcher.py)."""
+
+    deployment: str  # the pool's Serve deployment (decode-pool)
+    name: str  # its members' engine names start so (decode-<replica id>)
+    role: str
+    drain_timeout_s: float
+
+
 class IngressSettings(StrictModel):
     """What the application builder hands one router process: the settings objects of
     the YAML that concern it, validated once by the builder, never dumped and re-read."""
@@ -395,6 +405,7 @@ class IngressSettings(StrictModel):
     # Where Serve listens for HTTP (the YAML's http_options.host), when the builder
     # knows it: without keys, a router reachable beyond this machine says so at start.
     http_host: str | None = None
+    scaled_pools: list[ScaledPoolSettings] = Field(default_factory=list)
 
     @property
     def disaggregated(self) -> bool:

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import yaml
 
-from deployments.app import ENGINE_REPLICA_CLASS, ROUTER_CLASS, build_app
+from deployments.app import (
+    ENGINE_REPLICA_CLASS,
+    ROUTER_CLASS,
+    SCALED_POOL_POLICY,
+    SCALED_POOL_REQUEST_ROUTER,
+    build_app,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("vllm", "torch", "transformers", "router.ingress", "engines.host")
@@ -42,3 +48,29 @@ def test_the_replicas_are_named_by_import_paths_that_resolve() -> None:
     for path in (ROUTER_CLASS, ENGINE_REPLICA_CLASS):
         module, name = path.rsplit(".", 1)
         assert isinstance(getattr(__import__(module, fromlist=[name]), name), type)
+
+
+def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> None:
+    args = yaml.safe_load((REPO / "deployments" / "pd.yaml").read_text())["applications"][0]
+    decode = next(pool for pool in args["args"]["pools"] if pool["role"] == "decode")
+    decode.pop("cpu_binds", None)
+    decode["autoscaling"] = {"max_replicas": 3, "tpot_slo_s": 0.04, "drain_timeout_s": 30}
+    router = build_app(args["args"])
+    settings, roles, engines, _, pools = router._bound_deployment.init_args
+    assert set(roles) == {"prefill-0"} and set(engines) == {"prefill-0"}
+    assert [s.deployment for s in settings.scaled_pools] == ["decode-pool"]
+    assert settings.scaled_pools[0].drain_timeout_s == 30
+    deployment = pools["decode-pool"]._bound_deployment
+    assert deployment.func_or_class == ENGINE_REPLICA_CLASS
+    config = deployment._deployment_config
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.initial_replicas) == (1, 3, 1)
+    assert scaling.policy.policy_function == SCALED_POOL_POLICY
+    assert scaling.policy.policy_kwargs == {
+        "ttft_slo_s": 2.0,  # qos.ttft_slo_s
+        "tpot_slo_s": 0.04,
+        "scale_up_at": 0.8,
+        "scale_down_at": 0.3,
+    }
+    assert config.request_router_config.request_router_class == SCALED_POOL_REQUEST_ROUTER
+    assert config.graceful_shutdown_timeout_s > 30

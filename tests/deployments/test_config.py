@@ -19,7 +19,9 @@ from deployments.config import (
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 
 
-@pytest.mark.parametrize("name", ["single", "dp", "tp", "pp", "pd", "pd_always", "auto"])
+@pytest.mark.parametrize(
+    "name", ["single", "dp", "tp", "pp", "pd", "pd_always", "auto", "auto_scaled"]
+)
 def test_shipped_configs_are_valid(name: str) -> None:
     config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
     assert config.strategy == name.split("_")[0]
@@ -219,6 +221,57 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             {"strategy": "single", "pools": [{}], "engine": {"backend": "fake"}},
             "engine.backend: unknown engine backend 'fake'; registered: synthetic, vllm",
         ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2, "autoscaling": {"min_replicas": 3, "max_replicas": 2}}],
+            },
+            "min_replicas (3) is above max_replicas (2)",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 4, "autoscaling": {"max_replicas": 3}}],
+            },
+            "replicas (4), the count a scaled pool starts with, must be within",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [
+                    {
+                        "replicas": 2,
+                        "autoscaling": {
+                            "max_replicas": 3,
+                            "scale_up_at": 0.5,
+                            "scale_down_at": 0.5,
+                        },
+                    }
+                ],
+            },
+            "scale_down_at (0.5) must be below scale_up_at (0.5)",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [
+                    {"replicas": 2, "cpu_binds": ["0", "1"], "autoscaling": {"max_replicas": 3}}
+                ],
+            },
+            "cpu_binds has 2 entries but autoscaling.max_replicas is 3",
+        ),
+        (
+            {"strategy": "single", "pools": [{"autoscaling": {"max_replicas": 2}}]},
+            "strategy 'single' serves one engine; pools grow and shrink",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2, "autoscaling": {"max_replicas": 3}}],
+                "router": {"engine_in_router": True},
+            },
+            "pools with autoscaling run as engine replicas of their own",
+        ),
     ],
 )
 def test_bad_config_names_the_field(args: dict, message: str) -> None:
@@ -382,3 +435,30 @@ def test_pd_refuses_pipeline_parallelism(prefill_pp: int, decode_pp: int, messag
         pool["tensor_parallel_size"] = 2
     with pytest.raises(ConfigError, match="pipeline"):
         parse_app_config(args)
+
+
+def test_a_scaled_pool_runs_apart_and_may_start_below_dps_two_engines() -> None:
+    config = parse_app_config(
+        {"strategy": "dp", "pools": [{"replicas": 1, "autoscaling": {"max_replicas": 4}}]}
+    )
+    assert config.scaled and not config.hosts_engines_in_router
+    assert engine_names(config) == []  # Serve names its engines, by replica id
+    with pytest.raises(ConfigError, match="needs replicas >= 2"):
+        parse_app_config(
+            {"strategy": "dp", "pools": [{"replicas": 1, "autoscaling": {"max_replicas": 1}}]}
+        )
+
+
+def test_a_scaled_pools_engine_takes_its_name_and_its_ranks_cores() -> None:
+    config = parse_app_config(
+        {
+            "strategy": "dp",
+            "pools": [{"replicas": 1, "cpu_binds": ["0", "1"], "autoscaling": {"max_replicas": 2}}],
+        }
+    )
+    spec = engine_spec(config, "engine", config.pools[0], 0)
+    member = spec.as_member("engine-abc", local_rank=1)
+    assert member.name == "engine-abc"
+    assert member.process_env["SPLITSERVE_ENGINE"] == "engine-abc"
+    assert member.process_env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert member.process_env["VLLM_CPU_KVCACHE_SPACE"] == "1"

@@ -84,3 +84,27 @@ def test_abort_stops_a_request_and_duplicates_are_refused() -> None:
     running, refused = asyncio.run(scenario())
     assert running == 0
     assert "already running" in refused
+
+
+def test_a_capped_batch_serves_the_oldest_requests_and_the_rest_wait() -> None:
+    config = parse_app_config(
+        {
+            "strategy": "dp",
+            "pools": [{"replicas": 2}],
+            "engine": {"backend": "synthetic", "max_num_seqs": 1},
+        }
+    )
+
+    async def scenario() -> tuple[list, object]:
+        name, pool, index = engine_names(config)[0]
+        host = SyntheticEngineHost(engine_spec(config, name, pool, index))
+        await host.submit(_request("first", 2))
+        await host.submit(_request("second", 2))
+        stats = host.stats()
+        seen = await _collect(host, "router-a", 4)
+        host.shutdown()
+        return seen, stats
+
+    seen, stats = asyncio.run(scenario())
+    assert [request_id for request_id, _ in seen] == ["first", "first", "second", "second"]
+    assert (stats.num_running, stats.num_waiting) == (1, 1)

@@ -22,15 +22,16 @@ def synthetic_dp(
     routers: int,
     engine: dict[str, Any],
     router: dict[str, Any] | None = None,
+    pool: dict[str, Any] | None = None,
 ) -> Iterator[RunningApp]:
     """Two synthetic engines (``engine``: the YAML's engine block) behind ``routers``
     router replicas, each on its own direct-ingress port; ``router`` updates the
-    router block."""
+    router block, and ``pool`` replaces the engine pool."""
     document = yaml.safe_load(DP_YAML.read_text())
     application = document["applications"][0]
     args = application["args"]
     args["engine"] = engine
-    args["pools"] = [{"role": "mixed", "replicas": 2}]
+    args["pools"] = [pool or {"role": "mixed", "replicas": 2}]
     args["router"].update(router or {})
     application["deployments"] = [{"name": ROUTER_DEPLOYMENT, "num_replicas": routers}]
     path = folder / "dp-synthetic.yaml"

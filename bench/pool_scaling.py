@@ -1,0 +1,193 @@
+"""Does a pool that follows the load keep the SLOs at less cost? (benchmark, not a test)
+
+One step of load (quiet, busy, quiet again) on three pools of the same role-free
+engines (deployments/auto_scaled.yaml), all run as engine replicas of their own:
+  fixed-1   one engine throughout (the policy's upper line out of reach)
+  fixed-2   two engines throughout
+  scaled    one to two engines, as Ray Serve's autoscaling decides from the SLOs
+For each phase: goodput and SLO attainment (the client's TTFT and TPOT objectives),
+TTFT p50/p95 and ITL mean/p50; for the whole run: engine-seconds (the engines the
+routers listed, sampled every second), which is what a pool that shrinks saves.
+Measuring client at niceness 15, like Ray's workers (run it under `nice -n 15`).
+
+    nice -n 15 python bench/pool_scaling.py [--only scaled,fixed-1,fixed-2] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import httpx
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from deployments.launcher import DEPLOYMENTS_DIR, serve_run
+from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.runner import execute_run
+
+console = Console()
+SLO_TTFT_MS = 1000.0
+SLO_TPOT_MS = 50.0
+# (name, rate req/s, seconds): quiet, then more than one engine keeps within the SLOs.
+PHASES = (("quiet", 0.5, 40.0), ("busy", 5.0, 120.0), ("quiet again", 0.5, 120.0))
+# The bench's scaled pool reacts faster than the shipped YAML's, to fit the run.
+SCALED = {"upscale_delay_s": 5, "downscale_delay_s": 30, "window_s": 10}
+
+
+def variant(name: str) -> dict[str, Any]:
+    document = yaml.safe_load((DEPLOYMENTS_DIR / "auto_scaled.yaml").read_text())
+    pool = document["applications"][0]["args"]["pools"][0]
+    scaling = pool["autoscaling"]
+    scaling.update(SCALED)
+    if name == "fixed-1":
+        scaling["scale_up_at"] = 1e9  # never reached: one engine throughout
+    elif name == "fixed-2":
+        pool["replicas"] = scaling["min_replicas"] = scaling["max_replicas"] = 2
+    return document
+
+
+class EngineCounter:
+    """Samples how many engines the router routes to, once a second."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EngineCounter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                replicas = httpx.get(f"{self._url}/health", timeout=5).json()["replicas"]
+                self.samples.append((time.monotonic(), len(replicas)))
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            self._stop.wait(1.0)
+
+    def engine_seconds(self, start: float, end: float) -> float:
+        inside = [(t, n) for t, n in self.samples if start <= t <= end]
+        return sum(n * (later - t) for (t, n), (later, _) in itertools.pairwise(inside))
+
+    def most(self, start: float, end: float) -> int:
+        return max((n for t, n in self.samples if start <= t <= end), default=0)
+
+
+def run_phases(url: str, seed: int, counter: EngineCounter) -> list[dict[str, Any]]:
+    rows = []
+    for index, (phase, rate, seconds) in enumerate(PHASES):
+        run = RunConfig(
+            base_url=url,
+            workload=WorkloadConfig(name="mixed"),
+            qps=rate,
+            arrival_process="poisson",
+            num_requests=max(1, round(rate * seconds)),
+            seed=seed + index,
+            slo_ttft_ms=SLO_TTFT_MS,
+            slo_tpot_ms=SLO_TPOT_MS,
+            show_progress=False,
+        )
+        started = time.monotonic()
+        s = asyncio.run(execute_run(run, Console(quiet=True))).summary
+        ended = time.monotonic()
+        rows.append(
+            {
+                "phase": phase,
+                "rate": rate,
+                "goodput": s.goodput,
+                "slo_attainment": s.slo_attainment,
+                "ttft_p50_ms": s.ttft.p50 * 1000,
+                "ttft_p95_ms": s.ttft.p95 * 1000,
+                "itl_mean_ms": s.itl.mean * 1000,
+                "itl_p50_ms": s.itl.p50 * 1000,
+                "errors": s.errors + s.rejected,
+                "engine_seconds": counter.engine_seconds(started, ended),
+                "most_engines": counter.most(started, ended),
+                "seconds": ended - started,
+            }
+        )
+        console.print(
+            f"  {phase} @ {rate:g} req/s: goodput {s.goodput:.2f},"
+            f" SLO met {s.slo_attainment:.0%}, engines up to {rows[-1]['most_engines']}"
+        )
+    return rows
+
+
+def measure(name: str, seed: int, folder: Path) -> list[dict[str, Any]]:
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(variant(name)))
+    with serve_run(str(path), log_dir=folder) as app, EngineCounter(app.base_url) as counter:
+        return run_phases(app.base_url, seed, counter)
+
+
+def print_table(results: dict[str, list[list[dict[str, Any]]]]) -> None:
+    objective = f"TTFT <= {SLO_TTFT_MS:g} ms, TPOT <= {SLO_TPOT_MS:g} ms"
+    table = Table(title=f"step load, medians over rounds ({objective})")
+    columns = ("pool", "phase", "req/s", "goodput", "SLO met", "TTFT p50", "TTFT p95")
+    for column in (*columns, "ITL mean", "ITL p50", "engines", "engine-s", "errors"):
+        table.add_column(column, justify="right")
+    for pool, rounds in results.items():
+        for index, (phase, rate, _) in enumerate(PHASES):
+            rows = [r[index] for r in rounds]
+
+            def mid(key: str, rows: list[dict[str, Any]] = rows) -> float:
+                return median(r[key] for r in rows)
+
+            table.add_row(
+                pool,
+                phase,
+                f"{rate:g}",
+                f"{mid('goodput'):.2f}",
+                f"{mid('slo_attainment'):.0%}",
+                f"{mid('ttft_p50_ms'):.0f} ms",
+                f"{mid('ttft_p95_ms'):.0f} ms",
+                f"{mid('itl_mean_ms'):.1f} ms",
+                f"{mid('itl_p50_ms'):.1f} ms",
+                f"{max(r['most_engines'] for r in rows)}",
+                f"{mid('engine_seconds'):.0f}",
+                f"{mid('errors'):.0f}",
+            )
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="scaled,fixed-1,fixed-2", help="pools to run")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, pools interleaved")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results/pool_scaling"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    pools = args.only.split(",")
+    results: dict[str, list[list[dict[str, Any]]]] = {pool: [] for pool in pools}
+    with tempfile.TemporaryDirectory(prefix="pool-scaling-") as folder:
+        for round_index in range(args.rounds):
+            for pool in pools:
+                console.rule(f"{pool}, round {round_index + 1}")
+                results[pool].append(measure(pool, args.seed, Path(folder)))
+    print_table(results)
+    saved = args.out / "pool_scaling.json"
+    saved.write_text(json.dumps({"phases": PHASES, "results": results}, indent=2))
+    console.print(f"saved {saved}")
+
+
+if __name__ == "__main__":
+    main()

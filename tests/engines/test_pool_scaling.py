@@ -1,0 +1,162 @@
+"""A scaled pool's size from its engines' SLO measurements: the policy Serve runs
+(engines/pool_scaling.py) and the meter each engine keeps (engines/slo_meter.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engines.pool_scaling import (
+    TPOT_METRIC,
+    TTFT_METRIC,
+    SloPolicy,
+    desired_replicas,
+    pool_pressure,
+)
+from engines.protocol import GenerateChunk, GenerateFailure, GenerateRequest
+from engines.slo_meter import MeteredHost, SloMeter
+
+UP, DOWN = 0.8, 0.3
+
+
+@pytest.mark.parametrize(
+    ("current", "pressure", "wanted"),
+    [
+        (1, 0.9, 2),  # over the line: one more
+        (3, 5.0, 4),  # far over: still one at a time
+        (2, 0.5, 2),  # between the lines: stay
+        (3, 0.2, 2),  # under, and two engines would carry it at 0.3
+        (2, 0.3, 1),  # at the lower line, and one engine would carry it at 0.6
+        (2, 0.45, 2),  # above the lower line
+        (1, 0.0, 1),  # never below one
+        (0, 0.0, 1),
+    ],
+)
+def test_the_pool_moves_one_engine_at_a_time_within_the_hysteresis(
+    current: int, pressure: float, wanted: int
+) -> None:
+    assert desired_replicas(current, pressure, UP, DOWN) == wanted
+
+
+def test_shrinking_waits_until_one_engine_fewer_would_stay_under_the_upper_line() -> None:
+    # 0.25 over four engines is 0.33 over three: under 0.8, so shrink.
+    assert desired_replicas(4, 0.25, UP, DOWN) == 3
+    # 0.29 over two engines is 0.58 over one: at or over an upper line of 0.5, so stay.
+    assert desired_replicas(2, 0.29, 0.5, DOWN) == 2
+
+
+def test_pressure_is_the_engines_mean_share_of_the_worse_slo() -> None:
+    metrics = {
+        TTFT_METRIC: {"a": 1.0, "b": 0.0},  # a: half the 2 s TTFT
+        TPOT_METRIC: {"a": 0.01, "b": 0.04},  # b: 0.8 of the 50 ms TPOT
+    }
+    assert pool_pressure(metrics, 2.0, 0.05) == pytest.approx((0.5 + 0.8) / 2)
+    assert pool_pressure({}, 2.0, 0.05) == 0.0
+
+
+def test_serves_policy_reads_the_replicas_reports_and_keeps_its_pressure() -> None:
+    policy = SloPolicy(ttft_slo_s=1.0, tpot_slo_s=0.05, scale_up_at=UP, scale_down_at=DOWN)
+    ctx = SimpleNamespace(
+        current_num_replicas=2,
+        aggregated_metrics={TTFT_METRIC: {"r1": 1.5, "r2": 0.5}, TPOT_METRIC: {}},
+    )
+    wanted, state = policy(ctx)
+    assert wanted == 3
+    assert state["slo_pressure"] == pytest.approx(1.0)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_meter_reports_ttft_tpot_and_the_longest_wait_over_its_window() -> None:
+    clock = _Clock()
+    meter = SloMeter(window_s=10.0, clock=clock)
+    meter.submitted("a", "router")
+    clock.now += 0.5
+    meter.delivered("a", 1, finished=False)  # TTFT 0.5
+    clock.now += 0.1
+    meter.delivered("a", 2, finished=False)  # 0.1 s for 2 tokens
+    clock.now += 0.1
+    meter.delivered("a", 2, finished=True)
+    signals = meter.signals()
+    assert signals[TTFT_METRIC] == pytest.approx(0.5)
+    assert signals[TPOT_METRIC] == pytest.approx(0.05)
+    assert signals["in_flight"] == 0
+
+    meter.submitted("b", "router")  # no first token yet: its wait counts
+    clock.now += 3.0
+    assert meter.signals()[TTFT_METRIC] == pytest.approx(3.0)
+    clock.now += 20.0  # the finished request's samples age out; b still waits
+    signals = meter.signals()
+    assert signals[TPOT_METRIC] == 0.0
+    assert signals[TTFT_METRIC] == pytest.approx(23.0)
+    meter.subscriber_gone("router")
+    assert meter.signals() == {TTFT_METRIC: 0.0, TPOT_METRIC: 0.0, "in_flight": 0.0}
+
+
+class _Host:
+    """An engine host that answers each request with two one-token chunks."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def submit(self, request: GenerateRequest) -> None:
+        if request.request_id == "bad":
+            raise ValueError("refused")
+        self._queue.put_nowait([(request.request_id, GenerateChunk([1], "a"))])
+        self._queue.put_nowait([(request.request_id, GenerateChunk([2], "b", "stop"))])
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def deltas(self, subscriber: str) -> AsyncIterator[Any]:
+        while True:
+            yield await self._queue.get()
+
+    def stats(self) -> str:
+        return "stats"
+
+    async def check_health(self) -> None:
+        return None
+
+
+def _request(request_id: str) -> GenerateRequest:
+    return GenerateRequest(request_id, "router", [1, 2], SimpleNamespace(max_tokens=2))
+
+
+def test_a_metered_host_counts_what_it_passes_on_and_forgets_what_ends() -> None:
+    async def scenario() -> tuple[list[int], _Host]:
+        host = _Host()
+        metered = MeteredHost(host, SloMeter(window_s=10.0))
+        counts = []
+        await metered.submit(_request("a"))
+        await metered.submit(_request("c"))
+        counts.append(metered.meter.in_flight)  # 2
+        with pytest.raises(ValueError):
+            await metered.submit(_request("bad"))
+        counts.append(metered.meter.in_flight)  # still 2: the refused one never ran
+        await metered.abort("c")
+        counts.append(metered.meter.in_flight)  # 1
+        stream = metered.deltas("router")
+        await anext(stream)
+        await anext(stream)  # a's last chunk: finished
+        counts.append(metered.meter.in_flight)
+        host._queue.put_nowait([("z", GenerateFailure("gone"))])
+        await anext(stream)
+        await stream.aclose()
+        assert metered.stats() == "stats"
+        return counts, host
+
+    counts, host = asyncio.run(scenario())
+    assert counts == [2, 2, 1, 0]
+    assert host.aborted == ["c"]

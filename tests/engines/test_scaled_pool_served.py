@@ -1,0 +1,140 @@
+"""A pool that follows the load (``pools[].autoscaling``): Ray Serve grows it from the
+SLO measurements its engines report, every router starts using the new engine, and
+when the load is gone Serve shrinks it while the engine it takes out is still
+streaming: that stream finishes whole.
+
+Synthetic engines with a batch cap of two (``max_num_seqs``) make a queue, and so a
+long time to first token, from a handful of requests; the model does not matter here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from deployments.launcher import RunningApp
+from engines.tiny_model import EMBEDDED_MODEL_NAME
+from tests.support.synthetic_apps import synthetic_dp
+
+pytestmark = pytest.mark.serving
+
+ROUTERS = 2
+STEP_INTERVAL_S = 0.01
+ENGINE = {"backend": "synthetic", "step_interval_s": STEP_INTERVAL_S, "max_num_seqs": 2}
+SCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    # A wait of a second for a first token is over the line; tokens every 10 ms are not.
+    "ttft_slo_s": 1.0,
+    "tpot_slo_s": 1.0,
+    "upscale_delay_s": 0,
+    "downscale_delay_s": 4,
+    "window_s": 2,
+    "drain_timeout_s": 90,
+}
+# Six requests of 100 tokens on one engine serving two at a time: three waves of about
+# a second each, so the last wave waits two seconds for its first token.
+BURST = 6
+BURST_TOKENS = 100
+# About 30 s at one token per step: the pool shrinks long before these end.
+LONG_STREAM_TOKENS = 3000
+SCALE_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def scaled_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
+    folder = tmp_path_factory.mktemp("scaled-pool")
+    pool = {"role": "mixed", "replicas": 1, "autoscaling": SCALING}
+    with synthetic_dp(folder, ROUTERS, ENGINE, pool=pool) as app:
+        yield app
+
+
+def _members(url: str) -> set[str]:
+    """The engines this router routes to (its /health lists them, 200 or 503)."""
+    return set(httpx.get(f"{url}/health", timeout=10).json()["replicas"])
+
+
+def _eventually(condition: Callable[[], bool], timeout_s: float = SCALE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.25)
+
+
+def _complete(url: str, max_tokens: int) -> httpx.Response:
+    body = {"model": EMBEDDED_MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": max_tokens}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def _burst_until(url: str, done: threading.Event) -> list[httpx.Response]:
+    answers: list[httpx.Response] = []
+    with ThreadPoolExecutor(BURST) as pool:
+        while not done.is_set():
+            answers.extend(pool.map(lambda _: _complete(url, BURST_TOKENS), range(BURST)))
+    return answers
+
+
+def _stream(url: str, result: dict[str, Any]) -> None:
+    body = {
+        "model": EMBEDDED_MODEL_NAME,
+        "prompt": [1, 2, 3],
+        "max_tokens": LONG_STREAM_TOKENS,
+        "stream": True,
+    }
+    text, errors = [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        result["replica"] = response.headers["x-splitserve-replica"]
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                if '"error"' in line:
+                    errors.append(line)
+                else:
+                    text.append(line)
+    result.update(chunks=len(text), errors=errors, ended_at=time.monotonic())
+
+
+def test_the_pool_grows_under_load_and_shrinks_without_dropping_a_stream(
+    scaled_pool: RunningApp,
+) -> None:
+    url = scaled_pool.base_url
+    assert len(_members(url)) == 1
+
+    # A queue forms on the one engine: Serve adds the second, and every router uses it.
+    grown = threading.Event()
+    with ThreadPoolExecutor(1) as load:
+        answers = load.submit(_burst_until, url, grown)
+        try:
+            _eventually(lambda: all(len(_members(u)) == 2 for u in scaled_pool.router_urls))
+        finally:
+            grown.set()
+        burst = answers.result()
+    assert {a.status_code for a in burst} == {200}
+    assert {a.json()["usage"]["completion_tokens"] for a in burst} == {BURST_TOKENS}
+    engines = _members(url)
+    seen = {_complete(url, 1).headers["x-splitserve-replica"] for _ in range(4)}
+    assert seen == engines, "the new engine takes requests once Serve runs it"
+
+    # One long stream on each engine; with the queue gone, the pool shrinks under them.
+    streams: list[dict[str, Any]] = [{}, {}]
+    threads = [threading.Thread(target=_stream, args=(url, s)) for s in streams]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    _eventually(lambda: len(_members(url)) == 1)
+    shrunk_at = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=SCALE_TIMEOUT_S)
+    (removed,) = engines - _members(url)
+
+    assert {s["replica"] for s in streams} == engines
+    for stream in streams:
+        assert stream["errors"] == [] and stream["chunks"] == LONG_STREAM_TOKENS
+    drained = next(s for s in streams if s["replica"] == removed)
+    assert drained["ended_at"] > shrunk_at, "the engine left the pool while it streamed"
+    assert _complete(url, 4).status_code == 200
