@@ -15,9 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# The names engine replicas report their measurements under (record_autoscaling_stats).
+# The names engine replicas report their measurements under (record_autoscaling_stats):
+# what their requests got, and what a request they serve alone gets (the floor).
 TTFT_METRIC = "ttft_s"
 TPOT_METRIC = "tpot_s"
+TTFT_FLOOR_METRIC = "ttft_floor_s"
+TPOT_FLOOR_METRIC = "tpot_floor_s"
 
 
 def slo_pressure(ttft_s: float, tpot_s: float, ttft_slo_s: float, tpot_slo_s: float) -> float:
@@ -25,10 +28,21 @@ def slo_pressure(ttft_s: float, tpot_s: float, ttft_slo_s: float, tpot_slo_s: fl
     return max(ttft_s / ttft_slo_s, tpot_s / tpot_slo_s)
 
 
+def with_one_fewer(value: float, floor: float, engines: int) -> float:
+    """What ``value`` would be with the same load on one engine fewer: its floor (what
+    one request alone gets) stays, and the part the load adds grows by n/(n-1)."""
+    floor = min(floor, value)
+    return floor + (value - floor) * engines / (engines - 1)
+
+
 def pool_pressure(
-    metrics: Mapping[str, Mapping[Any, float]], ttft_slo_s: float, tpot_slo_s: float
+    metrics: Mapping[str, Mapping[Any, float]],
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    one_fewer_of: int | None = None,
 ) -> float:
-    """The engines' mean share of the SLOs (0 before any engine reported).
+    """The engines' mean share of the SLOs (0 before any engine reported); with
+    ``one_fewer_of=n``, the share expected with the same load on n - 1 of the n engines.
 
     The mean, not the worst: routers spread the load over every engine, so one engine
     above the line while the others idle is a routing matter, not a size matter."""
@@ -37,29 +51,42 @@ def pool_pressure(
     replicas = set(ttft) | set(tpot)
     if not replicas:
         return 0.0
-    shares = [
-        slo_pressure(ttft.get(r, 0.0), tpot.get(r, 0.0), ttft_slo_s, tpot_slo_s) for r in replicas
-    ]
+    shares = []
+    for replica in replicas:
+        replica_ttft, replica_tpot = ttft.get(replica, 0.0), tpot.get(replica, 0.0)
+        if one_fewer_of is not None and one_fewer_of > 1:
+            floors = (metrics.get(TTFT_FLOOR_METRIC, {}), metrics.get(TPOT_FLOOR_METRIC, {}))
+            replica_ttft = with_one_fewer(replica_ttft, floors[0].get(replica, 0.0), one_fewer_of)
+            replica_tpot = with_one_fewer(replica_tpot, floors[1].get(replica, 0.0), one_fewer_of)
+        shares.append(slo_pressure(replica_ttft, replica_tpot, ttft_slo_s, tpot_slo_s))
     return sum(shares) / len(shares)
 
 
 def desired_replicas(
-    current: int, pressure: float, scale_up_at: float, scale_down_at: float
+    running: int,
+    target: int,
+    pressure: float,
+    pressure_one_fewer: float,
+    scale_up_at: float,
+    scale_down_at: float,
 ) -> int:
-    """One engine more or fewer at a time: an engine takes tens of seconds to start, and
+    """The engine count to aim for, one engine more or fewer than ``target`` (the count
+    Serve is already moving to) at a time: an engine takes tens of seconds to start, and
     a step the measurement has not seen the effect of yet would overshoot.
 
-    Shrinking needs two things: the pool is at most ``scale_down_at`` of its SLOs, and
-    the same load over one engine fewer would still stay under ``scale_up_at``. Without
-    the second, two engines at 0.5 would shrink to one at 1.0 and grow straight back."""
-    if current < 1:
-        return 1
+    Grow when the pool is at ``scale_up_at`` of its SLOs. Shrink when one engine fewer
+    would be expected at most ``scale_down_at`` (below ``scale_up_at``: the band between
+    is the hysteresis that keeps a shrink from growing straight back). While an engine
+    is still starting (``running < target``) the count holds unless shrinking is due:
+    the load has not reached the new engine yet, so the pressure says nothing about
+    whether it is needed."""
+    target = max(target, 1)
+    shrink = target > 1 and pressure_one_fewer <= scale_down_at
+    if running < target and not shrink:
+        return target
     if pressure >= scale_up_at:
-        return current + 1
-    shrinkable = current > 1 and pressure <= scale_down_at
-    if shrinkable and pressure * current / (current - 1) < scale_up_at:
-        return current - 1
-    return current
+        return target + 1
+    return target - 1 if shrink else target
 
 
 class SloPolicy:
@@ -75,8 +102,16 @@ class SloPolicy:
         self.scale_down_at = scale_down_at
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        pressure = pool_pressure(ctx.aggregated_metrics or {}, self.ttft_slo_s, self.tpot_slo_s)
+        metrics = ctx.aggregated_metrics or {}
+        target = ctx.target_num_replicas
+        pressure = pool_pressure(metrics, self.ttft_slo_s, self.tpot_slo_s)
+        one_fewer = pool_pressure(metrics, self.ttft_slo_s, self.tpot_slo_s, one_fewer_of=target)
         wanted = desired_replicas(
-            ctx.current_num_replicas, pressure, self.scale_up_at, self.scale_down_at
+            ctx.current_num_replicas,
+            target,
+            pressure,
+            one_fewer,
+            self.scale_up_at,
+            self.scale_down_at,
         )
-        return wanted, {"slo_pressure": pressure}
+        return wanted, {"slo_pressure": pressure, "slo_pressure_one_fewer": one_fewer}

@@ -92,10 +92,11 @@ class PoolAutoscaling(StrictModel):
         " TTFT and TPOT) reaches this.",
     )
     scale_down_at: float = Field(
-        0.3,
+        0.6,
         ge=0,
-        description="Shrink by one when it is at most this, and one engine fewer would still"
-        " stay below scale_up_at (the gap between the two is the hysteresis).",
+        description="Shrink by one when one engine fewer would be expected at most this share"
+        " (what a request alone gets stays, the part the load adds grows by n/(n-1)); below"
+        " scale_up_at, so that a shrink does not grow straight back.",
     )
     upscale_delay_s: float = Field(10.0, ge=0, description="How long growth must be wanted.")
     downscale_delay_s: float = Field(60.0, ge=0, description="How long shrinking must be wanted.")

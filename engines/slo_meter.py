@@ -14,23 +14,28 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engines.pool_scaling import TPOT_METRIC, TTFT_METRIC
+from engines.pool_scaling import TPOT_FLOOR_METRIC, TPOT_METRIC, TTFT_FLOOR_METRIC, TTFT_METRIC
 from engines.protocol import DeltaBatch, GenerateChunk, GenerateFailure, GenerateRequest
 from engines.transport import HostedEngine
 
 # The TTFT a pool is sized by: most requests, not the one unlucky one.
 TTFT_QUANTILE = 0.9
+# How many requests the engine served alone are kept for its floors (what it gives one
+# request with nothing else running: the part of TTFT and TPOT no engine count changes).
+FLOOR_SAMPLES = 64
 
 
 @dataclass(slots=True)
 class _InFlight:
     subscriber: str
     submitted_at: float
+    alone: bool  # nothing else was in flight when it arrived
     last_token_at: float | None = None
 
 
 class SloMeter:
-    """TTFT and TPOT of the requests an engine served over the last ``window_s``."""
+    """TTFT and TPOT of the requests an engine served over the last ``window_s``, and
+    the same for requests it served alone (its floors, over the last FLOOR_SAMPLES)."""
 
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._window_s = window_s
@@ -38,13 +43,15 @@ class SloMeter:
         self._in_flight: dict[str, _InFlight] = {}
         self._first_tokens: deque[tuple[float, float]] = deque()  # (when, seconds)
         self._gaps: deque[tuple[float, float, int]] = deque()  # (when, seconds, tokens)
+        self._alone_first_tokens: deque[float] = deque(maxlen=FLOOR_SAMPLES)
+        self._alone_gaps: deque[tuple[float, int]] = deque(maxlen=FLOOR_SAMPLES)
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
 
     def submitted(self, request_id: str, subscriber: str) -> None:
-        self._in_flight[request_id] = _InFlight(subscriber, self._clock())
+        self._in_flight[request_id] = _InFlight(subscriber, self._clock(), not self._in_flight)
 
     def delivered(self, request_id: str, tokens: int, finished: bool) -> None:
         request = self._in_flight.get(request_id)
@@ -53,8 +60,12 @@ class SloMeter:
         now = self._clock()
         if request.last_token_at is None:
             self._first_tokens.append((now, now - request.submitted_at))
+            if request.alone:
+                self._alone_first_tokens.append(now - request.submitted_at)
         elif tokens > 0:
             self._gaps.append((now, now - request.last_token_at, tokens))
+            if len(self._in_flight) == 1:
+                self._alone_gaps.append((now - request.last_token_at, tokens))
         if tokens > 0:
             request.last_token_at = now
         if finished:
@@ -73,22 +84,32 @@ class SloMeter:
     def signals(self) -> dict[str, float]:
         """The window's TTFT (its 90th percentile, or the longest wait for a first token
         still running if that is longer: a queue that produces no first token must not
-        read as idle) and its mean time per output token."""
+        read as idle) and its mean time per output token; and their floors, the same
+        over requests the engine served alone (0 until it has served one alone)."""
         now = self._clock()
         self._forget_before(now - self._window_s)
         waits = [r.submitted_at for r in self._in_flight.values() if r.last_token_at is None]
-        ttft = max(_quantile([s for _, s in self._first_tokens], TTFT_QUANTILE), 0.0)
+        ttft = _quantile([s for _, s in self._first_tokens], TTFT_QUANTILE)
         if waits:
             ttft = max(ttft, now - min(waits))
-        tokens = sum(n for _, _, n in self._gaps)
-        tpot = sum(s for _, s, _ in self._gaps) / tokens if tokens else 0.0
-        return {TTFT_METRIC: ttft, TPOT_METRIC: tpot, "in_flight": float(self.in_flight)}
+        return {
+            TTFT_METRIC: ttft,
+            TPOT_METRIC: _per_token([(s, n) for _, s, n in self._gaps]),
+            TTFT_FLOOR_METRIC: _quantile(list(self._alone_first_tokens), TTFT_QUANTILE),
+            TPOT_FLOOR_METRIC: _per_token(list(self._alone_gaps)),
+            "in_flight": float(self.in_flight),
+        }
 
     def _forget_before(self, cutoff: float) -> None:
         while self._first_tokens and self._first_tokens[0][0] < cutoff:
             self._first_tokens.popleft()
         while self._gaps and self._gaps[0][0] < cutoff:
             self._gaps.popleft()
+
+
+def _per_token(gaps: list[tuple[float, int]]) -> float:
+    tokens = sum(n for _, n in gaps)
+    return sum(s for s, _ in gaps) / tokens if tokens else 0.0
 
 
 def _quantile(values: list[float], q: float) -> float:

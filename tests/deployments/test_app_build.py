@@ -70,7 +70,7 @@ def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> No
         "ttft_slo_s": 2.0,  # qos.ttft_slo_s
         "tpot_slo_s": 0.04,
         "scale_up_at": 0.8,
-        "scale_down_at": 0.3,
+        "scale_down_at": 0.6,
     }
     assert config.request_router_config.request_router_class == SCALED_POOL_REQUEST_ROUTER
     assert config.graceful_shutdown_timeout_s > 30
