@@ -465,9 +465,10 @@ class EngineReplica:
         await self._host.check_health()
 
     async def __del__(self) -> None:
+        scaling = getattr(self, "_scaling", None)  # None too if __init__ failed early
         metered = getattr(self, "_metered", None)
-        if self._scaling is not None and metered is not None:
-            await drain(metered.meter, self._scaling.drain_timeout_s)
+        if scaling is not None and metered is not None:
+            await drain(metered.meter, scaling.drain_timeout_s)
         transport = getattr(self, "_transport", None)
         if transport is not None:
             await transport.stop()
