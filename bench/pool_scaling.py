@@ -10,7 +10,8 @@ TTFT p50/p95 and ITL mean/p50; for the whole run: engine-seconds (the engines th
 routers listed, sampled every second), which is what a pool that shrinks saves.
 Measuring client at niceness 15, like Ray's workers (run it under `nice -n 15`).
 
-    nice -n 15 python bench/pool_scaling.py [--only scaled,fixed-1,fixed-2] [--rounds 1] [--busy-rate 5]
+    nice -n 15 python bench/pool_scaling.py [--only scaled,fixed-1,fixed-2] [--rounds 1]
+        [--busy-rate 5]
 """
 
 from __future__ import annotations
