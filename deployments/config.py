@@ -129,7 +129,7 @@ class AppConfig(StrictModel):
                 f"strategy {self.strategy!r} serves one engine; pools grow and shrink"
                 " (pools[].autoscaling) under strategies dp, pd and auto"
             )
-        actual = (_most_replicas(pool), pool.tensor_parallel_size, pool.pipeline_parallel_size)
+        actual = (pool.most_replicas, pool.tensor_parallel_size, pool.pipeline_parallel_size)
         names = ("replicas", "tensor_parallel_size", "pipeline_parallel_size")
         for name, want, got in zip(names, expected, actual, strict=True):
             if want == AT_LEAST_TWO and got < 2:
@@ -141,10 +141,10 @@ class AppConfig(StrictModel):
     def _check_role_free_pool(self) -> AppConfig:
         """Every engine of auto's one pool prefills for the others and decodes theirs."""
         pool = self.pools[0]
-        if _most_replicas(pool) < 2:
+        if pool.most_replicas < 2:
             raise ValueError(
                 "strategy 'auto' needs replicas >= 2 (an engine to hand KV to),"
-                f" got {_most_replicas(pool)}"
+                f" got {pool.most_replicas}"
             )
         make_kv_backend(self.kv_transfer).check_parallelism(
             pool.tensor_parallel_size, pool.pipeline_parallel_size
@@ -215,11 +215,6 @@ class AppConfig(StrictModel):
             auth=self.auth,
             http_host=http_host,
         )
-
-
-def _most_replicas(pool: PoolConfig) -> int:
-    """The most engines the pool runs at once: its count, or a scaled pool's ceiling."""
-    return pool.replicas if pool.autoscaling is None else pool.autoscaling.max_replicas
 
 
 # Engine settings that shape the KV cache: prefill and decode must agree on all of them,

@@ -52,8 +52,6 @@ logger = logging.getLogger("splitserve.engine")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _SPAWN_LOCK = threading.Lock()
 SPAWN_POLL_S = 0.02  # how often a spawning engine looks for its new process
-# An engine outside a scaled pool measures its SLOs too (nothing reads them yet).
-DEFAULT_WINDOW_S = 10.0
 # How long an engine taken out of a scaled pool serves before it looks whether it is
 # idle (a router learns of its removal a moment after Serve decides it), and how often
 # it looks after that.
@@ -443,9 +441,12 @@ class EngineReplica:
         import vllm.sampling_params  # noqa: F401
 
         self._host = ENGINE_BACKENDS.get(spec.backend.backend)(spec)
-        window_s = self._scaling.window_s if self._scaling is not None else DEFAULT_WINDOW_S
-        self._metered = MeteredHost(self._host, SloMeter(window_s))
-        self._transport = EngineTransportServer(self._metered)
+        # Only a scaled pool's engines measure what their requests get: it costs a look
+        # at every engine step, and nothing else reads it.
+        self._metered: MeteredHost | None = None
+        if self._scaling is not None:
+            self._metered = MeteredHost(self._host, SloMeter(self._scaling.window_s))
+        self._transport = EngineTransportServer(self._metered or self._host)
         await self._transport.start(ray.util.get_node_ip_address())
 
     def transport_address(self, replica: str | None = None) -> TransportAddress:
@@ -457,18 +458,18 @@ class EngineReplica:
         return self._transport.address
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's autoscaling reads these (engines/pool_scaling.py)."""
-        return self._metered.meter.signals()
+        """Serve's autoscaling reads these (engines/pool_scaling.py); Serve asks only the
+        replicas of a deployment it autoscales, which are the metered ones."""
+        return self._metered.meter.signals() if self._metered is not None else {}
 
     async def check_health(self) -> None:
         # Serve calls this periodically; raising marks the replica unhealthy and restarts it.
         await self._host.check_health()
 
     async def __del__(self) -> None:
-        scaling = getattr(self, "_scaling", None)  # None too if __init__ failed early
-        metered = getattr(self, "_metered", None)
-        if scaling is not None and metered is not None:
-            await drain(metered.meter, scaling.drain_timeout_s)
+        metered = getattr(self, "_metered", None)  # only a scaled pool's engines drain
+        if metered is not None and self._scaling is not None:
+            await drain(metered.meter, self._scaling.drain_timeout_s)
         transport = getattr(self, "_transport", None)
         if transport is not None:
             await transport.stop()

@@ -156,11 +156,11 @@ class PoolConfig(StrictModel):
 
     @model_validator(mode="after")
     def _binds_match_replicas(self) -> PoolConfig:
-        most = self.replicas if self.autoscaling is None else self.autoscaling.max_replicas
-        if self.cpu_binds is not None and len(self.cpu_binds) != most:
+        if self.cpu_binds is not None and len(self.cpu_binds) != self.most_replicas:
             counted = "replicas" if self.autoscaling is None else "autoscaling.max_replicas"
             raise ValueError(
-                f"cpu_binds has {len(self.cpu_binds)} entries but {counted} is {most};"
+                f"cpu_binds has {len(self.cpu_binds)} entries but {counted} is"
+                f" {self.most_replicas};"
                 " give one bind per replica"
             )
         ranks = self.tensor_parallel_size * self.pipeline_parallel_size
@@ -185,6 +185,11 @@ class PoolConfig(StrictModel):
                 f" max_replicas ({scaling.max_replicas})"
             )
         return self
+
+    @property
+    def most_replicas(self) -> int:
+        """The most engines the pool runs at once: its count, or a scaled pool's ceiling."""
+        return self.replicas if self.autoscaling is None else self.autoscaling.max_replicas
 
     @property
     def ranks_per_replica(self) -> int:

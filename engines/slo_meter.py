@@ -58,6 +58,9 @@ class SloMeter:
         if request is None:
             return
         now = self._clock()
+        # Forget here too, not only when read: the samples stay bounded by the window
+        # however seldom (or whether) anyone asks for the signals.
+        self._forget_before(now - self._window_s)
         if request.last_token_at is None:
             self._first_tokens.append((now, now - request.submitted_at))
             if request.alone:

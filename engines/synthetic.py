@@ -83,12 +83,14 @@ class SyntheticEngineHost:
         return False
 
     def stats(self) -> EngineStats:
+        unfinished = len(self._running)
+        running = min(unfinished, self._max_num_seqs) if self._max_num_seqs else unfinished
         return EngineStats(
             replica=self._spec.name,
             role=self._spec.role,
-            num_running=min(len(self._running), self._max_num_seqs or len(self._running)),
-            num_waiting=max(0, len(self._running) - (self._max_num_seqs or len(self._running))),
-            num_unfinished=len(self._running),
+            num_running=running,
+            num_waiting=unfinished - running,
+            num_unfinished=unfinished,
             reported_at=time.time(),
         )
 
