@@ -181,9 +181,29 @@ def settled(stack: tuple) -> list[tuple[str, str]]:
     return sorted((title, expand(expr, RATE_WINDOW)) for title, expr in pending)
 
 
-def test_every_dashboard_query_returns_data(settled: list[tuple[str, str]]) -> None:
-    assert not settled, "queries without a finite value:\n" + "\n".join(
-        f"  {title}: {expr}" for title, expr in settled
+def _vllm_series_report(prometheus: RunningPrometheus) -> str:
+    """What Prometheus holds of vLLM's counters, per replica, now and two minutes ago:
+    tells a stat logger that stopped recording from an export that never arrived."""
+    lines = []
+    for label, expr in (
+        ("series", 'count by (replica) ({__name__=~"vllm:.+"})'),
+        ("finished now", "sum by (replica, ReplicaId) (vllm:request_success_total)"),
+        ("2 min ago", "sum by (replica, ReplicaId) (vllm:request_success_total offset 2m)"),
+        ("samples", "sum by (replica) (splitserve_utilization_samples_total)"),
+    ):
+        found = _query(prometheus, expr)
+        values = {tuple(s["metric"].values()): s["value"][1] for s in found}
+        lines.append(f"  {label}: {values}")
+    return "\n".join(lines)
+
+
+def test_every_dashboard_query_returns_data(stack: tuple, settled: list[tuple[str, str]]) -> None:
+    _, prometheus, _ = stack
+    assert not settled, (
+        "queries without a finite value:\n"
+        + "\n".join(f"  {title}: {expr}" for title, expr in settled)
+        + "\nvLLM's series:\n"
+        + _vllm_series_report(prometheus)
     )
 
 
@@ -296,7 +316,7 @@ def test_engine_metrics_carry_replica_and_role(stack: tuple, settled: list) -> N
     assert {(s["metric"]["replica"], s["metric"]["role"]) for s in series} == {
         ("prefill-0", "prefill"),
         ("decode-0", "decode"),
-    }
+    }, _vllm_series_report(prometheus)
     # KV really moved: the decode replica loaded prompt tokens from transfers.
     loaded = _query(
         prometheus,
