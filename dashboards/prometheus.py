@@ -52,6 +52,10 @@ class ScrapeTargets:
     ray_discovery_file: Path | None = None  # the Ray cluster's prom_metrics_service_discovery
     loadgen: str | None = None  # host:port of `python -m loadgen --metrics-port`
     scrape_interval: str | None = None  # e.g. "1s" for tests
+    # Ray's per-node endpoints keep every counter and histogram of every process the
+    # cluster ever ran, so a long-lived cluster's page takes seconds to render on a busy
+    # node; the scrape timeout is the interval, so these may need a longer one.
+    ray_scrape_interval: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ def render_config(targets: ScrapeTargets, template: Path = CONFIG_TEMPLATE) -> d
         jobs[LOADGEN_JOB]["static_configs"] = [{"targets": [targets.loadgen]}]
     if targets.ray_discovery_file:
         jobs[RAY_JOB]["file_sd_configs"] = [{"files": [str(targets.ray_discovery_file)]}]
+    if targets.ray_scrape_interval:
+        jobs[RAY_JOB]["scrape_interval"] = targets.ray_scrape_interval
     return config
 
 
@@ -174,6 +180,7 @@ def target_health(url: str) -> list[dict[str, str]]:
             "address": target["labels"].get("instance", ""),
             "health": target["health"],
             "error": target.get("lastError", ""),
+            "scrape_s": f"{target.get('lastScrapeDuration', 0):.3f}",
         }
         for target in response.json()["data"]["activeTargets"]
     ]

@@ -171,13 +171,15 @@ def test_prometheus_config_is_valid_and_renders_targets(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     config = render_config(
-        ScrapeTargets("10.0.0.1:8000", Path("/r/sd.json"), "10.0.0.2:9400", "1s")
+        ScrapeTargets("10.0.0.1:8000", Path("/r/sd.json"), "10.0.0.2:9400", "1s", "5s")
     )
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert jobs[ROUTER_JOB]["static_configs"] == [{"targets": ["10.0.0.1:8000"]}]
     assert jobs[LOADGEN_JOB]["static_configs"] == [{"targets": ["10.0.0.2:9400"]}]
     assert jobs[RAY_JOB]["file_sd_configs"] == [{"files": ["/r/sd.json"]}]
     assert config["global"]["scrape_interval"] == "1s"
+    assert jobs[RAY_JOB]["scrape_interval"] == "5s"
+    assert "scrape_interval" not in jobs[ROUTER_JOB]
     # Ray's names are mapped back: ray_vllm_x -> vllm:x, ray_splitserve_x -> splitserve_x
     replacements = {r.get("replacement") for r in jobs[RAY_JOB]["metric_relabel_configs"]}
     assert {"vllm:$1", "$1"} <= replacements

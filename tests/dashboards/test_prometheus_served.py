@@ -46,6 +46,10 @@ from tests.support.served_apps import ServedApps
 pytestmark = pytest.mark.serving
 
 SCRAPE_INTERVAL = "1s"
+# Ray's endpoints as dashboards/prometheus.yml scrapes them. Late in a full run the
+# session's Ray cluster holds the series of every application the suite started, and
+# at a 1 s timeout its scrapes failed often enough that series went stale.
+RAY_SCRAPE_INTERVAL = "5s"
 # Ray exports engine metrics every 10 s: two minutes hold a dozen exports, so rate()
 # has points from the run even when a busy machine delays an export or two.
 RATE_WINDOW = "2m"
@@ -60,10 +64,10 @@ PREFIX_REPEATS = 3
 MIN_TICK_SHARE = 0.8
 # Export points are read at scrape times, a second or so after each export.
 MAX_TICK_SHARE = 1.1
-# Ray exports every 10 s: six exports span 50 s, and the rate is the slope through all
-# of them, so a point read a second late moves it by a few percent, not ten (CI saw
-# 5.56 ticks/s from three points 18 s apart).
-MIN_EXPORTS = 6
+# Ray exports every 10 s and each export is read at the next scrape, up to 5 s late:
+# the rate is the slope through eight exports (70 s), which such delays move by about
+# 2% (one standard deviation), not ten (CI saw 5.56 ticks/s from three points 18 s apart).
+MIN_EXPORTS = 8
 # Exist only where NVML answers (GPU engines); here the CPU fallback stands in for them.
 PD_REPLICAS = {"prefill-0", "decode-0"}
 GPU_ONLY = {
@@ -105,6 +109,7 @@ def stack(
         ray_discovery_file=ray_discovery_file(ray_address),
         loadgen=f"127.0.0.1:{loadgen_port}",
         scrape_interval=SCRAPE_INTERVAL,
+        ray_scrape_interval=RAY_SCRAPE_INTERVAL,
     )
     work_dir = tmp_path_factory.mktemp("prometheus")
     with run_prometheus(targets, port=free_port(), work_dir=work_dir) as prometheus:
@@ -156,6 +161,7 @@ def test_run_completed_and_all_targets_up(stack: tuple) -> None:
     while not all(t["health"] == "up" for t in health) and time.monotonic() < deadline:
         time.sleep(POLL_S)
         health = target_health(prometheus.url)
+    print("targets:", *health, sep="\n  ")  # scrape durations: a full run's Ray page is large
     assert all(t["health"] == "up" for t in health), health
 
 
@@ -194,6 +200,7 @@ def _vllm_series_report(prometheus: RunningPrometheus) -> str:
         found = _query(prometheus, expr)
         values = {tuple(s["metric"].values()): s["value"][1] for s in found}
         lines.append(f"  {label}: {values}")
+    lines += [f"  target: {target}" for target in target_health(prometheus.url)]
     return "\n".join(lines)
 
 
