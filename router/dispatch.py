@@ -135,7 +135,7 @@ class Dispatcher:
         decision = SplitDecision("local", "colocated")
         prefill = None
         if self._pd is not None:
-            prefill = self._prefill_candidate(main.replica, prompt)
+            prefill = self._prefill_candidate(main.replica, prompt, priority)
             if prefill is None:
                 unavailable = "no_peer" if self._role_free else "prefill_unavailable"
                 decision = SplitDecision("local", unavailable)
@@ -159,18 +159,23 @@ class Dispatcher:
             cached_by_signal=by_signal,
         )
 
-    def _prefill_candidate(self, decode: EngineClient, prompt: PromptBlocks) -> Choice | None:
+    def _prefill_candidate(
+        self, decode: EngineClient, prompt: PromptBlocks, priority: Priority
+    ) -> Choice | None:
         """Who would compute the prompt remotely: the prefill pool's choice, or in a
-        role-free pool the other healthy engine whose first token would come soonest."""
+        role-free pool the other healthy engine whose first token would come soonest
+        for this priority (the engines schedule by priority: only work of the same or a
+        higher priority is ahead of it)."""
         if not self._role_free:
             return self._choose("prefill", prompt)
         peers = [r for r in self._pool.of_role("mixed") if r.healthy and r is not decode]
         if not peers:
             return None
+        engine_priority = ENGINE_PRIORITY[priority]
 
         def soonest(replica: EngineClient) -> tuple[float, int, int]:
             tokens = max(1, len(prompt) - replica.state.cached_tokens(prompt))
-            estimate = replica.state.estimate_ttft_s(tokens)
+            estimate = replica.state.estimate_ttft_s(tokens, engine_priority)
             state = replica.state
             return (math.inf if estimate is None else estimate, state.prefill_queue, state.active)
 

@@ -20,6 +20,7 @@ from router.dispatch import (
 )
 from router.engine_client import EngineClient
 from router.engine_pool import EnginePool
+from router.qos import ENGINE_PRIORITY
 from tests.support.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
 LONG = list(range(1, 1001))
@@ -28,19 +29,19 @@ PER_TOKEN_S = 0.001
 
 
 class RoleFreePool:
-    """Two mixed engines over fake links, both able to prefill for the other."""
+    """Mixed engines over fake links (two unless told), each able to prefill for another."""
 
-    def __init__(self, transfer_s: float | None = None) -> None:
+    def __init__(self, transfer_s: float | None = None, engines: int = 2) -> None:
         config = parse_app_config(
             {
                 "strategy": "auto",
-                "pools": [{"role": "mixed", "replicas": 2}],
+                "pools": [{"role": "mixed", "replicas": engines}],
                 "router": {"replica_choice": "round_robin"},
             }
         )
         self.links = [
             FakeEngineLink(f"engine-{i}", "mixed", consumer=f"engine-{i}-consumer")
-            for i in range(2)
+            for i in range(engines)
         ]
         self.engines = [EngineClient(link.name, "mixed", link, 5.0) for link in self.links]
         for engine in self.engines:
@@ -55,8 +56,8 @@ class RoleFreePool:
             config.ingress_settings(), EnginePool(self.engines), self.kv, lambda _: transfer_s
         )
 
-    def queue_prefill_on(self, index: int, tokens: int) -> None:
-        self.engines[index].state.enqueue_prefill(tokens, now=0.0)
+    def queue_prefill_on(self, index: int, tokens: int, priority: str = "normal") -> None:
+        self.engines[index].state.enqueue_prefill(tokens, 0.0, ENGINE_PRIORITY[priority])
 
     def run(self, prompt: list[int], max_tokens: int = 4) -> tuple[Dispatch, list[GenerateChunk]]:
         async def scenario() -> tuple[Dispatch, list[GenerateChunk]]:
@@ -97,6 +98,20 @@ def test_a_long_prompt_is_prefilled_by_the_engine_that_starts_it_sooner() -> Non
     assert dispatch.plan.prefill is not None and dispatch.plan.prefill.reason == PEER_CHOICE
     assert pool.dispatcher.policy_of("mixed", prefill=True) == PEER_CHOICE
     assert pool.dispatcher.policy_of("mixed") == "round_robin"
+
+
+def test_the_peer_is_chosen_by_the_work_ahead_of_the_prompts_own_priority() -> None:
+    """engine-1 holds more waiting work, but engine-2's goes first: all of it high
+    priority, ahead of a normal prompt. Counted as high priority (the prompt's own work
+    ahead only), engine-1 would look idle."""
+    pool = RoleFreePool(transfer_s=0.01, engines=3)
+    pool.queue_prefill_on(0, 9000)  # round robin picks engine-0 to decode; it is queued up
+    pool.queue_prefill_on(1, 3000, "normal")
+    pool.queue_prefill_on(2, 2000, "high")
+    dispatch, _ = pool.run(LONG, max_tokens=4)
+
+    assert dispatch.response_headers()[PREFILL_REPLICA_HEADER] == "engine-2"
+    assert [len(link.submitted) for link in pool.links] == [1, 0, 1]
 
 
 def test_a_short_prompt_runs_where_it_decodes() -> None:
