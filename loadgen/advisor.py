@@ -11,7 +11,7 @@ goodput-optimal placement, simplified where said:
    miss: a sweep's rates, not a search; ``python -m loadgen knee`` searches finely),
    divided by the devices the mode's YAML takes. The mode with the highest goodput per
    device wins; modes within 5% of it count as equal and the simplest is chosen
-   (single, dp, tp, pp, pd_always, pd). DistServe searches parallelism per phase
+   (single, dp, tp, pp, pd_always, pd, auto). DistServe searches parallelism per phase
    too; here the candidates are the YAMLs the sweep measured.
 2. **PD, fitted to measured rates.** From the PD runs: seconds of prefill per token
    and decode step time (the router's own estimates, exported as gauges), decode step
@@ -59,7 +59,8 @@ from loadgen.deployment_plan import DeployTarget, Plan
 from loadgen.sizing import Layout, MeasuredSize, ModelShape, PDCapacities
 
 # Simplest first: the tie-break between modes within TIE_SHARE of the best.
-SIMPLICITY = ("single", "dp", "tp", "pp", "pd_always", "pd")
+# auto last: it carries both dp's engines and pd's hand-over, and decides per request.
+SIMPLICITY = ("single", "dp", "tp", "pp", "pd_always", "pd", "auto")
 TIE_SHARE = 0.05
 PD_MODES = ("pd", "pd_always")
 

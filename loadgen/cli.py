@@ -623,7 +623,7 @@ def command_knee(argv: list[str], console: Console) -> int:
     return 0
 
 
-ADVISE_MODES = ("single", "dp", "pd_always", "pd")
+ADVISE_MODES = ("single", "dp", "pd_always", "pd", "auto")
 ADVISE_SMOKE_QPS = "1,2,4"
 ADVISE_SMOKE_REQUESTS = 24
 

@@ -150,7 +150,7 @@ def _sized_document(
 
 
 def _strategy(template_strategy: str, sized: Sizing) -> str:
-    if template_strategy == "pd":
+    if template_strategy == "pd" or template_strategy in sizing.ROLE_FREE_MODES:
         return template_strategy
     engines = sized.engines.get("mixed", 1)
     if engines > 1:

@@ -6,6 +6,8 @@ request rate or a device budget:
 
 - **single, dp** (mixed engines): goodput grows with engines at the measured goodput per
   engine (fitted: the sweep measured one size);
+- **auto** (role-free engines, each able to prefill for another): grows like dp, from
+  two engines up (one engine alone has nobody to hand a prompt to);
 - **tp, pp**: one engine of the measured degree (the strategy holds one engine);
 - **pd, pd_always**: ``p`` prefill and ``d`` decode engines serve
   ``min(p x C_p, d x C_d)`` req/s, DistServe's ratio: for a rate, the fewest of each
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 MIXED_MODES = ("single", "dp")
+ROLE_FREE_MODES = ("auto",)
+MIN_ROLE_FREE_ENGINES = 2  # the fewest engines a role-free pool takes (the config's rule)
 ONE_ENGINE_MODES = ("tp", "pp")
 PD_MODES = ("pd", "pd_always")
 # The weights may take at most this share of what an engine may use of a device: the
@@ -130,7 +134,7 @@ def size_for_rate(
         if rate > measured.goodput:
             return None
         return _as_measured(measured)
-    engines = max(1, math.ceil(rate / per_engine))
+    engines = max(_fewest_engines(measured), math.ceil(rate / per_engine))
     return _mixed_sizing(measured, engines)
 
 
@@ -152,8 +156,9 @@ def size_for_devices(
             return None
         best = max(pairs, key=lambda pair: (_pd_goodput(pd, *pair), -sum(pair)))
         return _pd_sizing(measured, best[0], best[1], pd)
-    if measured.mode in MIXED_MODES:
-        return _mixed_sizing(measured, devices // ranks)
+    if measured.mode in MIXED_MODES or measured.mode in ROLE_FREE_MODES:
+        engines = devices // ranks
+        return _mixed_sizing(measured, engines) if engines >= _fewest_engines(measured) else None
     return _as_measured(measured) if devices >= measured.devices else None
 
 
@@ -196,9 +201,15 @@ def _pd_sizing(measured: MeasuredSize, prefill: int, decode: int, pd: PDCapaciti
     )
 
 
+def _fewest_engines(measured: MeasuredSize) -> int:
+    return MIN_ROLE_FREE_ENGINES if measured.mode in ROLE_FREE_MODES else 1
+
+
 def _mixed_sizing(measured: MeasuredSize, engines: int) -> Sizing:
     per_engine = measured.goodput / measured.engines
     mode = "single" if engines == 1 else "dp"
+    if measured.mode in ROLE_FREE_MODES:
+        mode = measured.mode
     return Sizing(
         mode,
         {"mixed": engines},

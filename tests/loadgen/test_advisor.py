@@ -161,6 +161,18 @@ def test_a_target_rate_sets_how_many_engines_from_the_measured_level(tmp_path: P
     assert "5 device(s): 5 mixed engine(s)" in report and "fitted from dp" in report
 
 
+def test_role_free_engines_win_when_they_serve_more_and_keep_their_strategy(
+    tmp_path: Path,
+) -> None:
+    _write_sweep(tmp_path / "sweep", {"single": 1, "dp": 2, "pd": 2, "auto": 8}, 5e-5)
+    yaml_path, report = _advise(tmp_path, "--target", "gpu", "--target-rate", "12")
+    config = load_app_config(yaml_path)
+    assert config.strategy == "auto" and config.accelerator == "gpu"
+    # auto served 8.8 req/s on two engines (measured): 12 req/s needs three of 4.4.
+    assert [(pool.role, pool.replicas) for pool in config.pools] == [("mixed", 3)]
+    assert "3 device(s): 3 mixed engine(s)" in report and "fitted from auto" in report
+
+
 def test_the_model_sets_the_tensor_parallel_degree_each_engine_needs(tmp_path: Path) -> None:
     _write_sweep(tmp_path / "sweep", {"single": 2, "dp": 4}, 5e-5)
     model = tmp_path / "model"

@@ -22,6 +22,7 @@ from loadgen.sizing import (
 DP = MeasuredSize("dp", 4.0, Layout((("mixed", 2),), ranks_per_engine=1))
 PD = MeasuredSize("pd", 3.0, Layout((("prefill", 1), ("decode", 1)), ranks_per_engine=1))
 TP = MeasuredSize("tp", 3.0, Layout((("mixed", 1),), ranks_per_engine=2))
+AUTO = MeasuredSize("auto", 5.0, Layout((("mixed", 2),), ranks_per_engine=1))
 # Fitted: a prefill engine serves 2 req/s, a decode engine 6; measured, the pair served 3.
 FIT = PDCapacities(prefill=2.0, decode=6.0)
 LLAMA_1B = {
@@ -38,6 +39,17 @@ def test_mixed_engines_grow_at_the_measured_goodput_per_engine() -> None:
     one = size_for_rate(DP, 1.5)
     assert one is not None and one.mode == "single" and one.devices == 1
     assert size_for_devices(DP, 2).measured  # the size the sweep ran
+
+
+def test_role_free_engines_grow_like_dp_and_never_below_two() -> None:
+    sized = size_for_rate(AUTO, 9.0)  # 2.5 req/s an engine: four engines
+    assert sized is not None and sized.mode == "auto" and sized.engines == {"mixed": 4}
+    low = size_for_rate(AUTO, 1.0)  # one engine would serve it, but has no peer
+    assert low is not None and low.mode == "auto" and low.engines == {"mixed": 2}
+    assert low.measured
+    assert size_for_devices(AUTO, 1) is None
+    budget = size_for_devices(AUTO, 3)
+    assert budget is not None and budget.engines == {"mixed": 3} and budget.goodput == 7.5
 
 
 def test_pd_pools_follow_the_fit_scaled_to_what_was_measured() -> None:
