@@ -1,6 +1,6 @@
 """How well does the router know what each engine has cached? (benchmark, not a test)
 
-Two prefix signals, on the same requests (router/prefix_index.py): ``kv_events`` (the
+Two prefix signals, on the same requests (router/pool/prefix_index.py): ``kv_events`` (the
 engine's own BlockStored/BlockRemoved events) and ``mirror`` (what the router sent it,
 bounded by its capacity). For every request the router exports how many cached tokens
 each signal expected beside the ``num_cached_tokens`` vLLM found

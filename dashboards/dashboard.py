@@ -4,7 +4,7 @@
 Rows: the client's view (load generator), the router, the engines (vLLM's own metrics,
 per replica and role), KV transfer (PD), QoS, and utilization with the per-GPU
 imbalance. Every panel reads the Prometheus datasource chosen in ``$datasource``.
-Names come from router/metrics.py, kv_transfer/metrics.py, loadgen/exposition.py,
+Names come from router/observation/metrics.py, kv_transfer/metrics.py, loadgen/exposition.py,
 engines/sampler.py and vLLM; dashboards/prometheus.yml maps Ray's exported names
 (``ray_vllm_x``, ``ray_splitserve_x``) back to ``vllm:x`` and ``splitserve_x``.
 """

@@ -30,7 +30,7 @@ logger = logging.getLogger("splitserve.deployments")
 # The build names the replicas' classes by import path, and each replica imports its
 # own. Importing them here would import vLLM into Serve's build task: 10-13 s of every
 # start, during which Serve's proxy answers 404 (docs/DECISIONS.md).
-ROUTER_CLASS = "router.ingress.Router"
+ROUTER_CLASS = "router.http.ingress.Router"
 ENGINE_REPLICA_CLASS = "engines.host.EngineReplica"
 # Serve's default (5) would queue requests in Serve's handles, away from our policies.
 MAX_ONGOING_REQUESTS = 4096
@@ -39,7 +39,7 @@ ENGINE_HEALTH_CHECK_PERIOD_S = 5
 # A scaled pool: Serve's autoscaling policy and the request router that tells routers
 # which replicas run (both named by path: Serve imports them where they run).
 SCALED_POOL_POLICY = "engines.pool_scaling:SloPolicy"
-SCALED_POOL_REQUEST_ROUTER = "router.pool_membership:PoolMembership"
+SCALED_POOL_REQUEST_ROUTER = "router.pool.membership:PoolMembership"
 # How often each engine of a scaled pool reports its measurements to Serve, and the
 # span Serve averages them over (each engine already measures over its window_s).
 SCALING_METRICS_INTERVAL_S = 1.0

@@ -453,7 +453,7 @@ class EngineReplica:
         """Where routers connect, and the secret they say first (asked once per connect).
 
         ``replica``: the Serve replica id a router means, for a scaled pool; the pool's
-        request router (router/pool_membership.py) sends the call there."""
+        request router (router/pool/membership.py) sends the call there."""
         assert self._transport.address is not None
         return self._transport.address
 

@@ -6,7 +6,7 @@ private folder: the events carry prompt token ids, so they never go on a network
 The engine's host subscribes, names each stored block by the router's chained prefix
 hash over token ids (``chain_hash``), and sends every router the changes as
 ``CacheUpdate`` items on its delta stream, a whole snapshot first; the router keeps
-each engine's exact block set from them (router/prefix_index.py ``BlockIndex``).
+each engine's exact block set from them (router/pool/prefix_index.py ``BlockIndex``).
 
 A batch lost between engine and host (a gap in vLLM's sequence numbers) clears the
 set: the router then underestimates until blocks are stored again, and never counts

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 
 from engines.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
-from router.engine_client import EngineClient
-from router.engine_pool import EnginePool
-from router.pd import PrefillDecodeFlow, PrefillOutcome
-from router.prefix_index import PromptBlocks
-from router.qos import ENGINE_PRIORITY
-from router.replica_choice import Choice, ReplicaChoice, make_replica_choice
+from router.pd_flow import PrefillDecodeFlow, PrefillOutcome
+from router.policies.qos import ENGINE_PRIORITY
+from router.policies.replica_choice import Choice, ReplicaChoice, make_replica_choice
+from router.policies.split_policy import SplitDecision, SplitInputs, make_split_policy
+from router.pool.engine_client import EngineClient
+from router.pool.engine_pool import EnginePool
+from router.pool.prefix_index import PromptBlocks
 from router.settings import IngressSettings, Priority
-from router.split_policy import SplitDecision, SplitInputs, make_split_policy
 
 REPLICA_HEADER = "x-splitserve-replica"
 PREFILL_REPLICA_HEADER = "x-splitserve-prefill-replica"
@@ -60,7 +60,7 @@ class Dispatch:
     prefill_replica: EngineClient
     expected_cached_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
-    released: bool = False  # its stream closed and its counts undone (router/ingress.py)
+    released: bool = False  # its stream closed and its counts undone (router/http/ingress.py)
     disaggregated: bool = False
 
     def response_headers(self) -> dict[str, str]:

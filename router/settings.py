@@ -18,7 +18,7 @@ from splitserve.registry import split_named_block, validate_settings
 
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
-# The router's routes (router/ingress.py), by which keys are allowed and paths opened.
+# The router's routes (router/http/ingress.py), by which keys are allowed and paths opened.
 Route = Literal["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
 # Routes that may answer without a key: never the ones that spend engine time.
 OpenRoute = Literal["/v1/models", "/health", "/metrics"]
@@ -26,13 +26,13 @@ UnknownFields = Literal["ignore", "reject"]
 
 
 def _replica_choices() -> Any:
-    from router.replica_choice import REPLICA_CHOICES
+    from router.policies.replica_choice import REPLICA_CHOICES
 
     return REPLICA_CHOICES
 
 
 def _split_policies() -> Any:
-    from router.split_policy import SPLIT_POLICIES
+    from router.policies.split_policy import SPLIT_POLICIES
 
     return SPLIT_POLICIES
 
@@ -382,7 +382,7 @@ class AuthConfig(StrictModel):
 
 class ScaledPoolSettings(StrictModel):
     """A pool that Serve grows and shrinks: one Serve deployment whose replicas the
-    router follows (router/pool_watcher.py)."""
+    router follows (router/pool/watcher.py)."""
 
     deployment: str  # the pool's Serve deployment (decode-pool)
     name: str  # its members' engine names start so (decode-<replica id>)

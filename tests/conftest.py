@@ -168,16 +168,16 @@ def _no_idle_app_beside_other_serving_tests(request: pytest.FixtureRequest) -> N
 # reference), pd_always, pd, a synthetic DP. Modules not named here keep pytest's order
 # after them; modules that need no cluster run first.
 SERVING_ORDER = (
-    "tests.router.test_engine_in_router_served",
-    "tests.router.test_hostile_served",
+    "tests.router.pool.test_engine_in_router_served",
+    "tests.router.http.test_hostile_served",
     "tests.loadgen.test_agreement_served",
     "tests.deployments.test_strategies_served",
     "tests.deployments.test_pd_served",
     "tests.deployments.test_auto_served",
     "tests.deployments.test_cold_start_served",
-    "tests.router.test_policies_served",
+    "tests.router.policies.test_policies_served",
     "tests.dashboards.test_prometheus_served",
-    "tests.router.test_traffic_served",
+    "tests.router.observation.test_traffic_served",
 )
 
 

@@ -135,8 +135,8 @@ def test_the_scan_sees_every_package() -> None:
         assert any(True for _ in modules_of(package)), package
     assert sum(1 for _ in modules_of("loadgen")) >= 10
     # The scan finds imports of every kind it claims to.
-    found = {i.module for i in imports_of(REPO / "router" / "split_policy.py")}
-    assert "router.split_policies" in found  # a registry's builtins
+    found = {i.module for i in imports_of(REPO / "router" / "policies" / "split_policy.py")}
+    assert "router.policies.split_policies" in found  # a registry's builtins
 
 
 def test_only_deployments_tests_and_bench_import_deployments() -> None:
@@ -203,9 +203,9 @@ def _chain(reached: dict[str, Import | None], found: Import) -> str:
             {"importlib", "deployments.app"},
         ),
         ("R = Registry('x', __name__, builtins=('deployments.app',))\n", {"deployments.app"}),
-        ("from . import split_policies\n", {"router.sub"}),  # no such module
-        ("from .. import split_policies\n", {"router", "router.split_policies"}),
-        ("from ..split_policy import SPLIT_POLICIES\n", {"router.split_policy"}),
+        ("from . import settings\n", {"router.sub"}),  # no such module
+        ("from .. import settings\n", {"router", "router.settings"}),
+        ("from ..settings import RouterSettings\n", {"router.settings"}),
     ],
 )
 def test_every_kind_of_import_is_seen(source: str, expected: set[str]) -> None:

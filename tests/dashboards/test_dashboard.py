@@ -133,7 +133,7 @@ def _exposed_names(registry: CollectorRegistry) -> set[str]:
 
 
 def _code_names() -> set[str]:
-    from router.metrics import RouterMetrics
+    from router.observation.metrics import RouterMetrics
 
     names = _exposed_names(RouterMetrics().registry) | _exposed_names(Exposition().registry)
     kv = CollectorRegistry()

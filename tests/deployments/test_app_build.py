@@ -20,7 +20,7 @@ from deployments.app import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("vllm", "torch", "transformers", "router.ingress", "engines.host")
+HEAVY = ("vllm", "torch", "transformers", "router.http.ingress", "engines.host")
 
 
 def test_the_build_step_imports_neither_vllm_nor_the_replicas() -> None:

@@ -611,7 +611,7 @@ def test_the_build_context_is_small_and_holds_what_the_image_needs() -> None:
         ("results/loadgen/run-1/RUN.json", True),
         ("deployments/advised-pd.yaml", True),
         ("deployments/pd.yaml", False),
-        ("router/ingress.py", False),
+        ("router/http/ingress.py", False),
         ("pyproject.toml", False),
     ],
 )

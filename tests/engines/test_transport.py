@@ -16,7 +16,7 @@ from deployments.config import parse_app_config
 from engines.protocol import EngineStats, GenerateRequest
 from engines.synthetic import SyntheticEngineHost
 from engines.transport import EngineTransportServer, TransportAddress
-from router.engine_client import (
+from router.pool.engine_client import (
     EngineClient,
     EngineFailed,
     EngineUnavailable,

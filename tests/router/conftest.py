@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.auth import KEYS_ENV, VLLM_KEY_ENV
+from router.http.auth import KEYS_ENV, VLLM_KEY_ENV
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ from deployments.config import parse_app_config
 from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
 from kv_transfer.handle import CONSUMER_KEY
 from router.dispatch import PREFILL_HEADER, REPLICA_HEADER, Dispatch, Dispatcher
-from router.engine_client import EngineClient
-from router.engine_pool import EnginePool
+from router.pool.engine_client import EngineClient
+from router.pool.engine_pool import EnginePool
 from tests.support.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
 PROMPT = list(range(1, 301))

@@ -60,8 +60,8 @@ def test_registries_pickle_by_reference() -> None:
     from engines.backends import ENGINE_BACKENDS
     from kv_transfer.backend_registry import KV_BACKENDS
     from loadgen.config import ARRIVALS, WORKLOADS
-    from router.replica_choice import REPLICA_CHOICES
-    from router.split_policy import SPLIT_POLICIES
+    from router.policies.replica_choice import REPLICA_CHOICES
+    from router.policies.split_policy import SPLIT_POLICIES
 
     for registry in (ENGINE_BACKENDS, KV_BACKENDS, ARRIVALS, WORKLOADS, SPLIT_POLICIES,
                      REPLICA_CHOICES):  # fmt: skip

@@ -27,7 +27,7 @@ from engines.settings import EngineBackendConfig
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from router import ingress
-from router.ingress import Router
+from router.http.ingress import Router
 from tests.support.fake_engine import RecordingKV
 
 CHAT = "/v1/chat/completions"
@@ -52,7 +52,7 @@ def _servable_dependency() -> Callable[..., Any]:
         endpoint = getattr(route, "endpoint", None)
         if endpoint is not None and "self" in inspect.signature(endpoint).parameters:
             return inspect.signature(endpoint).parameters["self"].default.dependency
-    raise RuntimeError("no route of router.ingress.app takes the Router instance")
+    raise RuntimeError("no route of router.http.ingress.app takes the Router instance")
 
 
 SERVABLE_DEPENDENCY = _servable_dependency()
@@ -148,7 +148,7 @@ class _ReplicaContext:
 
 @asynccontextmanager
 async def http_client(router: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """An HTTP client of ``router``: the router's FastAPI app (``router.ingress.app``,
+    """An HTTP client of ``router``: the router's FastAPI app (``router.http.ingress.app``,
     its routes as serve.ingress rewrote them) with ``router`` as every route's ``self``,
     behind Serve's RequestIdMiddleware as both of Serve's entry points (its proxy and
     direct ingress) put it; over ASGI in this process, without a socket.

@@ -1,0 +1,207 @@
+"""Render engine token deltas as OpenAI responses, using vLLM's own response models."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
+
+from engines.protocol import GenerateChunk
+from router.http.errors import OpenAIError
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE that always closes its event generator, however the response ends.
+
+    Starlette cancels a stream whose client went away wherever it is waiting; when
+    that is a ``send`` rather than the generator, the generator stays suspended at its
+    ``yield`` until garbage collection, and so would the request inside the engine.
+    """
+
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        headers: dict[str, str],
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """``on_close``: what must happen when the response ends, even one that never
+        started iterating ``events`` (whose ``finally`` would then never run)."""
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            if self._on_close is not None:
+                await self._on_close()
+
+
+@dataclass(slots=True)
+class Transcript:
+    """What one request generated so far; the source of the final response and usage."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.text.append(chunk.text)
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.stop_reason = chunk.stop_reason if chunk.stop_reason is not None else self.stop_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+
+    def usage(self) -> UsageInfo:
+        prompt_tokens = len(self.prompt_token_ids)
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(self.token_ids),
+            total_tokens=prompt_tokens + len(self.token_ids),
+            prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=self.num_cached_tokens),
+        )
+
+
+class ResponseWriter:
+    """Formats one request's chunks; knows whether it is a chat or a plain completion."""
+
+    def __init__(self, *, chat: bool, model: str, response_id: str, return_token_ids: bool) -> None:
+        self._chat = chat
+        self._model = model
+        self._id = response_id
+        self._created = int(time.time())
+        self._return_token_ids = return_token_ids
+
+    def first_event(self, transcript: Transcript) -> str | None:
+        """Chat streams open with the assistant role, as OpenAI's do."""
+        if not self._chat:
+            return None
+        choice = ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(role="assistant", content="")
+        )
+        return self._sse(
+            ChatCompletionStreamResponse(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[choice],
+                prompt_token_ids=self._ids(transcript.prompt_token_ids),
+            )
+        )
+
+    def delta_event(self, chunk: GenerateChunk, transcript: Transcript, first: bool) -> str:
+        token_ids = self._ids(chunk.token_ids)
+        if self._chat:
+            choice = ChatCompletionResponseStreamChoice(
+                index=0,
+                delta=DeltaMessage(content=chunk.text),
+                finish_reason=chunk.finish_reason,
+                stop_reason=chunk.stop_reason,
+                token_ids=token_ids,
+            )
+            return self._sse(
+                ChatCompletionStreamResponse(
+                    id=self._id, created=self._created, model=self._model, choices=[choice]
+                )
+            )
+        completion_choice = CompletionResponseStreamChoice(
+            index=0,
+            text=chunk.text,
+            finish_reason=chunk.finish_reason,
+            stop_reason=chunk.stop_reason,
+            token_ids=token_ids,
+            prompt_token_ids=self._ids(transcript.prompt_token_ids) if first else None,
+        )
+        return self._sse(
+            CompletionStreamResponse(
+                id=self._id, created=self._created, model=self._model, choices=[completion_choice]
+            )
+        )
+
+    def usage_event(self, transcript: Transcript) -> str:
+        response_cls = ChatCompletionStreamResponse if self._chat else CompletionStreamResponse
+        return self._sse(
+            response_cls(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[],
+                usage=transcript.usage(),
+            )
+        )
+
+    @staticmethod
+    def error_event(error: OpenAIError) -> str:
+        return f"data: {json.dumps(error.body())}\n\n"
+
+    def final_response(self, transcript: Transcript) -> dict[str, object]:
+        text = "".join(transcript.text)
+        token_ids = self._ids(transcript.token_ids)
+        if self._chat:
+            response = ChatCompletionResponse(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[
+                    ChatCompletionResponseChoice(
+                        index=0,
+                        message=ChatMessage(role="assistant", content=text),
+                        finish_reason=transcript.finish_reason,
+                        stop_reason=transcript.stop_reason,
+                        token_ids=token_ids,
+                    )
+                ],
+                usage=transcript.usage(),
+                prompt_token_ids=self._ids(transcript.prompt_token_ids),
+            )
+        else:
+            response = CompletionResponse(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[
+                    CompletionResponseChoice(
+                        index=0,
+                        text=text,
+                        finish_reason=transcript.finish_reason,
+                        stop_reason=transcript.stop_reason,
+                        token_ids=token_ids,
+                        prompt_token_ids=self._ids(transcript.prompt_token_ids),
+                    )
+                ],
+                usage=transcript.usage(),
+            )
+        return response.model_dump(exclude_none=True)
+
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        return list(ids) if self._return_token_ids else None
+
+    @staticmethod
+    def _sse(model: object) -> str:
+        return f"data: {model.model_dump_json(exclude_none=True)}\n\n"  # type: ignore[attr-defined]

@@ -1,0 +1,1 @@
+"""What the router reports: its Prometheus metrics and a record of the traffic it served."""

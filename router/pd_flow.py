@@ -1,0 +1,151 @@
+"""One request across a prefill replica and a decode replica (PD disaggregation).
+
+The decode replica is chosen first and named in the prefill request. The prefill
+replica computes the prompt and the first token; its KV blocks go into Ray's object
+store, pushed towards that decode engine, and the handle comes back in
+``kv_transfer_params``. The first token is streamed to the client at once. The decode
+replica then gets the prompt plus that token, loads the transferred KV instead of
+recomputing it, and continues. If the prefill replica is missing or fails, the decode
+replica prefills locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engines.protocol import GenerateChunk, GenerateRequest
+from kv_transfer import KVRouterSide
+from router.pool.engine_client import EngineClient, EngineFailed
+
+logger = logging.getLogger("splitserve.router")
+
+# Outcomes where the decode replica prefilled although the plan was remote.
+PREFILL_FALLBACK_REASONS = ("prefill_failed", "no_prefill_replica")
+
+
+@dataclass(slots=True)
+class PrefillOutcome:
+    """Where the prompt was computed, and why there if not as planned."""
+
+    where: str  # "remote" or "local"
+    reason: str
+
+
+class PrefillDecodeFlow:
+    def __init__(self, kv: KVRouterSide) -> None:
+        # The KV backend's side of the hand-over: the prefill and the decode request's
+        # params, and releasing transferred KV nobody will load (client gone).
+        self._kv = kv
+
+    async def run(
+        self,
+        request: GenerateRequest,
+        decode: EngineClient,
+        prefill: EngineClient | None,
+        outcome: PrefillOutcome,
+        prefill_tokens: int | None = None,
+        on_accepted: Callable[[], None] | None = None,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Deltas of the whole answer; ``outcome`` is filled in as the flow decides.
+
+        ``prefill_tokens``: prompt tokens left to compute after the expected prefix-cache
+        hit, on whichever replica prefills (see EngineClient.generate).
+        """
+        first: GenerateChunk | None = None
+        if prefill is not None:
+            try:
+                first = await self._prefill(
+                    prefill, request, prefill_tokens, on_accepted, _consumer_of(decode)
+                )
+            except EngineFailed as error:
+                logger.warning("prefill on %s failed, prefilling locally: %s", prefill.name, error)
+                outcome.where, outcome.reason = "local", "prefill_failed"
+                prefill_tokens = None  # the decode replica's cache was not what was planned
+        if first is None:
+            if outcome.where == "remote":
+                outcome.where, outcome.reason = "local", "no_prefill_replica"
+            async for chunk in decode.generate(request, prefill_tokens, on_accepted):
+                yield chunk
+            return
+        handle = first.kv_transfer_params
+        if first.finish_reason == "stop" or request.sampling_params.max_tokens <= 1:
+            self._release(handle)
+            yield first
+            return
+        consumed = False
+        try:
+            # Inside the try: a client that leaves at the first token must free the KV too.
+            yield dataclasses.replace(first, finish_reason=None, stop_reason=None)
+            decode_request = _decode_request(request, first, self._kv.decode_params(handle))
+            async for chunk in decode.generate(decode_request, prefill_tokens=0):
+                consumed = True
+                yield chunk
+        finally:
+            if not consumed:
+                self._release(handle)
+
+    async def _prefill(
+        self,
+        prefill: EngineClient,
+        request: GenerateRequest,
+        prefill_tokens: int | None,
+        on_accepted: Callable[[], None] | None,
+        consumer: str | None,
+    ) -> GenerateChunk:
+        params = request.sampling_params.clone()
+        params.max_tokens = 1
+        params.min_tokens = min(params.min_tokens, 1)
+        prefill_request = dataclasses.replace(
+            request,
+            request_id=f"{request.request_id}-prefill",
+            sampling_params=params,
+            kv_transfer_params=self._kv.prefill_params(consumer),
+        )
+        first: GenerateChunk | None = None
+        async for chunk in prefill.generate(prefill_request, prefill_tokens, on_accepted):
+            first = chunk if first is None else _merge(first, chunk)
+        if first is None or not first.token_ids:
+            raise EngineFailed(f"{prefill.name} returned no first token")
+        return first
+
+    def _release(self, handle: dict[str, Any] | None) -> None:
+        if handle:
+            try:
+                self._kv.release(handle)
+            except Exception as error:  # the TTL frees it anyway
+                logger.warning("could not release KV transfer %s: %s", handle, error)
+
+
+def _consumer_of(decode: EngineClient) -> str | None:
+    """The decode engine's KV consumer id, once its replica has reported one."""
+    stats = decode.state.engine
+    return stats.kv_consumer if stats is not None else None
+
+
+def _decode_request(
+    request: GenerateRequest, first: GenerateChunk, kv_transfer_params: dict[str, Any]
+) -> GenerateRequest:
+    params = request.sampling_params.clone()
+    params.max_tokens = request.sampling_params.max_tokens - len(first.token_ids)
+    params.min_tokens = max(0, params.min_tokens - len(first.token_ids))
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}-decode",
+        prompt_token_ids=[*request.prompt_token_ids, *first.token_ids],
+        sampling_params=params,
+        kv_transfer_params=kv_transfer_params,
+    )
+
+
+def _merge(first: GenerateChunk, later: GenerateChunk) -> GenerateChunk:
+    return dataclasses.replace(
+        later,
+        token_ids=[*first.token_ids, *later.token_ids],
+        text=first.text + later.text,
+        num_cached_tokens=max(first.num_cached_tokens, later.num_cached_tokens),
+        kv_transfer_params=later.kv_transfer_params or first.kv_transfer_params,
+    )

@@ -1,0 +1,42 @@
+"""Replica choice: how the router picks one engine replica of a pool for a request.
+
+A policy is a class registered in ``REPLICA_CHOICES`` under the name configs use
+(``router.replica_choice``), with a ``settings_model`` for its block under
+``router.replica_choice_settings``. It gets only healthy replicas and the prompt's
+block hashes, and says why it chose as it did (the ``reason`` label of
+``splitserve_replica_choices_total``). The built-in ones are in
+``router/policies/replica_choices.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
+
+from splitserve.config_base import StrictModel
+from splitserve.registry import Registry
+
+if TYPE_CHECKING:
+    from router.pool.engine_client import EngineClient
+    from router.pool.prefix_index import PromptBlocks
+
+
+class Choice(NamedTuple):
+    replica: EngineClient
+    reason: str
+
+
+class ReplicaChoice(Protocol):
+    settings_model: ClassVar[type[StrictModel]]
+
+    def __init__(self, settings: StrictModel) -> None: ...
+
+    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice: ...
+
+
+REPLICA_CHOICES: Registry[type[ReplicaChoice]] = Registry(
+    "replica choice", __name__, builtins=("router.policies.replica_choices",)
+)
+
+
+def make_replica_choice(name: str, settings: StrictModel) -> ReplicaChoice:
+    return REPLICA_CHOICES.get(name)(settings)

@@ -1,0 +1,104 @@
+"""The built-in replica choices (see router/policies/replica_choice.py): round_robin,
+least_loaded, prefix_affinity."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+from pydantic import Field
+
+from router.policies.replica_choice import REPLICA_CHOICES, Choice
+from splitserve.config_base import StrictModel
+
+if TYPE_CHECKING:
+    from router.pool.engine_client import EngineClient
+    from router.pool.prefix_index import PromptBlocks
+
+
+@REPLICA_CHOICES.register("round_robin")
+class RoundRobin:
+    """The study's DP: each replica takes every n-th request and keeps its own queue."""
+
+    settings_model: ClassVar[type[StrictModel]] = StrictModel
+
+    def __init__(self, settings: StrictModel | None = None) -> None:
+        self._counter: Iterator[int] = itertools.count()
+
+    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
+        _require(replicas)
+        return Choice(replicas[next(self._counter) % len(replicas)], "round_robin")
+
+
+@REPLICA_CHOICES.register("least_loaded")
+class LeastLoaded:
+    """Fewest active requests (the router's or the engine's count, whichever is larger;
+    for a prefill replica, queued prefills), then the emptier KV cache; equal replicas
+    take turns."""
+
+    settings_model: ClassVar[type[StrictModel]] = StrictModel
+
+    def __init__(self, settings: StrictModel | None = None) -> None:
+        self._counter: Iterator[int] = itertools.count()
+
+    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
+        _require(replicas)
+        return Choice(self.pick(replicas), "least_loaded")
+
+    def pick(self, replicas: list[EngineClient]) -> EngineClient:
+        lightest = min(_load(r) for r in replicas)
+        tied = [r for r in replicas if _load(r) == lightest]
+        return tied[next(self._counter) % len(tied)]
+
+
+class PrefixAffinitySettings(StrictModel):
+    max_load_imbalance: int = Field(
+        4,
+        ge=0,
+        description="Requests a replica may carry beyond the least loaded one before a"
+        " prefix hit stops pulling traffic to it (one hot prefix must not pin one replica).",
+    )
+    min_hit_tokens: int = Field(1, ge=1, description="Shorter estimated hits count as no hit.")
+
+
+@REPLICA_CHOICES.register("prefix_affinity")
+class PrefixAffinity:
+    """The replica expected to hold the longest prefix of the prompt, unless it carries
+    more than ``max_load_imbalance`` requests beyond the least loaded replica: then the
+    least loaded takes it, so one hot prefix cannot pin all its traffic to one replica."""
+
+    settings_model: ClassVar[type[StrictModel]] = PrefixAffinitySettings
+
+    def __init__(self, settings: StrictModel | None = None) -> None:
+        self._config = (
+            settings if isinstance(settings, PrefixAffinitySettings) else PrefixAffinitySettings()
+        )
+        self._fallback = LeastLoaded()
+
+    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
+        _require(replicas)
+        hits = {r.name: r.state.cached_tokens(prompt) for r in replicas}
+        best = max(replicas, key=lambda r: (hits[r.name], -_requests(r)))
+        if hits[best.name] < self._config.min_hit_tokens:
+            return Choice(self._fallback.pick(replicas), "no_prefix_hit")
+        least = min(_requests(r) for r in replicas)
+        if _requests(best) - least > self._config.max_load_imbalance:
+            return Choice(self._fallback.pick(replicas), "load_guard")
+        return Choice(best, "prefix_hit")
+
+
+def _requests(replica: EngineClient) -> int:
+    # A prefill replica is busy with prefills only; the decodes its requests go on to
+    # elsewhere would make it look loaded for their whole length.
+    state = replica.state
+    return state.prefill_queue if replica.role == "prefill" else state.active
+
+
+def _load(replica: EngineClient) -> tuple[int, float]:
+    return _requests(replica), replica.state.kv_cache_usage
+
+
+def _require(replicas: list[EngineClient]) -> None:
+    if not replicas:
+        raise LookupError("no replica to choose from")

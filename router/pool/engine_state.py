@@ -1,0 +1,136 @@
+"""What each engine replica reports about its load, polled in the background.
+
+The router reads the latest snapshot when it routes; the same numbers are exported
+as gauges so a dashboard (and the tests) see what the router sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from engines.protocol import EngineStats
+from kv_transfer import KVRouterSide
+from kv_transfer.metrics import handover_seconds
+from router.observation.metrics import RouterMetrics
+from router.pool.engine_client import EngineClient
+from router.pool.engine_pool import EnginePool
+from router.pool.replica_state import MovingAverage
+
+# How vLLM counts prompt tokens whose KV came from another engine (EngineStats).
+TRANSFERRED_TOKENS = "external_kv_transfer"
+
+
+class TransferCostMeter:
+    """Seconds of KV hand-over per transferred prompt token: between two polls, the KV
+    backend's put and load seconds over the prompt tokens the engines report as
+    transferred, averaged over the intervals that moved any."""
+
+    def __init__(self, ema_weight: float) -> None:
+        self.seconds_per_token = MovingAverage(ema_weight)
+        self._last: tuple[float, int] | None = None
+
+    def update(self, snapshot: dict[str, Any], transferred_tokens: int) -> None:
+        seconds = handover_seconds(snapshot)
+        last, self._last = self._last, (seconds, transferred_tokens)
+        if last is None:
+            return
+        new_seconds, new_tokens = seconds - last[0], transferred_tokens - last[1]
+        # An engine that restarted counts from zero again: no sample from that interval.
+        if new_tokens > 0 and new_seconds >= 0:
+            self.seconds_per_token.add(new_seconds / new_tokens)
+
+    def estimate_s(self, tokens: int) -> float | None:
+        """The hand-over's expected time for a prompt of ``tokens``; None until measured."""
+        per_token = self.seconds_per_token.value
+        return None if per_token is None else per_token * tokens
+
+
+logger = logging.getLogger("splitserve.router")
+
+
+class EngineStatePoller:
+    def __init__(
+        self,
+        pool: EnginePool,
+        metrics: RouterMetrics,
+        interval_s: float,
+        unhealthy_after_failed_polls: int,
+        kv: KVRouterSide | None = None,
+        ema_weight: float = 0.2,
+    ) -> None:
+        self._pool = pool
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._kv = kv
+        self._unhealthy_after = unhealthy_after_failed_polls
+        self._failed_polls: dict[str, int] = {}
+        # The KV backend's last metrics snapshot (PD only), rendered at scrape time.
+        self.kv_transfer_snapshot: dict[str, Any] | None = None
+        self.transfer_cost = TransferCostMeter(ema_weight)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            started = time.perf_counter()
+            polls = [self._poll(replica) for replica in self._pool]
+            if self._kv is not None:
+                polls.append(self._poll_kv_metrics(self._kv))
+            await asyncio.gather(*polls)
+            if self._kv is not None and self.kv_transfer_snapshot is not None:
+                self.transfer_cost.update(self.kv_transfer_snapshot, self._transferred_tokens())
+            elapsed = time.perf_counter() - started
+            await asyncio.sleep(max(0.0, self._interval_s - elapsed))
+
+    def _transferred_tokens(self) -> int:
+        return sum(
+            replica.state.engine.prompt_tokens.get(TRANSFERRED_TOKENS, 0)
+            for replica in self._pool
+            if replica.state.engine is not None
+        )
+
+    async def _poll_kv_metrics(self, kv: KVRouterSide) -> None:
+        try:
+            self.kv_transfer_snapshot = await asyncio.wait_for(
+                kv.metrics_snapshot(), timeout=max(1.0, 5 * self._interval_s)
+            )
+        except Exception as error:
+            logger.debug("no KV transfer metrics: %s", error)
+
+    async def _poll(self, replica: EngineClient) -> None:
+        try:
+            stats: EngineStats = await asyncio.wait_for(
+                replica.link.stats(), timeout=max(1.0, 5 * self._interval_s)
+            )
+        except Exception as error:  # a replica that is starting or gone: keep the last view
+            logger.debug("no stats from %s: %s", replica.name, error)
+            failures = self._failed_polls.get(replica.name, 0) + 1
+            self._failed_polls[replica.name] = failures
+            if failures >= self._unhealthy_after:
+                replica.healthy = False
+            return
+        self._failed_polls[replica.name] = 0
+        replica.healthy = True
+        replica.state.update_engine(stats)
+        labels = (replica.name, replica.role)
+        gauges = self._metrics
+        gauges.engine_requests.labels(*labels, "running").set(stats.num_running)
+        gauges.engine_requests.labels(*labels, "waiting").set(stats.num_waiting)
+        gauges.engine_requests.labels(*labels, "unfinished").set(stats.num_unfinished)
+        gauges.engine_kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
+        for source, tokens in stats.prompt_tokens.items():
+            gauges.engine_prompt_tokens.labels(*labels, source).set(tokens)
+        gauges.engine_stats_age.labels(*labels).set(max(0.0, time.time() - stats.reported_at))
+        state = replica.state
+        if state.prefill_s_per_token.value is not None:
+            gauges.prefill_seconds_per_token.labels(replica.name).set(
+                state.prefill_s_per_token.value
+            )
+        if state.step_s.value is not None:
+            gauges.decode_step_seconds.labels(replica.name).set(state.step_s.value)

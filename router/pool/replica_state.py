@@ -1,0 +1,191 @@
+"""What the router knows about one engine replica when it routes.
+
+Two sources, combined: the router's own counts (exact and instant, but blind to other
+router processes) and the engine's last report (every ``stats_interval_s``, covering all
+routers, but stale by up to that interval plus a Ray round trip). Load figures take
+the larger of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engines.protocol import CacheUpdate, EngineStats
+from router.pool.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
+
+# The prefix-cache signals, as metrics label them: the engine's KV events, the mirror.
+KV_EVENTS, MIRROR = "kv_events", "mirror"
+
+
+class MovingAverage:
+    """Exponentially weighted; None until the first sample."""
+
+    def __init__(self, weight: float) -> None:
+        self._weight = weight
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += self._weight * (sample - self.value)
+
+
+@dataclass(slots=True)
+class PrefillTicket:
+    """One prefill the router has queued on a replica, until its first token."""
+
+    tokens: int
+    tokens_ahead: int
+    submitted_at: float
+    priority: int = 0
+    inside: bool = False  # let into the engine (past the router's prefill gate)
+    closed: bool = False
+
+
+@dataclass
+class ReplicaState:
+    ema_weight: float = 0.2
+    min_prefill_tokens_per_sample: int = 64
+    # How long a sent prompt's blocks count as cached before the engine's events say so.
+    kv_events_pending_s: float = 0.0
+    in_flight: int = 0
+    queued_prefills: int = 0
+    queued_prefill_tokens: int = 0
+    # Of those: inside the engine already (any priority: it runs them whatever comes),
+    # and still waiting at the router's prefill gate, by vLLM priority (lower first): a
+    # new request waits behind what is inside and what waits with its own or a better
+    # priority, as the gate and the engine order them.
+    inside_tokens: int = 0
+    waiting_tokens_by_priority: dict[int, int] = field(default_factory=dict)
+    engine: EngineStats | None = None
+    prefix: PrefixIndex | None = None
+    # From the engine's KV events, once it sends any (then the signal routing uses).
+    blocks: BlockIndex | None = None
+    # Seconds of time-to-first-token per prefill token queued ahead or in the prompt.
+    prefill_s_per_token: MovingAverage = field(init=False)
+    # Seconds between tokens: the decode step a new prompt is batched into.
+    step_s: MovingAverage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefill_s_per_token = MovingAverage(self.ema_weight)
+        self.step_s = MovingAverage(self.ema_weight)
+
+    # ---- load -----------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests on the replica: the router's own, or the engine's count if larger."""
+        engine = self.engine
+        reported = engine.num_running + engine.num_waiting if engine else 0
+        return max(self.in_flight, reported)
+
+    @property
+    def prefill_queue(self) -> int:
+        """Prefills queued or running on the replica."""
+        engine = self.engine
+        reported = engine.num_waiting if engine else 0
+        if engine is not None and engine.role == "prefill":
+            reported += engine.num_running  # a prefill replica runs nothing but prefills
+        return max(self.queued_prefills, reported)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.engine.kv_cache_usage if self.engine else 0.0
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.engine = stats
+        if stats.block_size and stats.kv_capacity_blocks:
+            prefix = self.prefix
+            if prefix is None or (prefix.block_size, prefix.capacity_blocks) != (
+                stats.block_size,
+                stats.kv_capacity_blocks,
+            ):
+                self.prefix = PrefixIndex(stats.block_size, stats.kv_capacity_blocks)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def cached_tokens(self, prompt: PromptBlocks) -> int:
+        """Leading prompt tokens the replica holds: by its KV events where it sends them,
+        else by the mirror of what the router sent it."""
+        if self._block_size and self.blocks is not None:
+            return self.blocks.cached_tokens(prompt, self._block_size)
+        return self.prefix.cached_tokens(prompt) if self.prefix else 0
+
+    @property
+    def prefix_signal(self) -> str:
+        return KV_EVENTS if self._block_size and self.blocks is not None else MIRROR
+
+    def cached_tokens_by_signal(self, prompt: PromptBlocks) -> dict[str, int]:
+        """Each available signal's count, for routing and for checking them against vLLM."""
+        counts = {MIRROR: self.prefix.cached_tokens(prompt) if self.prefix else 0}
+        if self._block_size and self.blocks is not None:
+            counts[KV_EVENTS] = self.blocks.cached_tokens(prompt, self._block_size)
+        return counts
+
+    @property
+    def _block_size(self) -> int:
+        return self.engine.block_size if self.engine is not None else 0
+
+    def record_prompt(self, prompt: PromptBlocks) -> None:
+        if self.prefix is not None:
+            self.prefix.record(prompt)
+        if self.blocks is not None and self._block_size:
+            self.blocks.expect(prompt, self._block_size)
+
+    def apply_cache_update(self, update: CacheUpdate) -> None:
+        if self.blocks is None:
+            self.blocks = BlockIndex(self.kv_events_pending_s)
+        self.blocks.apply(update)
+
+    # ---- time to first token --------------------------------------------------------------
+
+    def tokens_ahead(self, priority: int) -> int:
+        """Queued prefill tokens that go before a new request of ``priority``."""
+        waiting = self.waiting_tokens_by_priority
+        return self.inside_tokens + sum(t for p, t in waiting.items() if p <= priority)
+
+    def estimate_ttft_s(self, prefill_tokens: int, priority: int = 0) -> float | None:
+        """Queued prefill work ahead of this priority plus this prompt's, at the measured
+        per-token time, plus one decode step; None until the replica has been measured
+        (the router measures it before admitting anything: router/pool/calibration.py)."""
+        per_token = self.prefill_s_per_token.value
+        if per_token is None:
+            return None
+        step = self.step_s.value or 0.0
+        return (self.tokens_ahead(priority) + prefill_tokens) * per_token + step
+
+    def enqueue_prefill(self, tokens: int, now: float, priority: int = 0) -> PrefillTicket:
+        """A request that must compute ``tokens`` prompt tokens here before its first token;
+        one whose KV was transferred computes none and does not queue."""
+        ahead = self.tokens_ahead(priority)
+        ticket = PrefillTicket(tokens, ahead, now, priority, closed=tokens == 0)
+        if tokens:
+            self.queued_prefills += 1
+            self.queued_prefill_tokens += tokens
+            waiting = self.waiting_tokens_by_priority
+            waiting[priority] = waiting.get(priority, 0) + tokens
+        return ticket
+
+    def enter_engine(self, ticket: PrefillTicket) -> None:
+        """The router let the prefill into the engine: no later arrival overtakes it."""
+        if ticket.closed or ticket.inside:
+            return
+        ticket.inside = True
+        self.waiting_tokens_by_priority[ticket.priority] -= ticket.tokens
+        self.inside_tokens += ticket.tokens
+
+    def finish_prefill(self, ticket: PrefillTicket, now: float, first_token: bool) -> None:
+        """The first token arrived (a time sample) or the request ended without one."""
+        if ticket.closed:
+            return
+        ticket.closed = True
+        self.queued_prefills -= 1
+        self.queued_prefill_tokens -= ticket.tokens
+        if ticket.inside:
+            self.inside_tokens -= ticket.tokens
+        else:
+            self.waiting_tokens_by_priority[ticket.priority] -= ticket.tokens
+        work = ticket.tokens_ahead + ticket.tokens
+        if first_token and work >= self.min_prefill_tokens_per_sample:
+            self.prefill_s_per_token.add((now - ticket.submitted_at) / work)

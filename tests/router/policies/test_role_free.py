@@ -1,0 +1,160 @@
+"""A role-free pool (strategy auto) through the dispatcher, against fake engine links:
+which engine decodes, which prefills, and why; no Ray, no vLLM engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+from vllm import SamplingParams
+
+from deployments.config import parse_app_config
+from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
+from kv_transfer.handle import CONSUMER_KEY
+from router.dispatch import (
+    PEER_CHOICE,
+    PREFILL_HEADER,
+    PREFILL_REPLICA_HEADER,
+    REPLICA_HEADER,
+    Dispatch,
+    Dispatcher,
+)
+from router.policies.qos import ENGINE_PRIORITY
+from router.pool.engine_client import EngineClient
+from router.pool.engine_pool import EnginePool
+from tests.support.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
+
+LONG = list(range(1, 1001))
+SHORT = list(range(1, 11))
+PER_TOKEN_S = 0.001
+
+
+class RoleFreePool:
+    """Mixed engines over fake links (two unless told), each able to prefill for another."""
+
+    def __init__(self, transfer_s: float | None = None, engines: int = 2) -> None:
+        config = parse_app_config(
+            {
+                "strategy": "auto",
+                "pools": [{"role": "mixed", "replicas": engines}],
+                "router": {"replica_choice": "round_robin"},
+            }
+        )
+        self.links = [
+            FakeEngineLink(f"engine-{i}", "mixed", consumer=f"engine-{i}-consumer")
+            for i in range(engines)
+        ]
+        self.engines = [EngineClient(link.name, "mixed", link, 5.0) for link in self.links]
+        for engine in self.engines:
+            engine.state.update_engine(
+                EngineStats(
+                    replica=engine.name, role="mixed", kv_consumer=f"{engine.name}-consumer"
+                )
+            )
+            engine.state.prefill_s_per_token.add(PER_TOKEN_S)  # as calibration leaves it
+        self.kv = RecordingKV()
+        self.dispatcher = Dispatcher(
+            config.ingress_settings(), EnginePool(self.engines), self.kv, lambda _: transfer_s
+        )
+
+    def queue_prefill_on(self, index: int, tokens: int, priority: str = "normal") -> None:
+        self.engines[index].state.enqueue_prefill(tokens, 0.0, ENGINE_PRIORITY[priority])
+
+    def run(self, prompt: list[int], max_tokens: int = 4) -> tuple[Dispatch, list[GenerateChunk]]:
+        async def scenario() -> tuple[Dispatch, list[GenerateChunk]]:
+            request = GenerateRequest(
+                "req-1", "", list(prompt), SamplingParams(max_tokens=max_tokens)
+            )
+            dispatch = self.dispatcher.start(self.dispatcher.plan(request, "normal"))
+            try:
+                chunks = [chunk async for chunk in dispatch.stream]
+                await asyncio.sleep(0.01)
+            finally:
+                for engine in self.engines:
+                    await engine.stop()
+            return dispatch, chunks
+
+        return asyncio.run(scenario())
+
+
+def test_a_long_prompt_is_prefilled_by_the_engine_that_starts_it_sooner() -> None:
+    pool = RoleFreePool(transfer_s=0.01)
+    pool.queue_prefill_on(0, 5000)  # round robin picks engine-0 to decode; it is queued up
+    dispatch, chunks = pool.run(LONG, max_tokens=4)
+
+    (prefill,) = pool.links[1].submitted
+    assert prefill.sampling_params.max_tokens == 1
+    assert prefill.kv_transfer_params == {
+        "do_remote_decode": True,
+        CONSUMER_KEY: "engine-0-consumer",
+    }
+    (decode,) = pool.links[0].submitted
+    assert decode.prompt_token_ids == [*LONG, FIRST_TOKEN + len(LONG)]
+    assert decode.kv_transfer_params == {"do_remote_prefill": True, **handle_of(pool.links[1])}
+    assert len([t for c in chunks for t in c.token_ids]) == 4
+    headers = dispatch.response_headers()
+    assert headers[REPLICA_HEADER] == "engine-0"
+    assert headers[PREFILL_REPLICA_HEADER] == "engine-1"
+    assert headers[PREFILL_HEADER] == "remote:remote_sooner"
+    assert dispatch.plan.prefill is not None and dispatch.plan.prefill.reason == PEER_CHOICE
+    assert pool.dispatcher.policy_of("mixed", prefill=True) == PEER_CHOICE
+    assert pool.dispatcher.policy_of("mixed") == "round_robin"
+
+
+def test_the_peer_is_chosen_by_the_work_ahead_of_the_prompts_own_priority() -> None:
+    """engine-1 holds more waiting work, but engine-2's goes first: all of it high
+    priority, ahead of a normal prompt. Counted as high priority (the prompt's own work
+    ahead only), engine-1 would look idle."""
+    pool = RoleFreePool(transfer_s=0.01, engines=3)
+    pool.queue_prefill_on(0, 9000)  # round robin picks engine-0 to decode; it is queued up
+    pool.queue_prefill_on(1, 3000, "normal")
+    pool.queue_prefill_on(2, 2000, "high")
+    dispatch, _ = pool.run(LONG, max_tokens=4)
+
+    assert dispatch.response_headers()[PREFILL_REPLICA_HEADER] == "engine-2"
+    assert [len(link.submitted) for link in pool.links] == [1, 0, 1]
+
+
+def test_a_short_prompt_runs_where_it_decodes() -> None:
+    pool = RoleFreePool()
+    pool.queue_prefill_on(0, 5000)
+    dispatch, _ = pool.run(SHORT)
+
+    assert pool.links[1].submitted == []
+    assert [r.prompt_token_ids for r in pool.links[0].submitted] == [SHORT]
+    assert dispatch.response_headers()[PREFILL_HEADER] == "local:short_prompt"
+
+
+def test_a_slow_hand_over_keeps_a_long_prompt_local() -> None:
+    pool = RoleFreePool(transfer_s=1.0)
+    pool.queue_prefill_on(0, 5000)
+    dispatch, _ = pool.run(LONG)
+
+    assert pool.links[1].submitted == []
+    assert dispatch.response_headers()[PREFILL_HEADER] == "local:transfer_too_slow"
+
+
+def test_equal_engines_keep_the_prompt_where_it_decodes() -> None:
+    pool = RoleFreePool(transfer_s=0.01)
+    dispatch, _ = pool.run(LONG)
+
+    assert pool.links[1].submitted == []
+    assert dispatch.response_headers()[PREFILL_HEADER] == "local:local_sooner"
+
+
+def test_with_no_healthy_peer_the_decode_engine_prefills() -> None:
+    pool = RoleFreePool()
+    pool.queue_prefill_on(0, 5000)
+    pool.engines[1].healthy = False
+    dispatch, _ = pool.run(LONG)
+
+    assert pool.links[1].submitted == []
+    assert dispatch.response_headers()[PREFILL_HEADER] == "local:no_peer"
+
+
+def test_an_engine_that_cannot_take_a_request_is_replanned_on_the_other() -> None:
+    pool = RoleFreePool()
+    plan = pool.dispatcher.plan(GenerateRequest("r", "", SHORT, SamplingParams()), "normal")
+    elsewhere = pool.dispatcher.replan_elsewhere(plan)
+
+    assert elsewhere is not None
+    assert elsewhere.main.replica.name != plan.main.replica.name

@@ -1,0 +1,168 @@
+"""The exact prefix signal: vLLM's KV events named by the router's chained hashes on the
+engine side (BlockNames), and the block set the router keeps from them (BlockIndex)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+from engines.kv_events import FOLDER_PREFIX, BlockNames, KVEventRelay, remove_orphaned_folders
+from engines.protocol import CacheUpdate
+from router.pool.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
+from router.pool.replica_state import KV_EVENTS, MIRROR, ReplicaState
+
+BLOCK = 4
+PROMPT = list(range(100, 113))  # three full blocks and one token
+
+
+def _stored(
+    hashes: list[int], parent: int | None, tokens: list[int], **extra: object
+) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BLOCK,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def _index_of(names: BlockNames, *events: object) -> BlockIndex:
+    index = BlockIndex()
+    for event in events:
+        update = names.apply(event)
+        if update is not None:
+            index.apply(update)
+    return index
+
+
+def test_stored_blocks_are_found_by_the_routers_own_prompt_hashes() -> None:
+    names = BlockNames()
+    # vLLM stores the prompt's blocks in two events, the second chained to the first.
+    index = _index_of(names, _stored([11, 12], None, PROMPT[:8]), _stored([13], 12, PROMPT[8:12]))
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 12
+    assert index.cached_tokens(PromptBlocks(PROMPT[:12]), BLOCK) == 8  # the last token is computed
+    assert index.cached_tokens(PromptBlocks([1, *PROMPT]), BLOCK) == 0  # another first block
+    # The mirror, given the same prompt, agrees: one chain of hashes for both.
+    mirror = PrefixIndex(BLOCK, 100)
+    mirror.record(PromptBlocks(PROMPT))
+    assert mirror.cached_tokens(PromptBlocks(PROMPT)) == 12
+
+
+def test_an_evicted_block_ends_the_hit_where_the_mirror_sees_nothing() -> None:
+    names = BlockNames()
+    index = _index_of(names, _stored([11, 12, 13], None, PROMPT[:12]), BlockRemoved([12], "GPU"))
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 4
+
+
+def test_cleared_and_unreachable_blocks_count_for_nothing() -> None:
+    names = BlockNames()
+    index = _index_of(names, _stored([11], None, PROMPT[:4]), AllBlocksCleared())
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 0
+    # A child whose parent's store was never seen cannot be named, nor can salted blocks.
+    orphan = _index_of(BlockNames(), _stored([12], 11, PROMPT[4:8]))
+    assert len(orphan) == 0
+    salted = _index_of(BlockNames(), _stored([11], None, PROMPT[:4], extra_keys=[("salt",)]))
+    assert len(salted) == 0
+
+
+def test_a_snapshot_replaces_the_index_and_repeated_changes_count_once() -> None:
+    names = BlockNames()
+    first = names.apply(_stored([11, 12], None, PROMPT[:8]))
+    assert first is not None
+    index = BlockIndex()
+    index.apply(first)
+    index.apply(first)  # crossed the snapshot: applied twice, held once
+    index.apply(CacheUpdate(removed=[12]))
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 4
+    index.apply(names.snapshot())  # the engine's own view, whole
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 8
+
+
+def test_two_engine_blocks_of_one_content_stay_until_both_are_gone() -> None:
+    names = BlockNames()
+    index = _index_of(names, _stored([11], None, PROMPT[:4]), _stored([21], None, PROMPT[:4]))
+    index.apply(CacheUpdate(removed=[11]))
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 4
+    index.apply(CacheUpdate(removed=[21]))
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 0
+
+
+def test_a_replica_routes_by_events_once_it_has_them_and_reports_both_signals() -> None:
+    from engines.protocol import EngineStats
+
+    state = ReplicaState()
+    state.update_engine(
+        EngineStats(replica="e", role="mixed", block_size=BLOCK, kv_capacity_blocks=100)
+    )
+    prompt = PromptBlocks(PROMPT)
+    state.record_prompt(prompt)  # the mirror believes it is cached
+    assert state.prefix_signal == MIRROR and state.cached_tokens(prompt) == 12
+    state.apply_cache_update(CacheUpdate(cleared=True))  # the engine says: nothing held
+    assert state.prefix_signal == KV_EVENTS
+    assert state.cached_tokens_by_signal(prompt) == {MIRROR: 12, KV_EVENTS: 0}
+    assert state.cached_tokens(prompt) == 0
+
+
+def test_a_sent_prompt_counts_until_its_events_confirm_or_evict_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("router.pool.prefix_index.time.monotonic", lambda: clock[0])
+    names = BlockNames()
+    index = BlockIndex(pending_s=2.0)
+    prompt = PromptBlocks(PROMPT)
+    index.expect(prompt, BLOCK)  # sent, still prefilling: a second request would find it
+    assert index.cached_tokens(prompt, BLOCK) == 12
+    clock[0] += 2.5  # never confirmed (aborted before it ran): it lapses
+    assert index.cached_tokens(prompt, BLOCK) == 0
+    index.expect(prompt, BLOCK)
+    stored = names.apply(_stored([11, 12, 13], None, PROMPT[:12]))
+    assert stored is not None
+    index.apply(stored)
+    clock[0] += 10  # confirmed: held for as long as the engine holds it
+    assert index.cached_tokens(prompt, BLOCK) == 12
+    index.expect(prompt, BLOCK)  # sent again while held: nothing pending
+    index.apply(CacheUpdate(removed=[12]))  # evicted: the hit ends there at once
+    assert index.cached_tokens(prompt, BLOCK) == 4
+
+
+def test_without_a_pending_time_only_events_count() -> None:
+    index = BlockIndex()
+    index.expect(PromptBlocks(PROMPT), BLOCK)
+    assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 0
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_killed_owners_ipc_folder_is_removed_and_live_ones_stay(tmp_path: Path) -> None:
+    orphaned = tmp_path / f"{FOLDER_PREFIX}{_dead_pid()}-abc"
+    live = tmp_path / f"{FOLDER_PREFIX}{os.getpid()}-def"
+    unnamed = tmp_path / f"{FOLDER_PREFIX}nopid"
+    for folder in (orphaned, live, unnamed):
+        folder.mkdir()
+        (folder / "engine-0.sock").touch()
+    assert remove_orphaned_folders(tmp_path) == [orphaned]
+    assert not orphaned.exists()
+    assert live.exists() and unnamed.exists()
+
+
+def test_a_relay_names_its_folder_after_its_process_and_removes_it_on_stop() -> None:
+    relay = KVEventRelay("engine-0", deliver=lambda update: None)
+    folder = Path(relay.endpoint.removeprefix("ipc://")).parent
+    assert folder.name.startswith(f"{FOLDER_PREFIX}{os.getpid()}-")
+    assert folder.is_dir()
+    relay.stop()
+    assert not folder.exists()
