@@ -54,7 +54,8 @@ class ScrapeTargets:
     scrape_interval: str | None = None  # e.g. "1s" for tests
     # Ray's per-node endpoints keep every counter and histogram of every process the
     # cluster ever ran, so a long-lived cluster's page takes seconds to render on a busy
-    # node; the scrape timeout is the interval, so these may need a longer one.
+    # node: these may need a longer interval, and the same timeout (a job's timeout is
+    # otherwise the global one, which a short global interval caps).
     ray_scrape_interval: str | None = None
 
 
@@ -123,6 +124,7 @@ def render_config(targets: ScrapeTargets, template: Path = CONFIG_TEMPLATE) -> d
         jobs[RAY_JOB]["file_sd_configs"] = [{"files": [str(targets.ray_discovery_file)]}]
     if targets.ray_scrape_interval:
         jobs[RAY_JOB]["scrape_interval"] = targets.ray_scrape_interval
+        jobs[RAY_JOB]["scrape_timeout"] = targets.ray_scrape_interval
     return config
 
 

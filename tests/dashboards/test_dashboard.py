@@ -178,7 +178,7 @@ def test_prometheus_config_is_valid_and_renders_targets(tmp_path: Path) -> None:
     assert jobs[LOADGEN_JOB]["static_configs"] == [{"targets": ["10.0.0.2:9400"]}]
     assert jobs[RAY_JOB]["file_sd_configs"] == [{"files": ["/r/sd.json"]}]
     assert config["global"]["scrape_interval"] == "1s"
-    assert jobs[RAY_JOB]["scrape_interval"] == "5s"
+    assert jobs[RAY_JOB]["scrape_interval"] == jobs[RAY_JOB]["scrape_timeout"] == "5s"
     assert "scrape_interval" not in jobs[ROUTER_JOB]
     # Ray's names are mapped back: ray_vllm_x -> vllm:x, ray_splitserve_x -> splitserve_x
     replacements = {r.get("replacement") for r in jobs[RAY_JOB]["metric_relabel_configs"]}
