@@ -26,7 +26,7 @@ from deployments.config import AppConfig, parse_app_config
 from engines.settings import EngineBackendConfig
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
-from router import ingress
+from router.http import ingress
 from router.http.ingress import Router
 from tests.support.fake_engine import RecordingKV
 
