@@ -13,13 +13,12 @@ import httpx
 import pytest
 import yaml
 
-from deployments.launcher import RunningApp
+from deployments.launcher import RunningApp, config_path
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
 
-DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 WINDOW = 4
 PROMPT_TOKENS = 30  # three times the profile's 10: drift
 OUTPUT_TOKENS = 4  # as profiled
@@ -31,7 +30,7 @@ def recording_app(
 ) -> tuple[RunningApp, Path]:
     folder = tmp_path_factory.mktemp("traffic")
     record = folder / "traffic.jsonl"
-    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
+    document = yaml.safe_load(config_path("dp").read_text())
     args = document["applications"][0]["args"]
     args["engine"] = {"backend": "synthetic"}
     args["router"] = {
