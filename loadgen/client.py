@@ -36,6 +36,8 @@ ERROR_BODY_LIMIT = 2000
 JSON_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 API_KEY_VARIABLE = "OPENAI_API_KEY"
 REQUEST_ID_HEADER = "x-request-id"
+# The router's (router/dispatch.py); loadgen imports no server package.
+PREFILL_HEADER = "x-splitserve-prefill"
 
 
 def request_headers(
@@ -87,6 +89,9 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     request_id: str | None = None  # sent as x-request-id (--request-id-prefix)
+    # Where a splitserve router computed the prompt and why (``local:short_prompt``,
+    # ``remote:decode_busy``): its response header, for per-request placement.
+    prefill: str | None = None
 
     @property
     def status_key(self) -> str:
@@ -213,6 +218,7 @@ class StreamingClient:
         headers = {REQUEST_ID_HEADER: record.request_id} if record.request_id else None
         async with session.post(self._url, data=payload, headers=headers) as response:
             record.status = response.status
+            record.prefill = response.headers.get(PREFILL_HEADER)
             if response.status != 200:
                 await _classify_refusal(response, record)
                 return

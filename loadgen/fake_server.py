@@ -406,6 +406,8 @@ class _Connection(asyncio.Protocol):
     def _stream_head() -> bytes:
         return (
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            # As a splitserve router says where it computed the prompt.
+            b"x-splitserve-prefill: local:fake\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
 

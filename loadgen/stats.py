@@ -71,6 +71,7 @@ class RequestMetrics:
     e2e_s: float | None
     itl_s: tuple[float, ...]
     chunks: ChunkTimes | None = None  # completed requests only
+    prefill: str | None = None  # a splitserve router's x-splitserve-prefill: where, why
 
     @property
     def input_tokens(self) -> int:
@@ -150,6 +151,7 @@ def request_metrics(record: RequestRecord, run_start: float) -> RequestMetrics:
         e2e_s=e2e,
         itl_s=tuple(gaps),
         chunks=chunk_times(record) if ok else None,
+        prefill=record.prefill,
     )
 
 

@@ -78,6 +78,8 @@ async def test_run_counts_latencies_and_server_view(paced_server: str) -> None:
     assert s.itl.p50 < s.ttft.p50
     assert result.mode == "fake-tp" and result.model == "fake-model"
     assert len([m for m in result.requests if m.warmup]) == 1
+    # Where the router computed each prompt, from its x-splitserve-prefill header.
+    assert {m.prefill for m in result.requests} == {"local:fake"}
     assert result.server.prefill_local == 20 and result.server.rejections == 0
     assert set(result.server.gpu_utilization_pct) == {"0", "1"}
     assert result.server.gpu_imbalance_pct is not None
