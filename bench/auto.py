@@ -1,0 +1,354 @@
+"""Does the self-deciding split pay? (benchmark, not a test; issue 26)
+
+The same two engines in four shapes: dp.yaml (two replicas), pd.yaml (conditional
+prefill/decode), pd_always.yaml (every prompt prefilled remotely) and auto.yaml (no
+roles; the router picks local or remote prefill, and which engine, per request). Each
+shape serves two workloads, the client at the niceness this script runs at:
+
+- **A phase-shifting trace**: chat (short prompts, long answers), then summarization
+  (long prompts, short answers), then chat again, each phase at its own Poisson rate,
+  with no pause at a phase change. It is written as a traffic record and replayed
+  (``--trace recorded``), so every shape gets the same requests at the same seconds.
+- **A BurstGPT replay**: the BurstGPT-shaped generator's trace (``T-burst-replay``; the
+  real trace is not reachable from this box), sped up to ``--burst-rate``.
+
+Per shape and phase: goodput (requests per second that meet both the TTFT and the TPOT
+objective, as DistServe counts it), SLO attainment, where prompts were prefilled (each
+response's ``x-splitserve-prefill``, as the load generator records it), and the time to
+adapt after each phase change: the first second from which the SLO attainment of the
+requests sent in the next ``ADAPT_WINDOW_S`` is back within ``ADAPT_MARGIN`` of what the
+phase settles at (its second half). A shape that never gets there is charged the whole
+phase. Dropped requests are failures other than a refusal (429/503 from QoS).
+
+Rounds run one after another on one started application; the table shows each figure's
+median over the rounds, and the JSON keeps every round.
+
+    nice -n 15 python bench/auto.py [--rounds 2] [--phase-s 30] [--only dp,pd,pd_always,auto]
+        [--out results/auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
+from rich.console import Console
+from rich.table import Table
+
+from deployments.launcher import serve_run
+from loadgen.burstgpt import BURSTGPT_MEAN_RATE
+from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.recorded import RECORDED_WORKLOAD
+from loadgen.runner import RunResult, execute_run
+from loadgen.stats import RequestMetrics, ServiceLevel
+
+console = Console()
+SHAPES = ("dp", "pd", "pd_always", "auto")
+# The tiny model on two cores, as bench/policies.py: pd.yaml's QoS defends this TTFT.
+SLO_TTFT_MS = 1000.0
+SLO_TPOT_MS = 50.0
+LENGTH_SPREAD = 0.25  # each phase's lengths are uniform in L * (1 +- this)
+ADAPT_WINDOW_S = 5.0
+ADAPT_STEP_S = 1.0
+ADAPT_MARGIN = 0.10  # attainment back within 10 points of the phase's settled figure
+MIN_WINDOW_REQUESTS = 3
+REFUSED = {"429", "503"}
+RECORD_BLOCK_TOKENS = 16  # the record format's block size; the trace shares no blocks
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    input_len: int
+    output_len: int
+    rate: float  # requests/s, Poisson
+
+
+def default_phases(chat_rate: float, summarize_rate: float) -> list[Phase]:
+    chat = Phase("chat", input_len=128, output_len=192, rate=chat_rate)
+    summarize = Phase("summarize", input_len=1800, output_len=24, rate=summarize_rate)
+    return [chat, summarize, chat]
+
+
+@dataclass(frozen=True)
+class PhaseWindow:
+    name: str
+    start_s: float
+    end_s: float
+
+
+def write_phase_trace(
+    phases: list[Phase], phase_s: float, seed: int, path: Path
+) -> list[PhaseWindow]:
+    """The phases as a traffic record (router/observation/traffic_record.py's format)."""
+    rng = np.random.default_rng(seed)
+    rows, windows, start = [], [], 0.0
+    for phase in phases:
+        # The first request at 0: the replay counts from it, and the windows from 0.
+        at = start + (rng.exponential(1 / phase.rate) if rows else 0.0)
+        while at < start + phase_s:
+            rows.append(
+                {
+                    "t": round(at, 6),
+                    "in": _spread(rng, phase.input_len),
+                    "out": _spread(rng, phase.output_len),
+                    "prefix": [],
+                }
+            )
+            at += rng.exponential(1 / phase.rate)
+        windows.append(PhaseWindow(phase.name, start, start + phase_s))
+        start += phase_s
+    header = {"version": 1, "block_tokens": RECORD_BLOCK_TOKENS, "started": 0.0}
+    lines = [json.dumps({"header": header}), *(json.dumps(row) for row in rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return windows
+
+
+def _spread(rng: np.random.Generator, length: int) -> int:
+    return max(1, int(rng.uniform(length * (1 - LENGTH_SPREAD), length * (1 + LENGTH_SPREAD))))
+
+
+def placements(requests: list[RequestMetrics]) -> dict[str, int]:
+    """Where the router computed each prompt (its x-splitserve-prefill header), by
+    ``where:reason`` and by ``where``."""
+    counts: Counter[str] = Counter()
+    for request in requests:
+        if request.prefill:
+            counts[request.prefill] += 1
+            counts[request.prefill.split(":", 1)[0]] += 1
+    return dict(sorted(counts.items()))
+
+
+def phase_figures(
+    requests: list[RequestMetrics], window: PhaseWindow, level: ServiceLevel
+) -> dict[str, Any]:
+    inside = [
+        r for r in requests if not r.warmup and window.start_s <= r.scheduled_s < window.end_s
+    ]
+    met = [r for r in inside if level.met_by(r)]
+    failed = [r for r in inside if r.outcome != "ok"]
+    return {
+        "phase": window.name,
+        "requests": len(inside),
+        "goodput": len(met) / (window.end_s - window.start_s),
+        "slo_attainment": len(met) / len(inside) if inside else None,
+        "ttft_p50_ms": _p50_ms([r.ttft_s for r in inside]),
+        "tpot_p50_ms": _p50_ms([r.tpot_s for r in inside]),
+        "refused": sum(r.status in REFUSED for r in failed),
+        "dropped": sum(r.status not in REFUSED for r in failed),
+        "adapt_s": adapt_seconds(inside, window, level),
+        "prefill": placements(inside),
+    }
+
+
+def _p50_ms(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) * 1000 if present else None
+
+
+def adapt_seconds(
+    inside: list[RequestMetrics], window: PhaseWindow, level: ServiceLevel
+) -> float | None:
+    """Seconds from the phase's start until the attainment of a sliding window of sent
+    requests first comes back within ADAPT_MARGIN of the phase's second half."""
+    middle = (window.start_s + window.end_s) / 2
+    settled = [level.met_by(r) for r in inside if r.scheduled_s >= middle]
+    if not settled:
+        return None
+    target = sum(settled) / len(settled) - ADAPT_MARGIN
+    at = window.start_s
+    while at + ADAPT_WINDOW_S <= window.end_s:
+        sent = [r for r in inside if at <= r.scheduled_s < at + ADAPT_WINDOW_S]
+        if len(sent) >= MIN_WINDOW_REQUESTS and sum(map(level.met_by, sent)) / len(sent) >= target:
+            return at - window.start_s
+        at += ADAPT_STEP_S
+    return window.end_s - window.start_s
+
+
+def whole_run(result: RunResult, seconds: float, level: ServiceLevel) -> dict[str, Any]:
+    s = result.summary
+    measured = [r for r in result.requests if not r.warmup]
+    failed = [r for r in measured if r.outcome != "ok"]
+    met = sum(map(level.met_by, measured))
+    return {
+        "requests": len(measured),
+        "goodput": met / seconds,
+        "slo_attainment": met / len(measured) if measured else None,
+        "ttft_p50_ms": s.ttft.p50 * 1000,
+        "itl_mean_ms": s.itl.mean * 1000,
+        "itl_p50_ms": s.itl.p50 * 1000,
+        "refused": sum(r.status in REFUSED for r in failed),
+        "dropped": sum(r.status not in REFUSED for r in failed),
+    }
+
+
+def run_config(base_url: str, args: argparse.Namespace, **fields: Any) -> RunConfig:
+    return RunConfig(
+        base_url=base_url,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        show_progress=False,
+        # Each response says where its prompt ran; scraping would only add load.
+        server_metrics=False,
+        **fields,
+    )
+
+
+def measure_shape(
+    shape: str, trace: Path, windows: list[PhaseWindow], args: argparse.Namespace
+) -> dict[str, Any]:
+    level = ServiceLevel(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
+    trace_requests = sum(1 for line in trace.read_text().splitlines()[1:] if line)
+    rounds = []
+    with serve_run(shape) as app:
+        for index in range(args.rounds):
+            # Same lengths and seconds every round, new tokens: a round that resent the
+            # last round's prompts would find them in the prefix cache.
+            replay = run_config(
+                app.base_url,
+                args,
+                workload=WorkloadConfig(name=RECORDED_WORKLOAD, trace_file=trace),
+                num_requests=trace_requests,
+                seed=args.seed + index,
+            )
+            phases = asyncio.run(execute_run(replay, Console(quiet=True)))
+            rows = [phase_figures(phases.requests, window, level) for window in windows]
+            trace_s = windows[-1].end_s
+            burst = asyncio.run(
+                execute_run(
+                    run_config(
+                        app.base_url,
+                        args,
+                        workload=WorkloadConfig(
+                            name="T-burst-replay",
+                            trace="burstgpt-synthetic",
+                            time_scale=BURSTGPT_MEAN_RATE / args.burst_rate,
+                        ),
+                        num_requests=args.burst_requests,
+                        seed=args.seed + 100 + index,
+                    ),
+                    Console(quiet=True),
+                )
+            )
+            rounds.append(
+                {
+                    "phases": rows,
+                    "trace": whole_run(phases, trace_s, level),
+                    "burstgpt": whole_run(burst, burst.summary.duration_s, level),
+                }
+            )
+            console.print(
+                f"  {shape} round {index + 1}: trace goodput {rounds[-1]['trace']['goodput']:.2f},"
+                f" BurstGPT {rounds[-1]['burstgpt']['goodput']:.2f}"
+            )
+    return {"rounds": rounds}
+
+
+def median_of(rounds: list[dict[str, Any]], pick: Any) -> float | None:
+    values = [v for v in (pick(r) for r in rounds) if v is not None]
+    return statistics.median(values) if values else None
+
+
+def print_tables(results: dict[str, Any], windows: list[PhaseWindow]) -> None:
+    phases = Table(title="phase-shifting trace: medians over the rounds")
+    for column in ("shape", "phase", "goodput", "SLO met", "TTFT p50", "TPOT p50"):
+        phases.add_column(column, justify="right")
+    for column in ("adapt", "remote/local", "refused", "dropped"):
+        phases.add_column(column, justify="right")
+    for shape, result in results.items():
+        rounds = result["rounds"]
+        for i, window in enumerate(windows):
+
+            def at(key: str, i: int = i, rounds: list[dict[str, Any]] = rounds) -> float | None:
+                return median_of(rounds, lambda r: r["phases"][i][key])
+
+            phases.add_row(
+                shape,
+                f"{i + 1}. {window.name}",
+                _fmt(at("goodput"), "{:.2f}"),
+                _fmt(at("slo_attainment"), "{:.0%}"),
+                _fmt(at("ttft_p50_ms"), "{:.0f} ms"),
+                _fmt(at("tpot_p50_ms"), "{:.1f} ms"),
+                "-" if i == 0 else _fmt(at("adapt_s"), "{:.0f} s"),
+                f"{_fmt(_prefill(rounds, i, 'remote'), '{:.0f}')}"
+                f"/{_fmt(_prefill(rounds, i, 'local'), '{:.0f}')}",
+                _fmt(at("refused"), "{:.0f}"),
+                _fmt(at("dropped"), "{:.0f}"),
+            )
+    console.print(phases)
+    whole = Table(title="whole runs: medians over the rounds (goodput, SLO met, dropped)")
+    for column in ("shape", "trace", "BurstGPT replay", "ITL mean / p50 (trace)"):
+        whole.add_column(column, justify="right")
+    for shape, result in results.items():
+        rounds = result["rounds"]
+        whole.add_row(
+            shape,
+            _whole_cell(rounds, "trace"),
+            _whole_cell(rounds, "burstgpt"),
+            f"{_fmt(median_of(rounds, lambda r: r['trace']['itl_mean_ms']), '{:.1f}')} /"
+            f" {_fmt(median_of(rounds, lambda r: r['trace']['itl_p50_ms']), '{:.1f}')} ms",
+        )
+    console.print(whole)
+
+
+def _prefill(rounds: list[dict[str, Any]], phase: int, where: str) -> float | None:
+    return median_of(rounds, lambda r: r["phases"][phase]["prefill"].get(where))
+
+
+def _whole_cell(rounds: list[dict[str, Any]], run: str) -> str:
+    goodput = median_of(rounds, lambda r: r[run]["goodput"])
+    attainment = median_of(rounds, lambda r: r[run]["slo_attainment"])
+    dropped = max(r[run]["dropped"] for r in rounds)
+    return f"{_fmt(goodput, '{:.2f}')}, {_fmt(attainment, '{:.0%}')}, {dropped}"
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default=",".join(SHAPES), help="shapes (YAML names) to run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--phase-s", type=float, default=30.0, help="seconds per phase")
+    parser.add_argument("--chat-rate", type=float, default=8.0)
+    parser.add_argument("--summarize-rate", type=float, default=4.5)
+    parser.add_argument("--burst-rate", type=float, default=4.0, help="BurstGPT replay, req/s")
+    parser.add_argument("--burst-requests", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS)
+    parser.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS)
+    parser.add_argument("--out", type=Path, default=Path("results/auto"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    phases = default_phases(args.chat_rate, args.summarize_rate)
+    trace = Path(tempfile.mkdtemp(prefix="splitserve-auto-")) / "phases.jsonl"
+    windows = write_phase_trace(phases, args.phase_s, args.seed, trace)
+    results = {}
+    for shape in args.only.split(","):
+        console.rule(f"{shape}.yaml")
+        results[shape] = measure_shape(shape, trace, windows, args)
+        # Saved after every shape: a later shape's failure keeps the earlier figures.
+        report = {
+            "phases": [asdict(p) for p in phases],
+            "windows": [asdict(w) for w in windows],
+            "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "shapes": results,
+        }
+        (args.out / "auto.json").write_text(json.dumps(report, indent=2, default=str))
+    print_tables(results, windows)
+    console.print(f"saved {args.out / 'auto.json'}")
+
+
+if __name__ == "__main__":
+    main()
