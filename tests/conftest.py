@@ -1,7 +1,8 @@
 """Shared fixtures: one real Ray cluster for the session, applications started with ``serve run``.
 
 The session ends by stopping Ray and checking that no Ray or vLLM process it started
-is left; leftovers are killed and reported as an error, also when tests failed.
+is left; leftovers are killed and reported as an error, also when tests failed. The
+KV-event folders of engine hosts that tests killed are removed, as a new relay would.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,6 +33,7 @@ if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
+from engines.kv_events import remove_orphaned_folders  # noqa: E402
 from tests.support.local_ports import forget_cluster, free_port  # noqa: E402
 from tests.support.served_apps import ServedApps  # noqa: E402
 
@@ -91,6 +94,9 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _signal_all(_wait_gone(lambda: _session_pids(token), timeout_s=10), signal.SIGKILL)
         leftovers = _wait_gone(lambda: _session_pids(token), timeout_s=10)
         forget_cluster(port)
+        # An engine host that a test killed could not remove its KV-event folder; the
+        # next relay on the node would (engines/kv_events.py), but none starts after this.
+        remove_orphaned_folders(Path(tempfile.gettempdir()))
         assert not leaked_engines, f"vLLM engines outlived their apps: {sorted(leaked_engines)}"
         assert not leftovers, f"processes survived SIGKILL: {sorted(leftovers)}"
 
