@@ -44,7 +44,7 @@ import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from rich.console import Console
 from rich.table import Table
 
-from deployments.launcher import serve_run
+from deployments.launcher import config_path, serve_run
 from loadgen.burstgpt import BURSTGPT_MEAN_RATE
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.recorded import RECORDED_WORKLOAD
@@ -317,7 +317,9 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", default=",".join(SHAPES), help="shapes (YAML names) to run")
+    parser.add_argument(
+        "--only", default=",".join(SHAPES), help="shapes to run: YAML names or paths"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--phase-s", type=float, default=30.0, help="seconds per phase")
     parser.add_argument("--chat-rate", type=float, default=8.0)
@@ -335,7 +337,7 @@ def main() -> None:
     windows = write_phase_trace(phases, args.phase_s, args.seed, trace)
     results = {}
     for shape in args.only.split(","):
-        console.rule(f"{shape}.yaml")
+        console.rule(config_path(shape).name)
         results[shape] = measure_shape(shape, trace, windows, args)
         # Saved after every shape: a later shape's failure keeps the earlier figures.
         report = {
