@@ -47,7 +47,7 @@ from rich.table import Table
 from deployments.launcher import config_path, serve_run
 from loadgen.burstgpt import BURSTGPT_MEAN_RATE
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.recorded import RECORDED_WORKLOAD
+from loadgen.recorded import RECORDED_WORKLOAD, SUPPORTED_VERSION, read_record
 from loadgen.runner import RunResult, execute_run
 from loadgen.stats import RequestMetrics, ServiceLevel
 
@@ -61,7 +61,6 @@ ADAPT_WINDOW_S = 5.0
 ADAPT_STEP_S = 1.0
 ADAPT_MARGIN = 0.10  # attainment back within 10 points of the phase's settled figure
 MIN_WINDOW_REQUESTS = 3
-REFUSED = {"429", "503"}
 RECORD_BLOCK_TOKENS = 16  # the record format's block size; the trace shares no blocks
 
 
@@ -107,7 +106,7 @@ def write_phase_trace(
             at += rng.exponential(1 / phase.rate)
         windows.append(PhaseWindow(phase.name, start, start + phase_s))
         start += phase_s
-    header = {"version": 1, "block_tokens": RECORD_BLOCK_TOKENS, "started": 0.0}
+    header = {"version": SUPPORTED_VERSION, "block_tokens": RECORD_BLOCK_TOKENS, "started": 0.0}
     lines = [json.dumps({"header": header}), *(json.dumps(row) for row in rows)]
     path.write_text("\n".join(lines) + "\n")
     return windows
@@ -135,7 +134,6 @@ def phase_figures(
         r for r in requests if not r.warmup and window.start_s <= r.scheduled_s < window.end_s
     ]
     met = [r for r in inside if level.met_by(r)]
-    failed = [r for r in inside if r.outcome != "ok"]
     return {
         "phase": window.name,
         "requests": len(inside),
@@ -143,8 +141,7 @@ def phase_figures(
         "slo_attainment": len(met) / len(inside) if inside else None,
         "ttft_p50_ms": _p50_ms([r.ttft_s for r in inside]),
         "tpot_p50_ms": _p50_ms([r.tpot_s for r in inside]),
-        "refused": sum(r.status in REFUSED for r in failed),
-        "dropped": sum(r.status not in REFUSED for r in failed),
+        **_failures(inside),
         "adapt_s": adapt_seconds(inside, window, level),
         "prefill": placements(inside),
     }
@@ -177,7 +174,6 @@ def adapt_seconds(
 def whole_run(result: RunResult, seconds: float, level: ServiceLevel) -> dict[str, Any]:
     s = result.summary
     measured = [r for r in result.requests if not r.warmup]
-    failed = [r for r in measured if r.outcome != "ok"]
     met = sum(map(level.met_by, measured))
     return {
         "requests": len(measured),
@@ -186,8 +182,16 @@ def whole_run(result: RunResult, seconds: float, level: ServiceLevel) -> dict[st
         "ttft_p50_ms": s.ttft.p50 * 1000,
         "itl_mean_ms": s.itl.mean * 1000,
         "itl_p50_ms": s.itl.p50 * 1000,
-        "refused": sum(r.status in REFUSED for r in failed),
-        "dropped": sum(r.status not in REFUSED for r in failed),
+        **_failures(measured),
+    }
+
+
+def _failures(requests: list[RequestMetrics]) -> dict[str, int]:
+    """Refused: the QoS layer's 429/503 (outcome ``rejected``); dropped: anything else
+    that failed (outcome ``error``)."""
+    return {
+        "refused": sum(r.outcome == "rejected" for r in requests),
+        "dropped": sum(r.outcome == "error" for r in requests),
     }
 
 
@@ -207,7 +211,7 @@ def measure_shape(
     shape: str, trace: Path, windows: list[PhaseWindow], args: argparse.Namespace
 ) -> dict[str, Any]:
     level = ServiceLevel(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
-    trace_requests = sum(1 for line in trace.read_text().splitlines()[1:] if line)
+    trace_requests = len(read_record(trace).shapes)
     rounds = []
     with serve_run(shape) as app:
         for index in range(args.rounds):
