@@ -72,10 +72,20 @@ class Phase:
     rate: float  # requests/s, Poisson
 
 
-def default_phases(chat_rate: float, summarize_rate: float) -> list[Phase]:
-    chat = Phase("chat", input_len=128, output_len=192, rate=chat_rate)
-    summarize = Phase("summarize", input_len=1800, output_len=24, rate=summarize_rate)
-    return [chat, summarize, chat]
+DEFAULT_PHASES = "chat,summarize,chat"
+
+
+def make_phases(names: str, chat_rate: float, summarize_rate: float) -> list[Phase]:
+    """The trace's phases in order, by name (``--phases``: one phase alone isolates a
+    shape's cost in it)."""
+    known = {
+        "chat": Phase("chat", input_len=128, output_len=192, rate=chat_rate),
+        "summarize": Phase("summarize", input_len=1800, output_len=24, rate=summarize_rate),
+    }
+    unknown = sorted(set(names.split(",")) - set(known))
+    if unknown:
+        raise SystemExit(f"--phases: unknown {unknown}; known: {sorted(known)}")
+    return [known[name] for name in names.split(",")]
 
 
 @dataclass(frozen=True)
@@ -227,34 +237,38 @@ def measure_shape(
             phases = asyncio.run(execute_run(replay, Console(quiet=True)))
             rows = [phase_figures(phases.requests, window, level) for window in windows]
             trace_s = windows[-1].end_s
-            burst = asyncio.run(
-                execute_run(
-                    run_config(
-                        app.base_url,
-                        args,
-                        workload=WorkloadConfig(
-                            name="T-burst-replay",
-                            trace="burstgpt-synthetic",
-                            time_scale=BURSTGPT_MEAN_RATE / args.burst_rate,
-                        ),
-                        num_requests=args.burst_requests,
-                        seed=args.seed + 100 + index,
-                    ),
-                    Console(quiet=True),
-                )
-            )
+            burst = run_burst(app.base_url, args, args.seed + 100 + index)
             rounds.append(
                 {
                     "phases": rows,
                     "trace": whole_run(phases, trace_s, level),
-                    "burstgpt": whole_run(burst, burst.summary.duration_s, level),
+                    "burstgpt": burst and whole_run(burst, burst.summary.duration_s, level),
                 }
             )
+            burst_goodput = rounds[-1]["burstgpt"] and rounds[-1]["burstgpt"]["goodput"]
             console.print(
                 f"  {shape} round {index + 1}: trace goodput {rounds[-1]['trace']['goodput']:.2f},"
-                f" BurstGPT {rounds[-1]['burstgpt']['goodput']:.2f}"
+                f" BurstGPT {_fmt(burst_goodput, '{:.2f}')}"
             )
     return {"rounds": rounds}
+
+
+def run_burst(base_url: str, args: argparse.Namespace, seed: int) -> RunResult | None:
+    """The BurstGPT replay; None with ``--burst-requests 0``."""
+    if args.burst_requests <= 0:
+        return None
+    config = run_config(
+        base_url,
+        args,
+        workload=WorkloadConfig(
+            name="T-burst-replay",
+            trace="burstgpt-synthetic",
+            time_scale=BURSTGPT_MEAN_RATE / args.burst_rate,
+        ),
+        num_requests=args.burst_requests,
+        seed=seed,
+    )
+    return asyncio.run(execute_run(config, Console(quiet=True)))
 
 
 def median_of(rounds: list[dict[str, Any]], pick: Any) -> float | None:
@@ -309,6 +323,9 @@ def _prefill(rounds: list[dict[str, Any]], phase: int, where: str) -> float | No
 
 
 def _whole_cell(rounds: list[dict[str, Any]], run: str) -> str:
+    rounds = [r for r in rounds if r[run] is not None]
+    if not rounds:
+        return "-"
     goodput = median_of(rounds, lambda r: r[run]["goodput"])
     attainment = median_of(rounds, lambda r: r[run]["slo_attainment"])
     dropped = max(r[run]["dropped"] for r in rounds)
@@ -329,14 +346,19 @@ def main() -> None:
     parser.add_argument("--chat-rate", type=float, default=8.0)
     parser.add_argument("--summarize-rate", type=float, default=4.5)
     parser.add_argument("--burst-rate", type=float, default=4.0, help="BurstGPT replay, req/s")
-    parser.add_argument("--burst-requests", type=int, default=120)
+    parser.add_argument(
+        "--burst-requests", type=int, default=120, help="BurstGPT replay's requests (0: none)"
+    )
+    parser.add_argument(
+        "--phases", default=DEFAULT_PHASES, help="the trace's phases: chat, summarize, in order"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS)
     parser.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS)
     parser.add_argument("--out", type=Path, default=Path("results/auto"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    phases = default_phases(args.chat_rate, args.summarize_rate)
+    phases = make_phases(args.phases, args.chat_rate, args.summarize_rate)
     trace = Path(tempfile.mkdtemp(prefix="splitserve-auto-")) / "phases.jsonl"
     windows = write_phase_trace(phases, args.phase_s, args.seed, trace)
     results = {}
