@@ -101,12 +101,12 @@ class Dispatcher:
         self._pd = PrefillDecodeFlow(kv) if kv is not None else None
         self._transfer_s = transfer_s or (lambda tokens: None)
 
-    def policy_of(self, role: str, prefill: bool = False) -> str:
-        """The replica choice that picked a plan's replica of ``role`` (``prefill``: the
-        one that computes the prompt remotely)."""
-        if prefill and self._role_free:
+    def policy_of(self, choice: Choice, prefill: bool = False) -> str:
+        """The replica choice that picked ``choice`` for a plan (``prefill``: the replica
+        that computes the prompt remotely)."""
+        if self._role_free and (prefill or choice.reason == PEER_CHOICE):
             return PEER_CHOICE
-        return self._choice_names[role]
+        return self._choice_names[choice.replica.role]
 
     def earliest_ttft_s(self, priority: Priority) -> float | None:
         """The soonest any replica that could compute a prompt of ``priority`` would
@@ -143,6 +143,8 @@ class Dispatcher:
                 decision = self._split_policy.decide(
                     self._split_inputs(prompt, priority, main.replica, prefill.replica)
                 )
+                if decision.remote and self._role_free:
+                    main, decision = _whole_on_peer(main, prefill, decision)
                 prefill = prefill if decision.remote else None
         computes = (prefill or main).replica.state
         by_signal = computes.cached_tokens_by_signal(prompt)
@@ -260,3 +262,24 @@ class Dispatcher:
         """A healthy replica of the pool; None if none is (the caller decides what then)."""
         healthy = [replica for replica in self._pool.of_role(role) if replica.healthy]
         return self._choices[role].choose(healthy, prompt) if healthy else None
+
+
+# The cost policy's remote decisions, which in a role-free pool send the whole request
+# to the peer instead, and the reason the prompt then runs where it decodes. A policy
+# that always splits (``always``) is left as it is.
+WHOLE_ON_PEER = {"remote_sooner": "peer_sooner", "decode_busy": "peer_less_busy"}
+
+
+def _whole_on_peer(
+    main: Choice, peer: Choice, decision: SplitDecision
+) -> tuple[Choice, SplitDecision]:
+    """In a role-free pool the engine chosen to prefill can decode too, and a split
+    would not pay: its decode request queues on the planned decode engine behind the
+    very work that made the peer sooner (``remote_sooner``; in bench/auto.py's
+    summarization phase TPOT p50 went to 90-113 ms against dp's 26-37), or joins the
+    busier batch (``decode_busy``). On the peer the first token comes as soon, with no
+    KV hand-over, and the decode joins the lighter batch (docs/DECISIONS.md)."""
+    whole_reason = WHOLE_ON_PEER.get(decision.reason)
+    if whole_reason is None:
+        return main, decision
+    return peer, SplitDecision("local", whole_reason)

@@ -371,7 +371,7 @@ class Router:
         for choice, prefill in ((plan.main, False), (plan.prefill, True)):
             if choice is not None:
                 replica = choice.replica
-                policy = self._dispatcher.policy_of(replica.role, prefill)
+                policy = self._dispatcher.policy_of(choice, prefill)
                 self._metrics.replica_choices.labels(
                     replica.role, policy, replica.name, choice.reason
                 ).inc()

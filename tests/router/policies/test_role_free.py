@@ -31,12 +31,15 @@ PER_TOKEN_S = 0.001
 class RoleFreePool:
     """Mixed engines over fake links (two unless told), each able to prefill for another."""
 
-    def __init__(self, transfer_s: float | None = None, engines: int = 2) -> None:
+    def __init__(
+        self, transfer_s: float | None = None, engines: int = 2, split: str = "cost"
+    ) -> None:
         config = parse_app_config(
             {
                 "strategy": "auto",
                 "pools": [{"role": "mixed", "replicas": engines}],
                 "router": {"replica_choice": "round_robin"},
+                "split_policy": {"mode": split},
             }
         )
         self.links = [
@@ -59,6 +62,10 @@ class RoleFreePool:
     def queue_prefill_on(self, index: int, tokens: int, priority: str = "normal") -> None:
         self.engines[index].state.enqueue_prefill(tokens, 0.0, ENGINE_PRIORITY[priority])
 
+    def decoding_on(self, index: int, streams: int) -> None:
+        """``streams`` requests in flight on the engine, as the router counts them."""
+        self.engines[index].state.in_flight = streams
+
     def run(self, prompt: list[int], max_tokens: int = 4) -> tuple[Dispatch, list[GenerateChunk]]:
         async def scenario() -> tuple[Dispatch, list[GenerateChunk]]:
             request = GenerateRequest(
@@ -76,12 +83,13 @@ class RoleFreePool:
         return asyncio.run(scenario())
 
 
-def test_a_long_prompt_is_prefilled_by_the_engine_that_starts_it_sooner() -> None:
-    pool = RoleFreePool(transfer_s=0.01)
-    pool.queue_prefill_on(0, 5000)  # round robin picks engine-0 to decode; it is queued up
+def test_a_split_prompt_is_prefilled_by_the_peer_that_starts_it_soonest() -> None:
+    pool = RoleFreePool(transfer_s=0.01, engines=3, split="always")
+    pool.queue_prefill_on(1, 5000)  # round robin picks engine-0 to decode
     dispatch, chunks = pool.run(LONG, max_tokens=4)
 
-    (prefill,) = pool.links[1].submitted
+    assert pool.links[1].submitted == []
+    (prefill,) = pool.links[2].submitted
     assert prefill.sampling_params.max_tokens == 1
     assert prefill.kv_transfer_params == {
         "do_remote_decode": True,
@@ -89,15 +97,47 @@ def test_a_long_prompt_is_prefilled_by_the_engine_that_starts_it_sooner() -> Non
     }
     (decode,) = pool.links[0].submitted
     assert decode.prompt_token_ids == [*LONG, FIRST_TOKEN + len(LONG)]
-    assert decode.kv_transfer_params == {"do_remote_prefill": True, **handle_of(pool.links[1])}
+    assert decode.kv_transfer_params == {"do_remote_prefill": True, **handle_of(pool.links[2])}
     assert len([t for c in chunks for t in c.token_ids]) == 4
     headers = dispatch.response_headers()
     assert headers[REPLICA_HEADER] == "engine-0"
-    assert headers[PREFILL_REPLICA_HEADER] == "engine-1"
-    assert headers[PREFILL_HEADER] == "remote:remote_sooner"
+    assert headers[PREFILL_REPLICA_HEADER] == "engine-2"
+    assert headers[PREFILL_HEADER] == "remote:always"
     assert dispatch.plan.prefill is not None and dispatch.plan.prefill.reason == PEER_CHOICE
-    assert pool.dispatcher.policy_of("mixed", prefill=True) == PEER_CHOICE
-    assert pool.dispatcher.policy_of("mixed") == "round_robin"
+    assert pool.dispatcher.policy_of(dispatch.plan.prefill, prefill=True) == PEER_CHOICE
+    assert pool.dispatcher.policy_of(dispatch.plan.main) == "round_robin"
+
+
+def test_a_peer_that_starts_it_sooner_takes_the_whole_request() -> None:
+    """A split would queue the decode behind engine-0's own backlog: the peer that
+    gives the first token sooner decodes it too, with no KV hand-over."""
+    pool = RoleFreePool(transfer_s=0.01)
+    pool.queue_prefill_on(0, 5000)  # round robin picks engine-0; engine-1 is idle
+    pool.decoding_on(1, 3)  # even where the peer decodes more
+    dispatch, chunks = pool.run(LONG, max_tokens=4)
+
+    assert pool.links[0].submitted == []
+    (whole,) = pool.links[1].submitted
+    assert whole.prompt_token_ids == LONG
+    assert whole.sampling_params.max_tokens == 4
+    assert whole.kv_transfer_params is None  # no hand-over
+    assert len([t for c in chunks for t in c.token_ids]) == 4
+    headers = dispatch.response_headers()
+    assert headers[REPLICA_HEADER] == "engine-1"
+    assert headers[PREFILL_HEADER] == "local:peer_sooner"
+    assert PREFILL_REPLICA_HEADER not in headers
+    assert pool.dispatcher.policy_of(dispatch.plan.main) == PEER_CHOICE
+
+
+def test_a_busy_decode_engine_hands_the_whole_request_to_a_less_busy_peer() -> None:
+    pool = RoleFreePool(transfer_s=0.01)
+    pool.decoding_on(0, 6)  # the cost policy's decode_load_threshold is 4
+    pool.decoding_on(1, 2)
+    dispatch, _ = pool.run(LONG)
+
+    assert pool.links[0].submitted == []
+    assert [r.kv_transfer_params for r in pool.links[1].submitted] == [None]
+    assert dispatch.response_headers()[PREFILL_HEADER] == "local:peer_less_busy"
 
 
 def test_the_peer_is_chosen_by_the_work_ahead_of_the_prompts_own_priority() -> None:
@@ -105,13 +145,13 @@ def test_the_peer_is_chosen_by_the_work_ahead_of_the_prompts_own_priority() -> N
     priority, ahead of a normal prompt. Counted as high priority (the prompt's own work
     ahead only), engine-1 would look idle."""
     pool = RoleFreePool(transfer_s=0.01, engines=3)
-    pool.queue_prefill_on(0, 9000)  # round robin picks engine-0 to decode; it is queued up
+    pool.queue_prefill_on(0, 9000)  # round robin picks engine-0; it is queued up
     pool.queue_prefill_on(1, 3000, "normal")
     pool.queue_prefill_on(2, 2000, "high")
     dispatch, _ = pool.run(LONG, max_tokens=4)
 
-    assert dispatch.response_headers()[PREFILL_REPLICA_HEADER] == "engine-2"
-    assert [len(link.submitted) for link in pool.links] == [1, 0, 1]
+    assert dispatch.response_headers()[REPLICA_HEADER] == "engine-2"
+    assert [len(link.submitted) for link in pool.links] == [0, 0, 1]
 
 
 def test_a_short_prompt_runs_where_it_decodes() -> None:
