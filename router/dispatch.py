@@ -276,9 +276,10 @@ def _whole_on_peer(
     """In a role-free pool the engine chosen to prefill can decode too, and a split
     would not pay: its decode request queues on the planned decode engine behind the
     very work that made the peer sooner (``remote_sooner``; in bench/auto.py's
-    summarization phase TPOT p50 went to 90-113 ms against dp's 26-37), or joins the
-    busier batch (``decode_busy``). On the peer the first token comes as soon, with no
-    KV hand-over, and the decode joins the lighter batch (docs/DECISIONS.md)."""
+    summarization phase TPOT p50 109 ms against dp's 39), or joins the busier batch
+    (``decode_busy``). On the peer the first token comes as soon, with no KV hand-over,
+    and no backlog of the first engine's stands between it and the rest
+    (docs/DECISIONS.md)."""
     whole_reason = WHOLE_ON_PEER.get(decision.reason)
     if whole_reason is None:
         return main, decision
