@@ -276,7 +276,7 @@ def _whole_on_peer(
     """In a role-free pool the engine chosen to prefill can decode too, and a split
     would not pay: its decode request queues on the planned decode engine behind the
     very work that made the peer sooner (``remote_sooner``; in bench/auto.py's
-    summarization phase TPOT p50 109 ms against dp's 39), or joins the busier batch
+    summarization phase TPOT p50 109 ms against dp's 28), or joins the busier batch
     (``decode_busy``). On the peer the first token comes as soon, with no KV hand-over,
     and no backlog of the first engine's stands between it and the rest
     (docs/DECISIONS.md)."""
