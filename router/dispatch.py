@@ -264,9 +264,10 @@ class Dispatcher:
         return self._choices[role].choose(healthy, prompt) if healthy else None
 
 
-# The cost policy's remote decisions, which in a role-free pool send the whole request
-# to the peer instead, and the reason the prompt then runs where it decodes. A policy
-# that always splits (``always``) is left as it is.
+# Remote decisions that, in a role-free pool, send the whole request to the peer
+# instead, by reason (the cost policy's two; the conditional policy's decode_busy too),
+# and the reason the prompt then runs where it decodes. Other reasons (``always``,
+# ``long_prompt``, ``high_priority``) split as their policy decided.
 WHOLE_ON_PEER = {"remote_sooner": "peer_sooner", "decode_busy": "peer_less_busy"}
 
 
