@@ -179,12 +179,14 @@ def warm_up(base_url: str) -> str:
     return asyncio.run(execute_run(config, Console(quiet=True))).model
 
 
-def start_our_client(base_url: str, result_dir: Path, requests: int) -> subprocess.Popen[bytes]:
+def start_our_client(
+    base_url: str, result_dir: Path, requests: int, rate: float = RATE
+) -> subprocess.Popen[bytes]:
     """``python -m loadgen`` as a user runs it, the twin of ``start_vllm_client``."""
     command = [
         sys.executable, "-m", "loadgen", "--base-url", base_url,
         "--workload", "custom", "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
-        "--qps", str(RATE), "--arrivals", "poisson", "--max-concurrency", "1",
+        "--qps", str(rate), "--arrivals", "poisson", "--max-concurrency", "1",
         "--num-requests", str(requests), "--warmup-requests", "0", "--seed", "1",
         "--out", str(result_dir), "--run-name", OUR_RUN, "--no-progress", "--no-plots",
     ]  # fmt: skip
@@ -193,7 +195,7 @@ def start_our_client(base_url: str, result_dir: Path, requests: int) -> subproce
 
 
 def start_vllm_client(
-    base_url: str, model: str, result_dir: Path, requests: int
+    base_url: str, model: str, result_dir: Path, requests: int, rate: float = RATE
 ) -> subprocess.Popen[bytes]:
     from engines.tiny_model import embedded_model_path
 
@@ -204,7 +206,7 @@ def start_vllm_client(
         "--dataset-name", "random", "--random-input-len", str(INPUT_LEN),
         "--random-output-len", str(OUTPUT_LEN), "--ignore-eos", "--temperature", "0",
         "--extra-body", json.dumps(SAME_RESPONSE_AS_OURS),
-        "--request-rate", str(RATE), "--burstiness", "1.0", "--max-concurrency", "1",
+        "--request-rate", str(rate), "--burstiness", "1.0", "--max-concurrency", "1",
         "--num-prompts", str(requests), "--num-warmups", "0", "--seed", "1",
         "--disable-tqdm", "--save-result", "--save-detailed",
         "--result-dir", str(result_dir), "--result-filename", THEIR_RESULT,
