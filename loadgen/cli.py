@@ -379,7 +379,10 @@ def build_demo_parser() -> argparse.ArgumentParser:
         description="Start deployments/<config>.yaml, replay a BurstGPT-shaped trace on it,"
         " print the table and the plots' path, stop it.",
     )
-    parser.add_argument("--config", default=DEMO_CONFIG, help="a name under deployments/")
+    parser.add_argument(
+        "--config", default=DEMO_CONFIG, help="a name under --deployments-dir (<name>.yaml)"
+    )
+    parser.add_argument("--deployments-dir", type=Path, default=DEFAULT_DEPLOYMENTS_DIR)
     parser.add_argument("--num-requests", type=int, default=DEMO_REQUESTS)
     parser.add_argument("--rate", type=float, default=DEMO_RATE, help="mean requests/s")
     parser.add_argument("--port", type=int, default=8000)
@@ -803,6 +806,7 @@ def command_demo(argv: list[str], console: Console) -> int:
         args.out,
         args.seed,
         args.launch_command,
+        args.deployments_dir,
     )
     run_demo(options, console)
     return 0

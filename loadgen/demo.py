@@ -44,11 +44,12 @@ class DemoOptions:
     out_dir: Path = Path("results/loadgen/demo")
     seed: int = 0
     launch_command: str | None = None  # instead of serve run: {config} {port} placeholders
+    deployments_dir: Path = DEFAULT_DEPLOYMENTS_DIR  # where <config>.yaml is
 
 
 def run_demo(options: DemoOptions, console: Console) -> Path:
     """Returns the path of the run's plot."""
-    config_path = DEFAULT_DEPLOYMENTS_DIR / f"{options.config}.yaml"
+    config_path = options.deployments_dir / f"{options.config}.yaml"
     if options.launch_command:
         command = command_from_template(
             options.launch_command, mode=options.config, config=config_path, port=options.port

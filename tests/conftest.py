@@ -40,6 +40,10 @@ from tests.support.served_apps import ServedApps  # noqa: E402
 # Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
 # this variable, so the final check finds exactly ours, orphans included.
 SESSION_MARKER = "SPLITSERVE_TEST_SESSION"
+# How often every process of the session's cluster exports its metrics to Ray's agent
+# (Ray's default is 10 s): the dashboard tests wait for a number of exports, and at
+# 10 s each those waits were a minute of the suite.
+RAY_METRICS_EXPORT_MS = 2000
 
 
 def _session_pids(token: str) -> set[int]:
@@ -63,7 +67,11 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     token = uuid.uuid4().hex
     os.environ[SESSION_MARKER] = token
     port = free_port()
-    env = cluster_env() | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = cluster_env() | dict(
+        os.environ,
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_metrics_report_interval_ms=str(RAY_METRICS_EXPORT_MS),
+    )
     started = subprocess.run(
         [
             _ray_cli(),

@@ -3,8 +3,9 @@ generator run, then every query of the Grafana dashboard through Prometheus's HT
 
 Also: every metric the dashboard names exists in what Prometheus scraped, the scraped
 pages pass ``promtool check metrics``, and the engines' utilization samplers tick every
-200 ms. Ray exports engine-side metrics every 10 s (its default report interval), so
-queries use a window that holds several exports and are retried until they have data.
+200 ms. Ray exports engine-side metrics every 2 s in the test session (conftest's
+RAY_METRICS_EXPORT_MS; Ray's default is 10 s), so queries use a window that holds
+several exports and are retried until they have data.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ SCRAPE_INTERVAL = "1s"
 # Ray's endpoints as dashboards/prometheus.yml scrapes them. Late in a full run the
 # session's Ray cluster holds the series of every application the suite started: its
 # page took 1.23 s (0.32 s on a fresh cluster), and at a 1 s timeout its scrapes failed
-# often enough that series went stale.
-RAY_SCRAPE_INTERVAL = "5s"
-# Ray exports engine metrics every 10 s: two minutes hold a dozen exports, so rate()
-# has points from the run even when a busy machine delays an export or two.
+# often enough that series went stale; 3 s leaves room for that.
+RAY_SCRAPE_INTERVAL = "3s"
+# Two minutes hold dozens of Ray's exports, so rate() has points from the run even when
+# a busy machine delays an export or two.
 RATE_WINDOW = "2m"
 DATA_TIMEOUT_S = 120.0
 POLL_S = 2.0
@@ -65,10 +66,11 @@ PREFIX_REPEATS = 3
 MIN_TICK_SHARE = 0.8
 # Export points are read at scrape times, a second or so after each export.
 MAX_TICK_SHARE = 1.1
-# Ray exports every 10 s and each export is read at the next scrape, up to 5 s late:
-# the rate is the slope through eight exports (70 s), which such delays move by about
-# 2% (one standard deviation), not ten (CI saw 5.56 ticks/s from three points 18 s apart).
-MIN_EXPORTS = 8
+# Each scrape of Ray's endpoint (every 3 s) reads the last export (every 2 s), up to 2 s
+# old: the rate is the slope through ten changed points (27 s), which such lags move by
+# about 2.5% (one standard deviation), not ten (CI once saw 5.56 ticks/s from three
+# points 18 s apart).
+MIN_EXPORTS = 10
 # Exist only where NVML answers (GPU engines); here the CPU fallback stands in for them.
 PD_REPLICAS = {"prefill-0", "decode-0"}
 GPU_ONLY = {
@@ -170,8 +172,9 @@ def test_run_completed_and_all_targets_up(stack: tuple) -> None:
 def settled(stack: tuple) -> list[tuple[str, str]]:
     """Polls every dashboard query from the run's end until each has had data; what never did.
 
-    Ray exports engine-side series every 10 s and drops an engine's gauges ~20 s after
-    its last step, so each query is proven by its own first answer with data.
+    Ray exports engine-side series every export interval and drops an engine's gauges
+    two intervals after its last step, so each query is proven by its own first answer
+    with data.
     """
     _, prometheus, _ = stack
     started = time.monotonic()
@@ -254,7 +257,7 @@ def test_every_metric_the_dashboard_names_was_scraped(stack: tuple, settled: lis
     _, prometheus, _ = stack
     named = {name for _, expr in expressions(build_dashboard()) for name in metric_names(expr)}
     # A counter vLLM only creates on its first increment (prefix cache hits, from the
-    # repeated prompt) reaches Prometheus with Ray's next export, up to 10 s later.
+    # repeated prompt) reaches Prometheus with Ray's next export, an interval later.
     deadline = time.monotonic() + DATA_TIMEOUT_S
     missing = named - _scraped_names(prometheus)
     while missing - GPU_ONLY and time.monotonic() < deadline:
@@ -319,7 +322,7 @@ def test_samplers_tick_every_200_ms_in_every_engine_replica(stack: tuple, settle
 
 def test_engine_metrics_carry_replica_and_role(stack: tuple, settled: list) -> None:
     _, prometheus, _ = stack
-    # Ray drops an idle engine's gauges after 20 s: look back over the run.
+    # Ray drops an idle engine's gauges two exports after its last step: look back over the run.
     series = _query(prometheus, "last_over_time(vllm:num_requests_running[5m])")
     assert {(s["metric"]["replica"], s["metric"]["role"]) for s in series} == {
         ("prefill-0", "prefill"),

@@ -3,8 +3,8 @@ loadgen demo``) and ``python -m loadgen sweep`` each run a real ``serve run``, m
 it, stop it, and leave no engine behind.
 
 Both run on the session's cluster (``RAY_ADDRESS``), which serves port 8000 only, so
-no other application may run meanwhile (conftest closes the shared one first). The
-sweep's mode is a DP YAML with synthetic engines in a folder of its own
+no other application may run meanwhile (conftest closes the shared one first). Each
+serves a copy of a YAML with synthetic engines in a folder of its own
 (``--deployments-dir``): what is checked is the launch, not the model.
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.launcher import DEPLOYMENTS_DIR, REPO_ROOT, app_engine_pids
+from deployments.launcher import DEPLOYMENTS_DIR, REPO_ROOT
+from splitserve.processes import command_lines
 
 pytestmark = pytest.mark.serving
 
@@ -44,11 +45,25 @@ def _output(result: subprocess.CompletedProcess[str]) -> str:
     return f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
 
 
+def _replicas_left() -> list[str]:
+    return [c for c in command_lines().values() if c.startswith("ray::ServeReplica:")]
+
+
+def _synthetic_copy(mode: str, folder: Path) -> Path:
+    """deployments/<mode>.yaml with synthetic engines, in ``folder``."""
+    folder.mkdir(exist_ok=True)
+    document = yaml.safe_load((DEPLOYMENTS_DIR / f"{mode}.yaml").read_text())
+    document["applications"][0]["args"]["engine"] = {"backend": "synthetic"}
+    (folder / f"{mode}.yaml").write_text(yaml.safe_dump(document))
+    return folder
+
+
 def test_the_demo_serves_measures_and_stops(ray_address: str, tmp_path: Path) -> None:
+    deployments = _synthetic_copy("single", tmp_path / "deployments")
     out = tmp_path / "demo"
     result = _loadgen(
-        ["demo", "--config", "single", "--num-requests", str(REQUESTS), "--rate", "4",
-         "--out", str(out)],
+        ["demo", "--config", "single", "--deployments-dir", str(deployments),
+         "--num-requests", str(REQUESTS), "--rate", "4", "--out", str(out)],
         ray_address,
     )  # fmt: skip
     assert result.returncode == 0, _output(result)
@@ -56,15 +71,11 @@ def test_the_demo_serves_measures_and_stops(ray_address: str, tmp_path: Path) ->
     summaries = [run["summary"] for run in runs if "summary" in run and "mode" in run]
     assert [s["completed"] for s in summaries] == [REQUESTS], _output(result)
     assert [run["mode"] for run in runs if "summary" in run and "mode" in run] == ["single"]
-    assert not app_engine_pids(), "engines outlived the demo"
+    assert not _replicas_left(), "the demo's application outlived it"
 
 
 def test_a_sweep_starts_each_mode_it_measures(ray_address: str, tmp_path: Path) -> None:
-    deployments = tmp_path / "deployments"
-    deployments.mkdir()
-    document = yaml.safe_load((DEPLOYMENTS_DIR / "dp.yaml").read_text())
-    document["applications"][0]["args"]["engine"] = {"backend": "synthetic"}
-    (deployments / "dp.yaml").write_text(yaml.safe_dump(document))
+    deployments = _synthetic_copy("dp", tmp_path / "deployments")
     out = tmp_path / "sweep"
     result = _loadgen(
         ["sweep", "--modes", "dp", "--deployments-dir", str(deployments),

@@ -45,8 +45,10 @@ _rng = random.Random(3)
 PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (300, 700, 129, 1000, 513, 2)]
 MAX_TOKENS = 8
 KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # one block of the embedded model, fp32
-# The GCS declares a node dead after its health checks fail (~15 s by default); its
-# processes then exit. Room for both on a busy two-core box.
+# The GCS declares a node dead after five failed health checks, one every
+# HEALTH_CHECK_PERIOD_MS here (Ray's default is 3 s: 15 s of the test); its processes
+# then exit. Room for both on a busy two-core box.
+HEALTH_CHECK_PERIOD_MS = 1000
 NODE_DEATH_TIMEOUT_S = 90.0
 # A Serve replica's process title; vLLM's engine processes are ENGINE_PROCESS_MARKERS.
 REPLICA_TITLE = "ray::ServeReplica"
@@ -65,7 +67,11 @@ def _ray_cli() -> str:
 
 
 def _start_node(args: list[str], role: str, marker: str, metrics_port: int) -> None:
-    env = cluster_env() | dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env = cluster_env() | dict(
+        os.environ,
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_health_check_period_ms=str(HEALTH_CHECK_PERIOD_MS),
+    )
     env[NODE_MARKER] = f"{marker}:{role}"
     command = [_ray_cli(), "start", *args, "--num-cpus=2", f"--labels={LABEL}={role}"]
     command += [f"--object-store-memory={OBJECT_STORE_BYTES}"]
