@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 # The session's cluster uses token authentication, with a token of its own: a fresh
@@ -47,6 +48,9 @@ RAY_METRICS_EXPORT_MS = 2000
 
 
 def _session_pids(token: str) -> set[int]:
+    """Processes that carry the marker, and their descendants: a process that sets its
+    title (Ray's agents, vLLM's engines) may write it over its environment, marker
+    included, and a full run once left Ray's dashboard agent unfound that way."""
     needle = f"{SESSION_MARKER}={token}".encode()
     pids = set()
     for entry in Path("/proc").iterdir():
@@ -54,7 +58,20 @@ def _session_pids(token: str) -> set[int]:
             with contextlib.suppress(OSError):
                 if needle in (entry / "environ").read_bytes():
                     pids.add(int(entry.name))
-    return pids
+    return pids | {child for pid in pids for child in _descendants(pid)}
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (nothing may reap an orphan in a container)."""
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False
+
+
+def _descendants(pid: int) -> set[int]:
+    with contextlib.suppress(psutil.Error):
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    return set()
 
 
 def _ray_cli() -> str:
@@ -95,12 +112,18 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield address
     finally:
         # Every serve app has been stopped by now: an engine still alive has leaked.
-        leaked_engines = {pid for pid in _session_pids(token) if _is_engine(pid)}
+        session = _session_pids(token)
+        leaked_engines = {pid for pid in session if _is_engine(pid)}
         # Like `ray stop` (which would stop every Ray on the machine, not only ours):
         # SIGTERM, then SIGKILL for daemons that ignore it (gcs_server, raylet do).
-        _signal_all(_session_pids(token), signal.SIGTERM)
-        _signal_all(_wait_gone(lambda: _session_pids(token), timeout_s=10), signal.SIGKILL)
-        leftovers = _wait_gone(lambda: _session_pids(token), timeout_s=10)
+        _signal_all(session, signal.SIGTERM)
+
+        # The daemons' children are orphans once the daemons are gone: keep their PIDs.
+        def alive() -> set[int]:
+            return {pid for pid in session | _session_pids(token) if _running(pid)}
+
+        _signal_all(_wait_gone(alive, timeout_s=10), signal.SIGKILL)
+        leftovers = _wait_gone(alive, timeout_s=10)
         forget_cluster(port)
         # An engine host that a test killed could not remove its KV-event folder; the
         # next relay on the node would (engines/kv_events.py), but none starts after this.
