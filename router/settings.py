@@ -118,6 +118,13 @@ class RouterConfig(StrictModel):
     stats_interval_s: float = Field(
         0.2, gt=0, description="How often the router polls every engine for its load."
     )
+    kv_metrics_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="PD and auto: how often the router reads the KV backend's transfer"
+        " metrics (the hand-over rate the cost policy uses, and /metrics). Each read is a"
+        " call to the KV directory actor; at the load interval that actor took 2% of a core.",
+    )
     engine_restart_attempts: int = Field(
         3,
         ge=1,

@@ -164,6 +164,7 @@ class Router:
             settings.router.unhealthy_after_failed_polls,
             kv=self._kv,
             ema_weight=qos.ema_weight,
+            kv_interval_s=settings.router.kv_metrics_interval_s,
         )
         self._dispatcher = Dispatcher(
             settings, self._pool, self._kv, self._engine_state.transfer_cost.estimate_s

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -60,11 +61,14 @@ class EngineStatePoller:
         unhealthy_after_failed_polls: int,
         kv: KVRouterSide | None = None,
         ema_weight: float = 0.2,
+        kv_interval_s: float = 1.0,
     ) -> None:
         self._pool = pool
         self._metrics = metrics
         self._interval_s = interval_s
         self._kv = kv
+        self._kv_interval_s = kv_interval_s
+        self._kv_polled_at = -math.inf
         self._unhealthy_after = unhealthy_after_failed_polls
         self._failed_polls: dict[str, int] = {}
         # The KV backend's last metrics snapshot (PD only), rendered at scrape time.
@@ -80,10 +84,14 @@ class EngineStatePoller:
         while True:
             started = time.perf_counter()
             polls = [self._poll(replica) for replica in self._pool]
-            if self._kv is not None:
+            # Each read of the KV metrics is a call to the directory actor: read them less
+            # often than the engines' load, and measure the hand-over over the same span.
+            kv_due = self._kv is not None and started - self._kv_polled_at >= self._kv_interval_s
+            if kv_due and self._kv is not None:
+                self._kv_polled_at = started
                 polls.append(self._poll_kv_metrics(self._kv))
             await asyncio.gather(*polls)
-            if self._kv is not None and self.kv_transfer_snapshot is not None:
+            if kv_due and self.kv_transfer_snapshot is not None:
                 self.transfer_cost.update(self.kv_transfer_snapshot, self._transferred_tokens())
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
