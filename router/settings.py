@@ -122,7 +122,8 @@ class RouterConfig(StrictModel):
         1.0,
         gt=0,
         description="PD and auto: how often the router reads the KV backend's transfer"
-        " metrics (the hand-over rate the cost policy uses, and /metrics). Each read is a"
+        " metrics (the hand-over rate the cost policy uses, and /metrics, whose"
+        " splitserve_kv_transfer* series trail the answers by up to this). Each read is a"
         " call to the KV directory actor; at the load interval that actor took 2% of a core.",
     )
     engine_restart_attempts: int = Field(

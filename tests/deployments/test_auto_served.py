@@ -23,7 +23,7 @@ import yaml
 
 from deployments.launcher import RunningApp, config_path
 from router.dispatch import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
-from tests.support.greedy import MODEL, greedy, metric
+from tests.support.greedy import MODEL, greedy, kv_metric, metric
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
@@ -84,8 +84,10 @@ def test_each_engine_prefills_for_the_other_with_single_engine_tokens(
     # Both engines produced KV and both consumed it.
     assert set(roles) == {("engine-0", "engine-1"), ("engine-1", "engine-0")}
     url = auto_app.base_url
-    assert metric(url, "splitserve_kv_transfers_total", outcome="loaded") >= len(PROMPTS)
-    assert metric(url, "splitserve_kv_transfer_loads_total", path="pushed") >= len(PROMPTS)
+    loaded = kv_metric(url, "splitserve_kv_transfers_total", len(PROMPTS), outcome="loaded")
+    assert loaded >= len(PROMPTS)
+    pushed = kv_metric(url, "splitserve_kv_transfer_loads_total", len(PROMPTS), path="pushed")
+    assert pushed >= len(PROMPTS)
     assert metric(url, "splitserve_prefill_decisions_total", where="remote", reason="always") >= 12
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 
@@ -56,3 +57,19 @@ def metric(url: str, name: str, **labels: str) -> float:
         if is_sample and all(f'{k}="{v}"' in row for k, v in labels.items()):
             total += float(row.split()[-1])
     return total
+
+
+# The router renders the KV directory's counters from its last read of them, taken every
+# router.kv_metrics_interval_s (1 s by default): they trail the answers by that much.
+KV_METRICS_WAIT_S = 10.0
+
+
+def kv_metric(url: str, name: str, at_least: float, **labels: str) -> float:
+    """``metric`` once it reaches ``at_least`` (the KV directory's counters trail the
+    answers), or its value when KV_METRICS_WAIT_S has passed."""
+    deadline = time.monotonic() + KV_METRICS_WAIT_S
+    value = metric(url, name, **labels)
+    while value < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = metric(url, name, **labels)
+    return value
