@@ -157,6 +157,8 @@ class Router:
             else None
         )
         self._mode = settings.strategy
+        # Observed once per relayed token: the labelled child is looked up once.
+        self._itl = self._metrics.itl.labels(self._mode)
         self._engine_state = EngineStatePoller(
             self._pool,
             self._metrics,
@@ -503,7 +505,7 @@ class Router:
         if last_token_at is None:
             self._metrics.ttft.labels(self._mode, outcome.where).observe(now - arrival)
         else:
-            self._metrics.itl.labels(self._mode).observe(now - last_token_at)
+            self._itl.observe(now - last_token_at)
 
     def _track(self, replicas: list[EngineClient], delta: int) -> None:
         for replica in replicas:

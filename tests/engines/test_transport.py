@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -13,9 +14,9 @@ import pytest
 
 from deployments.app import engine_names, engine_spec
 from deployments.config import parse_app_config
-from engines.protocol import EngineStats, GenerateRequest
+from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
 from engines.synthetic import SyntheticEngineHost
-from engines.transport import EngineTransportServer, TransportAddress
+from engines.transport import EngineTransportServer, TransportAddress, encode_frame
 from router.pool.engine_client import (
     EngineClient,
     EngineFailed,
@@ -141,3 +142,21 @@ async def test_a_connection_without_the_secret_is_refused() -> None:
         await asyncio.wait_for(anext(stream), WAIT_S)
     assert not link.ready
     await server.stop()
+
+
+def test_a_chunk_crosses_the_connection_with_every_field() -> None:
+    """GenerateChunk pickles as its constructor's arguments: a field added to it and not
+    to ``__reduce__`` would arrive with its default."""
+    chunk = GenerateChunk(
+        token_ids=[3, 4],
+        text="tokens",
+        finish_reason="stop",
+        stop_reason=13,
+        num_prompt_tokens=512,
+        num_cached_tokens=256,
+        kv_transfer_params={"remote_block_ids": [1, 2]},
+    )
+    arrived = pickle.loads(encode_frame(("deltas", [("request", chunk)]))[4:])
+    assert arrived == ("deltas", [("request", chunk)])
+    defaults = {name: field.default for name, field in GenerateChunk.__dataclass_fields__.items()}
+    assert all(getattr(chunk, name) != default for name, default in defaults.items())
