@@ -9,6 +9,7 @@ ignore_eos, Poisson arrivals, everything at Ray's worker niceness 15):
   dp_apart    dp.yaml with router.engine_in_router: false (each engine a Serve replica
               of its own, reached over the engine transport's TCP connection)
   vllm-router_beside_ray  the peer again, with dp.yaml's Ray cluster idle beside it
+  bare_beside_ray         bare vLLM again, with single.yaml's Ray cluster idle beside it
 Cells: 512->64 at 4 req/s (the issue's), decode-heavy 128->512, prefill-heavy 2048->32.
 Prints TTFT p50/p99, ITL p50/p90/mean/p99 and req/s per server and cell (medians over
 ``--repeat`` rounds; each round starts every server in turn, so ours and the peers
@@ -73,6 +74,7 @@ PEER_OF = {
     "dp": "vllm-router",
     "dp_apart": "vllm-router",
     "vllm-router_beside_ray": "vllm-router",
+    "bare_beside_ray": "bare",
     "pd_always": "dp",
     "pd": "dp",
 }
@@ -131,6 +133,14 @@ def vllm_router_beside_idle_ray() -> Iterator[str]:
         yield url
 
 
+@contextlib.contextmanager
+def bare_beside_idle_ray() -> Iterator[str]:
+    """Bare vLLM while single.yaml's Ray cluster idles beside it (as above, for single)."""
+    idle = serve_run_url(REPO_ROOT / "deployments" / "single.yaml")
+    with idle, bare_vllm() as url:
+        yield url
+
+
 def ours(name: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
     return lambda: serve_run_url(REPO_ROOT / "deployments" / f"{name}.yaml")
 
@@ -139,6 +149,7 @@ SERVERS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
     "bare": bare_vllm,
     "vllm-router": vllm_router_over_bare_servers,
     "vllm-router_beside_ray": vllm_router_beside_idle_ray,
+    "bare_beside_ray": bare_beside_idle_ray,
     "single": ours("single"),
     "dp": ours("dp"),
     "pd_always": ours("pd_always"),
