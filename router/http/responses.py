@@ -147,7 +147,8 @@ class ResponseWriter:
     def _text_template(self) -> tuple[str, str]:
         chunk = GenerateChunk(token_ids=[], text=TEXT_MARK)
         rendered = self._rendered_delta(chunk, Transcript(prompt_token_ids=[]), first=False)
-        prefix, _, suffix = rendered.partition(encode_basestring(TEXT_MARK))
+        # The text follows the id and the model name, which a served name could repeat.
+        prefix, _, suffix = rendered.rpartition(encode_basestring(TEXT_MARK))
         return prefix, suffix
 
     def _rendered_delta(self, chunk: GenerateChunk, transcript: Transcript, first: bool) -> str:

@@ -27,9 +27,11 @@ TEXTS = [
 ]
 
 
-def _writer(*, chat: bool, return_token_ids: bool = False) -> ResponseWriter:
+def _writer(
+    *, chat: bool, return_token_ids: bool = False, model: str = "tiny-llama"
+) -> ResponseWriter:
     return ResponseWriter(
-        chat=chat, model="tiny-llama", response_id="cmpl-abc", return_token_ids=return_token_ids
+        chat=chat, model=model, response_id="cmpl-abc", return_token_ids=return_token_ids
     )
 
 
@@ -48,6 +50,13 @@ def test_plain_delta_matches_the_models(chat: bool, text: str) -> None:
     assert payload["choices"][0]["delta" if chat else "text"] == (
         {"content": text} if chat else text
     )
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_model_named_like_the_marker_does_not_move_the_cut(chat: bool) -> None:
+    writer = _writer(chat=chat, model=TEXT_MARK)
+    fast, rendered = _both(writer, GenerateChunk(token_ids=[7], text="token"))
+    assert fast == rendered
 
 
 @settings(max_examples=300, derandomize=True, deadline=None)
