@@ -110,7 +110,7 @@ async def _one_stream(host: str, port: int, request: bytes) -> tuple[int, int]:
     """Tokens (from the usage event) and SSE events of one streamed completion.
 
     A plain socket read in large blocks, not an HTTP client: on two cores the client
-    shares the routers' cores, and httpx parsing every chunk took 0.4-0.9 of one, so
+    shares the routers' cores, and httpx parsing every chunk took 0.7-0.9 of one, so
     the figure measured the client. Events are counted across block boundaries by
     keeping the last bytes of each block. A router that falls behind an engine
     sends several tokens in one event, as vLLM's server does, so events undercount
