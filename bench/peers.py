@@ -124,20 +124,13 @@ def vllm_router_over_bare_servers() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def vllm_router_beside_idle_ray() -> Iterator[str]:
-    """The peer while dp.yaml's Ray cluster idles beside it: what Ray's own processes
-    (GCS, raylet, dashboard, Serve's controller and proxy, idle engines) take from two
-    cores, charged to the peer instead of to us."""
-    idle = serve_run_url(REPO_ROOT / "deployments" / "dp.yaml")
-    with idle, vllm_router_over_bare_servers() as url:
-        yield url
-
-
-@contextlib.contextmanager
-def bare_beside_idle_ray() -> Iterator[str]:
-    """Bare vLLM while single.yaml's Ray cluster idles beside it (as above, for single)."""
-    idle = serve_run_url(REPO_ROOT / "deployments" / "single.yaml")
-    with idle, bare_vllm() as url:
+def beside_idle_ray(
+    shape: str, peer: Callable[[], contextlib.AbstractContextManager[str]]
+) -> Iterator[str]:
+    """The peer while our ``shape``'s Ray cluster idles beside it: what Ray's own
+    processes (GCS, raylet, dashboard, Serve's controller and proxy, idle engines) take
+    from two cores, charged to the peer instead of to us."""
+    with serve_run_url(REPO_ROOT / "deployments" / f"{shape}.yaml"), peer() as url:
         yield url
 
 
@@ -148,8 +141,8 @@ def ours(name: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
 SERVERS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
     "bare": bare_vllm,
     "vllm-router": vllm_router_over_bare_servers,
-    "vllm-router_beside_ray": vllm_router_beside_idle_ray,
-    "bare_beside_ray": bare_beside_idle_ray,
+    "vllm-router_beside_ray": lambda: beside_idle_ray("dp", vllm_router_over_bare_servers),
+    "bare_beside_ray": lambda: beside_idle_ray("single", bare_vllm),
     "single": ours("single"),
     "dp": ours("dp"),
     "pd_always": ours("pd_always"),
