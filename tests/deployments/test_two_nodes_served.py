@@ -1,8 +1,11 @@
-"""PD across two Ray nodes on this machine: the prefill pool on one node, the decode
-pool (and the router) on the other, each node with an object store of its own.
+"""DP and PD across two Ray nodes on this machine (``deployments.local_nodes``), each
+node with an object store of its own.
 
-A head and a second ``ray start --address`` make the cluster; the pools are placed by
-node labels (``placement.node_labels`` in the YAML). Checked: greedy token ids equal a
+DP: one engine on each node (each node has one engine slot, and the pool asks for one),
+the router on the head; greedy ids equal a single engine's and both engines answer.
+
+PD: the prefill pool on one node, the decode pool (and the router) on the other, placed
+by node labels (``placement.node_labels`` in the YAML). Checked: greedy token ids equal a
 single engine's, the KV was handed over (our transfer metrics count the loads; on one
 host it does not cross object stores, see the test), nothing is left in either store,
 and killing the second node's raylet leaves the application
@@ -12,16 +15,11 @@ prompt is prefilled on the decode replica and nothing of the node is left runnin
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +27,16 @@ import httpx
 import pytest
 import yaml
 
-from deployments.launcher import DEPLOYMENTS_DIR, ENGINE_PROCESS_MARKERS, cluster_env, serve_run
+from deployments.launcher import DEPLOYMENTS_DIR, ENGINE_PROCESS_MARKERS, serve_run
+from deployments.local_nodes import LABEL, LocalCluster, NodeSpec, local_nodes, marked_pids
 from splitserve.processes import command_lines
 from tests.support.greedy import kv_metric, metric
-from tests.support.local_ports import forget_cluster, free_port
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
 
 MODEL = "splitserve-tiny-llama"
-NODE_MARKER = "SPLITSERVE_TWO_NODE_CLUSTER"
-LABEL = "splitserve-pool"
-OBJECT_STORE_BYTES = 300 * 1024 * 1024
+ENGINE_SLOT = "splitserve_engine_slot"
 _rng = random.Random(3)
 PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (300, 700, 129, 1000, 513, 2)]
 MAX_TOKENS = 8
@@ -54,68 +50,13 @@ NODE_DEATH_TIMEOUT_S = 90.0
 REPLICA_TITLE = "ray::ServeReplica"
 
 
-@dataclass(frozen=True)
-class TwoNodes:
-    address: str
-    dashboard_url: str
-    metrics_ports: dict[str, int]  # node role -> its metrics export port
-    marker: str
-
-
-def _ray_cli() -> str:
-    return str(Path(sys.executable).with_name("ray"))
-
-
-def _start_node(args: list[str], role: str, marker: str, metrics_port: int) -> None:
-    env = cluster_env() | dict(
-        os.environ,
-        RAY_USAGE_STATS_ENABLED="0",
-        RAY_health_check_period_ms=str(HEALTH_CHECK_PERIOD_MS),
-    )
-    env[NODE_MARKER] = f"{marker}:{role}"
-    command = [_ray_cli(), "start", *args, "--num-cpus=2", f"--labels={LABEL}={role}"]
-    command += [f"--object-store-memory={OBJECT_STORE_BYTES}"]
-    command += [f"--metrics-export-port={metrics_port}", "--disable-usage-stats"]
-    started = subprocess.run(command, env=env, capture_output=True, text=True)
-    if started.returncode != 0:
-        pytest.fail(f"`ray start` ({role}) failed:\n{started.stderr[-3000:]}")
-
-
-def _node_pids(marker: str, role: str | None = None) -> set[int]:
-    wanted = f"{NODE_MARKER}={marker}:{role or ''}".encode()
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                environ = (entry / "environ").read_bytes().split(b"\0")
-                if any(var.startswith(wanted) for var in environ):
-                    pids.add(int(entry.name))
-    return pids
-
-
 @pytest.fixture(scope="module")
-def two_nodes(ray_address: str) -> Iterator[TwoNodes]:
-    """A cluster of its own: the session's stays as it is for the other modules."""
-    marker = uuid.uuid4().hex[:12]
-    port, dashboard_port = free_port(), free_port()
-    ports = {"decode": free_port(), "prefill": free_port()}
-    try:
-        _start_node(
-            ["--head", f"--port={port}", "--include-dashboard=true",
-             f"--dashboard-port={dashboard_port}"],
-            "decode", marker, ports["decode"],
-        )  # fmt: skip
-        _start_node([f"--address=127.0.0.1:{port}"], "prefill", marker, ports["prefill"])
-        yield TwoNodes(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard_port}", ports, marker)
-    finally:
-        for signum, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            for pid in _node_pids(marker):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            deadline = time.monotonic() + wait_s
-            while _node_pids(marker) and time.monotonic() < deadline:
-                time.sleep(0.5)
-        forget_cluster(port)
+def two_nodes(ray_address: str) -> Iterator[LocalCluster]:
+    """A cluster of its own: the session's stays as it is for the other modules.
+    Each node has one ENGINE_SLOT, so a pool placed on that resource spreads over both."""
+    nodes = [NodeSpec(role, resources={ENGINE_SLOT: 1}) for role in ("decode", "prefill")]
+    with local_nodes(nodes, health_check_period_ms=HEALTH_CHECK_PERIOD_MS) as cluster:
+        yield cluster
 
 
 def _placed_pd(tmp_path: Path) -> Path:
@@ -130,6 +71,17 @@ def _placed_pd(tmp_path: Path) -> Path:
     return path
 
 
+def _placed_dp(tmp_path: Path) -> Path:
+    """dp.yaml with one engine per node: each engine takes the one ENGINE_SLOT its node has."""
+    document = yaml.safe_load((DEPLOYMENTS_DIR / "dp.yaml").read_text())
+    args = document["applications"][0]["args"]
+    args["pools"][0]["placement"] = {"resources": {ENGINE_SLOT: 1}}
+    args["router"]["placement"] = {"node_labels": {LABEL: "decode"}}
+    path = tmp_path / "dp-two-nodes.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
 def _complete(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}  # fmt: skip
@@ -138,6 +90,16 @@ def _complete(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
     return response.json()["choices"][0]["token_ids"], response.headers.get(
         "x-splitserve-prefill", ""
     )
+
+
+def _replica(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
+    """The greedy ids and the engine replica that answered."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    ids = response.json()["choices"][0]["token_ids"]
+    return ids, response.headers.get("x-splitserve-replica", "")
 
 
 def _eventually(check: object, timeout_s: float = 40.0) -> bool:
@@ -169,8 +131,27 @@ def reference(single_answers: dict[str, Any], served_apps: ServedApps) -> list[l
     return single_answers[__name__]
 
 
+def test_dp_across_two_nodes(
+    reference: list[list[int]], two_nodes: LocalCluster, serve_logs: Path, tmp_path: Path
+) -> None:
+    """DP's engines on both nodes, reached through the same transport as on one node:
+    round robin sends alternate requests across the nodes, and every answer is single's."""
+    with serve_run(
+        str(_placed_dp(tmp_path)), ray_address=two_nodes.address, log_dir=serve_logs
+    ) as app:
+        engine_nodes = {
+            role for role in ("decode", "prefill") if _engine_commands(two_nodes.marker, role)
+        }
+        assert engine_nodes == {"decode", "prefill"}, (
+            "dp's two engines did not spread over both nodes"
+        )
+        answers = [_replica(app.base_url, prompt) for prompt in PROMPTS]
+        assert [ids for ids, _ in answers] == reference
+        assert len({replica for _, replica in answers}) == 2, answers
+
+
 def test_pd_across_two_nodes(
-    reference: list[list[int]], two_nodes: TwoNodes, serve_logs: Path, tmp_path: Path
+    reference: list[list[int]], two_nodes: LocalCluster, serve_logs: Path, tmp_path: Path
 ) -> None:
     with serve_run(
         str(_placed_pd(tmp_path)), ray_address=two_nodes.address, log_dir=serve_logs
@@ -196,7 +177,7 @@ def test_pd_across_two_nodes(
         )
 
         # The prefill node goes away: its raylet dies, its replica with it.
-        node = _prefill_node_commands(two_nodes.marker)
+        node = _node_commands(two_nodes.marker)
         raylets = {pid for pid, command in node.items() if "raylet" in command}
         assert raylets, "no raylet found for the prefill node"
         local_before = metric(metrics, "splitserve_prefill_decisions_total", where="local")
@@ -214,25 +195,34 @@ def test_pd_across_two_nodes(
         assert local_after - local_before >= len(after), (local_before, local_after)
         # No engine outlives its node: the replica and its engine core exit with the raylet.
         assert _eventually(
-            lambda: not _engine_commands(two_nodes.marker), timeout_s=NODE_DEATH_TIMEOUT_S
-        ), f"left running on the dead node: {_engine_commands(two_nodes.marker)}"
+            lambda: not _replica_commands(two_nodes.marker), timeout_s=NODE_DEATH_TIMEOUT_S
+        ), f"left running on the dead node: {_replica_commands(two_nodes.marker)}"
 
 
 def _fresh_prompt() -> list[int]:
     return [_rng.randrange(3, 256) for _ in range(400)]
 
 
-def _prefill_node_commands(marker: str) -> dict[int, str]:
-    pids = _node_pids(marker, "prefill")
+def _node_commands(marker: str, role: str = "prefill") -> dict[int, str]:
+    pids = marked_pids(f"{marker}:{role}")
     return {pid: command for pid, command in command_lines().items() if pid in pids}
 
 
-def _engine_commands(marker: str) -> list[str]:
-    """The prefill node's replica and engine processes still running (Ray's own daemons,
-    such as its log monitor, are the cluster's to stop)."""
+def _engine_commands(marker: str, role: str = "prefill") -> list[str]:
+    """A node's vLLM engine processes still running (Ray's own daemons, such as its log
+    monitor, are the cluster's to stop; a replica's title alone is not an engine)."""
+    return [
+        command[:120]
+        for command in _node_commands(marker, role).values()
+        if any(title in command for title in ENGINE_PROCESS_MARKERS)
+    ]
+
+
+def _replica_commands(marker: str, role: str = "prefill") -> list[str]:
+    """A node's Serve replicas and engine processes still running."""
     titles = (REPLICA_TITLE, *ENGINE_PROCESS_MARKERS)
     return [
         command[:120]
-        for command in _prefill_node_commands(marker).values()
+        for command in _node_commands(marker, role).values()
         if any(title in command for title in titles)
     ]
