@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments.launcher import cluster_env
-from splitserve.processes import LaunchError
+from splitserve.processes import LaunchError, ProcessId, descendants, wait_gone
 
 NODE_MARKER = "SPLITSERVE_LOCAL_NODE"
 LABEL = "splitserve-pool"
@@ -90,13 +90,17 @@ def local_nodes(
 
 
 def marked_pids(prefix: str) -> set[int]:
-    wanted = f"{NODE_MARKER}={prefix}".encode()
+    """Processes whose environment has ``NODE_MARKER=<prefix>...``."""
+    return _pids_with_env(f"{NODE_MARKER}={prefix}".encode())
+
+
+def _pids_with_env(*wanted: bytes) -> set[int]:
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 environ = (entry / "environ").read_bytes().split(b"\0")
-                if any(var.startswith(wanted) for var in environ):
+                if any(var.startswith(prefix) for var in environ for prefix in wanted):
                     pids.add(int(entry.name))
     return pids
 
@@ -122,12 +126,22 @@ def _start_node(args: list[str], marker: str, extra_env: dict[str, str]) -> None
 
 
 def _stop(marker: str) -> None:
+    """Every process of the nodes, and every process below them: Ray's dashboard and
+    runtime-env agents write their titles over their environment, marker included, and
+    outlive a killed raylet by minutes, so they are found as children before any dies."""
+    below: set[ProcessId] = set()
+    for pid in marked_pids(marker):
+        below |= descendants(pid)
+
+    def running() -> set[int]:
+        return marked_pids(marker) | {pid for pid, _ in wait_gone(below, 0)}
+
     for signum, wait_s in STOP_WAITS_S:
-        for pid in marked_pids(marker):
+        for pid in running():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
         deadline = time.monotonic() + wait_s
-        while marked_pids(marker) and time.monotonic() < deadline:
+        while running() and time.monotonic() < deadline:
             time.sleep(0.5)
 
 
