@@ -6,16 +6,22 @@ ignore_eos, Poisson arrivals, everything at Ray's worker niceness 15):
   vllm-router two bare vLLM servers, one core each, behind `vllm-router --policy
               round_robin` from PyPI, in a virtualenv of its own (the peer of dp)
   single, dp, pd_always, pd   our YAMLs as `python -m deployments.serve NAME` serves them
-  dp_apart    dp.yaml with router.engine_in_router: false (each engine a Serve replica
-              of its own, reached over the engine transport's TCP connection)
+  dp_apart, pd_apart  dp.yaml and pd.yaml with router.engine_in_router: false (each
+              engine a Serve replica of its own, reached over the engine transport's TCP
+              connection)
   vllm-router_beside_ray  the peer again, with dp.yaml's Ray cluster idle beside it
   bare_beside_ray         bare vLLM again, with single.yaml's Ray cluster idle beside it
+  dp_one_node, dp_two_nodes, pd_always_one_node, pd_always_two_nodes
+              the YAML with each engine placed on a slot of its pool's role and the
+              router on the head node, served by a `ray start` cluster of one node (every
+              slot) or two nodes on this box (one engine each; deployments.local_nodes):
+              the same engine path within a node and across nodes
 Cells: 512->64 at 4 req/s (the issue's), decode-heavy 128->512, prefill-heavy 2048->32.
 Prints TTFT p50/p99, ITL p50/p90/mean/p99 and req/s per server and cell (medians over
 ``--repeat`` rounds; each round starts every server in turn, so ours and the peers
 interleave and share the box's drift), with each row's ratio to its peer (single: bare;
-dp: vllm-router; pd_always and pd: dp), checks the targets of docs/DECISIONS.md and
-saves JSON with every run.
+dp: vllm-router; pd_always and pd: dp; pd_apart: pd; X_two_nodes: X_one_node), checks
+the targets of docs/DECISIONS.md and saves JSON with every run.
 
     python bench/peers.py [--servers bare,vllm-router,single,dp,pd_always,pd]
         [--cells general,decode,prefill] [--num-prompts 100] [--repeat 1]
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -36,6 +43,7 @@ from typing import Any
 import httpx
 import numpy as np
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
+import yaml
 from overhead import (
     bare_vllm,
     engines_apart_url,
@@ -47,7 +55,13 @@ from overhead import (
 from rich.console import Console
 from rich.table import Table
 
-from deployments.launcher import RAY_WORKER_NICENESS, REPO_ROOT, niced_like_ray_workers
+from deployments.launcher import (
+    RAY_WORKER_NICENESS,
+    REPO_ROOT,
+    niced_like_ray_workers,
+    serve_run,
+)
+from deployments.local_nodes import LABEL, NodeSpec, local_nodes
 
 console = Console(width=160)  # the table stays readable in a log file
 VLLM_ROUTER_VERSION = "0.1.17"
@@ -77,7 +91,11 @@ PEER_OF = {
     "bare_beside_ray": "bare",
     "pd_always": "dp",
     "pd": "dp",
+    "pd_apart": "pd",
+    "dp_two_nodes": "dp_one_node",
+    "pd_always_two_nodes": "pd_always_one_node",
 }
+TWO_NODES_TTFT_CEILING = 1.25
 TARGETS: dict[tuple[str, str], dict[str, float]] = {
     ("dp", "general"): {
         "ttft_p50_ms": 1.10,
@@ -96,7 +114,10 @@ TARGETS: dict[tuple[str, str], dict[str, float]] = {
     ("pd_always", "prefill"): {"ttft_p50_ms": 1.5},
     ("pd_always", "decode"): {"itl_mean_ms": 1.10},
     ("single", "general"): {"ttft_p50_ms": 1.25, "itl_mean_ms": 1.10},
+    ("dp_two_nodes", "general"): {"ttft_p50_ms": TWO_NODES_TTFT_CEILING},
+    ("pd_always_two_nodes", "general"): {"ttft_p50_ms": TWO_NODES_TTFT_CEILING},
 }
+HEAD_NODE = "head"
 
 
 def vllm_router_binary() -> Path:
@@ -134,6 +155,35 @@ def beside_idle_ray(
         yield url
 
 
+def _engine_slot(role: str) -> str:
+    return f"splitserve_{role}_slot"
+
+
+@contextlib.contextmanager
+def on_local_nodes(shape: str, node_count: int) -> Iterator[str]:
+    """``shape``'s YAML with each engine asking for one slot of its pool's role and the
+    router pinned to the head, on ``node_count`` `ray start` nodes of this box that deal
+    the engines' slots out in turn: one node holds them all; two hold one engine each."""
+    document = yaml.safe_load((REPO_ROOT / "deployments" / f"{shape}.yaml").read_text())
+    args = document["applications"][0]["args"]
+    engine_roles = []
+    for pool in args["pools"]:
+        pool["placement"] = {"resources": {_engine_slot(pool["role"]): 1}}
+        engine_roles += [pool["role"]] * pool.get("replicas", 1)
+    args.setdefault("router", {})["placement"] = {"node_labels": {LABEL: HEAD_NODE}}
+    slots: list[dict[str, float]] = [{} for _ in range(node_count)]
+    for index, role in enumerate(engine_roles):
+        node_slots = slots[index % node_count]
+        node_slots[_engine_slot(role)] = node_slots.get(_engine_slot(role), 0) + 1
+    roles = [HEAD_NODE, *(f"worker-{index}" for index in range(1, node_count))]
+    nodes = [NodeSpec(role, resources=slot) for role, slot in zip(roles, slots, strict=True)]
+    with tempfile.TemporaryDirectory() as folder, local_nodes(nodes) as cluster:
+        path = Path(folder) / f"{shape}-{node_count}-nodes.yaml"
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
+        with serve_run(str(path), ray_address=cluster.address) as app:
+            yield app.base_url
+
+
 def ours(name: str) -> Callable[[], contextlib.AbstractContextManager[str]]:
     return lambda: serve_run_url(REPO_ROOT / "deployments" / f"{name}.yaml")
 
@@ -149,6 +199,11 @@ SERVERS: dict[str, Callable[[], contextlib.AbstractContextManager[str]]] = {
     "pd": ours("pd"),
     # Each engine a Serve replica of its own, behind the engine transport.
     "dp_apart": lambda: engines_apart_url(REPO_ROOT / "deployments" / "dp.yaml"),
+    "pd_apart": lambda: engines_apart_url(REPO_ROOT / "deployments" / "pd.yaml"),
+    "dp_one_node": lambda: on_local_nodes("dp", 1),
+    "dp_two_nodes": lambda: on_local_nodes("dp", 2),
+    "pd_always_one_node": lambda: on_local_nodes("pd_always", 1),
+    "pd_always_two_nodes": lambda: on_local_nodes("pd_always", 2),
 }
 
 
