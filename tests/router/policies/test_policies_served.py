@@ -87,11 +87,25 @@ def _complete(base_url: str, prompt: list[int], max_tokens: int = 4, **extra: ob
     return response.status_code
 
 
+ENGINES_IDLE_WAIT_S = 30.0
+
+
 @pytest.fixture(scope="module")
 def pd_app(served_apps: ServedApps) -> RunningApp:
     app = served_apps.get("pd")
     _complete(app.base_url, _prompt(8))  # the first request pays for warm-up
+    _wait_engines_idle(app.base_url)
     return app
+
+
+def _wait_engines_idle(base_url: str) -> None:
+    """Until the router's last stats of every engine show nothing running or waiting: an
+    app that an earlier module flooded reads as busy until its next stats poll, and the
+    split policy would send these tests' short prompts remote as 'decode_busy'."""
+    deadline = time.monotonic() + ENGINES_IDLE_WAIT_S
+    while (busy := metric(base_url, "splitserve_engine_requests")) > 0:
+        assert time.monotonic() < deadline, f"engines still report {busy:g} requests"
+        time.sleep(0.2)
 
 
 def test_short_prompt_is_prefilled_by_the_decode_replica(pd_app: RunningApp) -> None:
