@@ -24,7 +24,7 @@ client runs at Ray's worker niceness.
 
     python bench/overload.py [--config pd] [--entries direct,proxy] [--burst 96]
         [--sustained-rate 6] [--sustained-s 30] [--flood-in-flight 72] [--flood-s 30]
-        [--flood-chars 1800] [--out results/overload.json]
+        [--flood-chars 1800] [--probe-interval-s 0.25] [--out results/overload.json]
 """
 
 from __future__ import annotations
@@ -189,7 +189,10 @@ async def sustained(url: str, model: str, args: argparse.Namespace) -> Phase:
     rng = np.random.default_rng(1)
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+        lag_probed(phase),
+    ):
         tasks = []
         start = time.perf_counter()
         offset, index = 0.0, 0
@@ -203,8 +206,7 @@ async def sustained(url: str, model: str, args: argparse.Namespace) -> Phase:
             )
             offset += rng.exponential(1.0 / args.sustained_rate)
             index += 1
-        async with lag_probed(phase):
-            phase.outcomes = list(await asyncio.gather(*tasks))
+        phase.outcomes = list(await asyncio.gather(*tasks))
     return phase
 
 
