@@ -48,7 +48,7 @@ class LocalCluster:
 
     def pids(self, role: str | None = None) -> set[int]:
         """The live processes of one node (``role``), or of every node."""
-        return marked_pids(f"{self.marker}:{role or ''}")
+        return marked_pids(self.marker, role)
 
 
 @contextlib.contextmanager
@@ -89,18 +89,16 @@ def local_nodes(
         _forget(port)
 
 
-def marked_pids(prefix: str) -> set[int]:
-    """Processes whose environment has ``NODE_MARKER=<prefix>...``."""
-    return _pids_with_env(f"{NODE_MARKER}={prefix}".encode())
-
-
-def _pids_with_env(*wanted: bytes) -> set[int]:
+def marked_pids(marker: str, role: str | None = None) -> set[int]:
+    """Processes of the cluster ``marker`` (of its node ``role`` only, if given)."""
+    node = f"{NODE_MARKER}={marker}:".encode()
+    wanted = node + role.encode() if role else None
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
                 environ = (entry / "environ").read_bytes().split(b"\0")
-                if any(var.startswith(prefix) for var in environ for prefix in wanted):
+                if any(v == wanted if wanted else v.startswith(node) for v in environ):
                     pids.add(int(entry.name))
     return pids
 

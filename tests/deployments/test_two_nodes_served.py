@@ -204,7 +204,7 @@ def _fresh_prompt() -> list[int]:
 
 
 def _node_commands(marker: str, role: str = "prefill") -> dict[int, str]:
-    pids = marked_pids(f"{marker}:{role}")
+    pids = marked_pids(marker, role)
     return {pid: command for pid, command in command_lines().items() if pid in pids}
 
 
