@@ -121,6 +121,18 @@ async def lag_probed(phase: Phase) -> AsyncIterator[None]:
         probe.cancel()
 
 
+@contextlib.asynccontextmanager
+async def probed_session(phase: Phase) -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session with no connection limit, the client's loop lag probed meanwhile."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+        lag_probed(phase),
+    ):
+        yield session
+
+
 def prompt_text(chars: int, seed: int) -> str:
     rng = random.Random(seed)
     words: list[str] = []
@@ -169,9 +181,7 @@ async def one_request(
 
 async def burst(url: str, model: str, args: argparse.Namespace) -> Phase:
     phase = Phase("cold burst")
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with probed_session(phase) as session:
         requests = [
             one_request(
                 session, url, model, prompt_text(args.prompt_chars, i), args.max_tokens,
@@ -179,20 +189,14 @@ async def burst(url: str, model: str, args: argparse.Namespace) -> Phase:
             )
             for i in range(args.burst)
         ]  # fmt: skip
-        async with lag_probed(phase):
-            phase.outcomes = list(await asyncio.gather(*requests))
+        phase.outcomes = list(await asyncio.gather(*requests))
     return phase
 
 
 async def sustained(url: str, model: str, args: argparse.Namespace) -> Phase:
     phase = Phase(f"sustained {args.sustained_rate:g} req/s")
     rng = np.random.default_rng(1)
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with (
-        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-        lag_probed(phase),
-    ):
+    async with probed_session(phase) as session:
         tasks = []
         start = time.perf_counter()
         offset, index = 0.0, 0
@@ -236,12 +240,7 @@ async def probe(
     url: str, model: str, chars: int, max_tokens: int, interval_s: float, duration_s: float
 ) -> Phase:
     phase = Phase("flood, probe client")
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with (
-        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-        lag_probed(phase),
-    ):
+    async with probed_session(phase) as session:
         tasks = []
         start = time.perf_counter()
         for index in range(int(duration_s / interval_s)):
@@ -254,8 +253,6 @@ async def probe(
 
 
 async def flooded(phase: Phase, url: str, model: str, args: argparse.Namespace) -> None:
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=600)
     counter = iter(range(20_000, 10**9))
     end = time.perf_counter() + args.flood_s
 
@@ -266,12 +263,11 @@ async def flooded(phase: Phase, url: str, model: str, args: argparse.Namespace) 
                 await one_request(session, url, model, prompt, args.max_tokens, priority)
             )
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with probed_session(phase) as session:
         clients = [
             client(FLOOD_PRIORITIES[i % len(FLOOD_PRIORITIES)]) for i in range(args.flood_in_flight)
         ]
-        async with lag_probed(phase):
-            await asyncio.gather(*clients)
+        await asyncio.gather(*clients)
 
 
 def summarize(phase: Phase) -> dict[str, Any]:
