@@ -61,8 +61,8 @@ def local_nodes(
     """Start ``nodes`` (the first one is the head) until the block ends, then stop
     every process they started, whatever state the block left them in."""
     marker = uuid.uuid4().hex[:12]
-    port, dashboard_port = _free_port(), _free_port()
-    metrics_ports = {node.role: _free_port() for node in nodes}
+    port, dashboard_port = free_port(), free_port()
+    metrics_ports = {node.role: free_port() for node in nodes}
     # `ray start` turns token authentication on where it finds a token file (which a
     # local `ray.init()` writes), while a client with RAY_AUTH_MODE unset stays off:
     # the nodes take the caller's mode, and off where the caller has none.
@@ -86,7 +86,7 @@ def local_nodes(
         )
     finally:
         _stop(marker)
-        _forget(port)
+        forget_cluster(port)
 
 
 def marked_pids(marker: str, role: str | None = None) -> set[int]:
@@ -143,15 +143,19 @@ def _stop(marker: str) -> None:
             time.sleep(0.5)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _forget(port: int) -> None:
-    """`ray start` records the head's address for later clients, and `serve run` would
-    try to join the stopped cluster and hang; `ray stop` deletes that file, as we do."""
+def forget_cluster(port: int) -> None:
+    """Forget a stopped Ray cluster whose GCS listened on ``port``.
+
+    `ray start` records its address for later clients; `serve run` would otherwise try to
+    join the stopped cluster and hang. `ray stop` deletes the file; we do too.
+    """
     current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
     with contextlib.suppress(OSError):
         if current.read_text().strip().endswith(f":{port}"):

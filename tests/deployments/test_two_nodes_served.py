@@ -82,24 +82,16 @@ def _placed_dp(tmp_path: Path) -> Path:
     return path
 
 
-def _complete(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
+def _complete(
+    base_url: str, prompt: list[int], header: str = "x-splitserve-prefill"
+) -> tuple[list[int], str]:
+    """The greedy ids, and the response's ``header``: where the prompt was computed, or
+    (x-splitserve-replica) which engine replica answered."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}  # fmt: skip
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["token_ids"], response.headers.get(
-        "x-splitserve-prefill", ""
-    )
-
-
-def _replica(base_url: str, prompt: list[int]) -> tuple[list[int], str]:
-    """The greedy ids and the engine replica that answered."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    ids = response.json()["choices"][0]["token_ids"]
-    return ids, response.headers.get("x-splitserve-replica", "")
+    return response.json()["choices"][0]["token_ids"], response.headers.get(header, "")
 
 
 def _eventually(check: object, timeout_s: float = 40.0) -> bool:
@@ -145,7 +137,7 @@ def test_dp_across_two_nodes(
         assert engine_nodes == {"decode", "prefill"}, (
             "dp's two engines did not spread over both nodes"
         )
-        answers = [_replica(app.base_url, prompt) for prompt in PROMPTS]
+        answers = [_complete(app.base_url, p, "x-splitserve-replica") for p in PROMPTS]
         assert [ids for ids, _ in answers] == reference
         assert len({replica for _, replica in answers}) == 2, answers
 

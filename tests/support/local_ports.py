@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import tempfile
-from pathlib import Path
 
+from deployments.local_nodes import forget_cluster, free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["forget_cluster", "free_port", "free_port_run"]
 
 
 def free_port_run(length: int) -> int:
@@ -31,15 +26,3 @@ def free_port_run(length: int) -> int:
             for sock in sockets:
                 sock.close()
     raise RuntimeError("no run of free ports")
-
-
-def forget_cluster(port: int) -> None:
-    """Forget a stopped Ray cluster whose GCS listened on ``port``.
-
-    `ray start` records its address for later clients; `serve run` would otherwise try to
-    join the stopped cluster and hang. `ray stop` deletes the file; we do too.
-    """
-    current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-    with contextlib.suppress(OSError):
-        if current.read_text().strip().endswith(f":{port}"):
-            current.unlink()
