@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -74,3 +75,26 @@ def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> No
     }
     assert config.request_router_config.request_router_class == SCALED_POOL_REQUEST_ROUTER
     assert config.graceful_shutdown_timeout_s > 30
+
+
+def _on_gpus(name: str) -> dict[str, Any]:
+    args = yaml.safe_load((REPO / "deployments" / f"{name}.yaml").read_text())["applications"][0]
+    for pool in args["args"]["pools"]:
+        pool.pop("cpu_binds", None)
+        pool.pop("kv_cache_gib", None)
+    return {**args["args"], "accelerator": "gpu"}
+
+
+def test_several_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
+    router = build_app(_on_gpus("pd"))
+    engines = router._bound_deployment.init_args[2]
+    assert set(engines) == {"prefill-0", "decode-0"}
+    for engine in engines.values():
+        assert engine._bound_deployment.ray_actor_options["num_gpus"] == 1
+    assert "num_gpus" not in router._bound_deployment.ray_actor_options
+
+
+def test_a_lone_gpu_engine_stays_in_the_router_with_its_gpus() -> None:
+    router = build_app(_on_gpus("tp"))
+    assert router._bound_deployment.init_args[2] == {}
+    assert router._bound_deployment.ray_actor_options["num_gpus"] == 2

@@ -316,6 +316,26 @@ def test_the_router_hosts_engines_unless_told_not_to(
     assert parse_app_config(args).hosts_engines_in_router is in_router
 
 
+def _on_gpus(args: dict[str, Any]) -> dict[str, Any]:
+    """A shipped YAML's args as its comment says to run it on GPUs."""
+    for pool in args["pools"]:
+        pool.pop("cpu_binds", None)
+        pool.pop("kv_cache_gib", None)
+    return {**args, "accelerator": "gpu"}
+
+
+@pytest.mark.parametrize(
+    ("name", "in_router"),
+    [("single", True), ("tp", True), ("pp", True), ("dp", False), ("pd", False), ("auto", False)],
+)
+def test_auto_gives_several_gpu_engines_a_front_end_each(name: str, in_router: bool) -> None:
+    # One GIL for several GPU engines' tokens is what issue 22 set out to remove; a lone
+    # engine keeps vLLM's own layout, and CPU engines the path measured to win on CPUs.
+    args = yaml.safe_load((DEPLOYMENTS / f"{name}.yaml").read_text())["applications"][0]["args"]
+    assert parse_app_config(_on_gpus(args)).hosts_engines_in_router is in_router
+    assert parse_app_config(args).hosts_engines_in_router
+
+
 @pytest.mark.parametrize("override", [{"num_replicas": 2}, {"autoscaling_config": {}}])
 def test_serve_overrides_of_an_engine_deployment_are_refused(
     tmp_path: Path, override: dict
