@@ -159,16 +159,15 @@ class AppConfig(StrictModel):
     def hosts_engines_in_router(self) -> bool:
         """The router's process runs every engine's front end. ``auto`` does so only where
         that was measured to win (docs/DECISIONS.md): engines on CPUs, whose compute takes
-        the cores that a front-end process each would need, and a lone GPU engine, which
-        then has vLLM's own layout (one front end beside its HTTP server). Several GPU
-        engines get a front end each, so that one GIL does not cap all of their tokens;
-        placed and scaled pools always run apart, as replicas that Serve places."""
+        the cores that a front-end process each would need. GPU engines get a replica and
+        a front end each, so that one GIL does not cap their tokens; placed and scaled
+        pools always run apart, as replicas that Serve places."""
         setting = self.router.engine_in_router
         if isinstance(setting, bool):
             return setting
         if self.placed or self.scaled:
             return False
-        return self.accelerator == "cpu" or self.engine_replicas == 1
+        return self.accelerator == "cpu"
 
     @property
     def placed(self) -> bool:

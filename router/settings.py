@@ -187,8 +187,8 @@ class RouterConfig(StrictModel):
         description="Host every engine in the router's own process, each engine core in"
         " processes of its own (vLLM's data-parallel layout): true, false (one Serve"
         " replica per engine, in a process of its own, reached over a direct TCP connection),"
-        " or auto (true for CPU engines and for a lone GPU engine; false for several GPU"
-        " engines, and for pools placed on named nodes or scaled by Serve).",
+        " or auto (true for CPU engines; false for GPU engines, and for pools placed on"
+        " named nodes or scaled by Serve).",
     )
 
     @field_validator("replica_choice")

@@ -85,7 +85,7 @@ def _on_gpus(name: str) -> dict[str, Any]:
     return {**args["args"], "accelerator": "gpu"}
 
 
-def test_several_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
+def test_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
     router = build_app(_on_gpus("pd"))
     engines = router._bound_deployment.init_args[2]
     assert set(engines) == {"prefill-0", "decode-0"}
@@ -94,7 +94,7 @@ def test_several_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
     assert "num_gpus" not in router._bound_deployment.ray_actor_options
 
 
-def test_a_lone_gpu_engine_stays_in_the_router_with_its_gpus() -> None:
+def test_a_tensor_parallel_gpu_engine_gets_a_replica_with_all_its_gpus() -> None:
     router = build_app(_on_gpus("tp"))
-    assert router._bound_deployment.init_args[2] == {}
-    assert router._bound_deployment.ray_actor_options["num_gpus"] == 2
+    (engine,) = router._bound_deployment.init_args[2].values()
+    assert engine._bound_deployment.ray_actor_options["num_gpus"] == 2
