@@ -3,10 +3,10 @@
 ``serve run deployments/dp.yaml`` calls ``build_app`` with the YAML's ``args``: one
 Serve deployment per engine replica (so the router, not Serve, picks the replica and
 each replica keeps its own queue), and the router ingress bound to their handles; or,
-with ``router.engine_in_router`` (by default for CPU engines),
-every engine in the router's own process, as vLLM's API server holds its data-parallel
-engines: one front end, each engine core in processes of its own, tokens over vLLM's
-ZMQ sockets instead of Ray.
+with ``router.engine_in_router`` (by default for CPU engines), every engine in the
+router's own process, as vLLM's API server holds its data-parallel engines: one front
+end, each engine core in processes of its own, tokens over vLLM's ZMQ sockets instead
+of Ray.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -19,6 +18,7 @@ from deployments.app import (
     SCALED_POOL_REQUEST_ROUTER,
     build_app,
 )
+from tests.support.shipped_configs import on_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("vllm", "torch", "transformers", "router.http.ingress", "engines.host")
@@ -77,16 +77,8 @@ def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> No
     assert config.graceful_shutdown_timeout_s > 30
 
 
-def _on_gpus(name: str) -> dict[str, Any]:
-    args = yaml.safe_load((REPO / "deployments" / f"{name}.yaml").read_text())["applications"][0]
-    for pool in args["args"]["pools"]:
-        pool.pop("cpu_binds", None)
-        pool.pop("kv_cache_gib", None)
-    return {**args["args"], "accelerator": "gpu"}
-
-
 def test_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
-    router = build_app(_on_gpus("pd"))
+    router = build_app(on_gpus("pd"))
     engines = router._bound_deployment.init_args[2]
     assert set(engines) == {"prefill-0", "decode-0"}
     for engine in engines.values():
@@ -95,6 +87,6 @@ def test_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
 
 
 def test_a_tensor_parallel_gpu_engine_gets_a_replica_with_all_its_gpus() -> None:
-    router = build_app(_on_gpus("tp"))
+    router = build_app(on_gpus("tp"))
     (engine,) = router._bound_deployment.init_args[2].values()
     assert engine._bound_deployment.ray_actor_options["num_gpus"] == 2

@@ -15,6 +15,7 @@ from deployments.config import (
     parse_app_config,
     refuse_engine_overrides,
 )
+from tests.support.shipped_configs import on_gpus, shipped_args
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 
@@ -316,21 +317,12 @@ def test_the_router_hosts_engines_unless_told_not_to(
     assert parse_app_config(args).hosts_engines_in_router is in_router
 
 
-def _on_gpus(args: dict[str, Any]) -> dict[str, Any]:
-    """A shipped YAML's args as its comment says to run it on GPUs."""
-    for pool in args["pools"]:
-        pool.pop("cpu_binds", None)
-        pool.pop("kv_cache_gib", None)
-    return {**args, "accelerator": "gpu"}
-
-
 @pytest.mark.parametrize("name", ["single", "tp", "pp", "dp", "pd", "pd_always", "auto"])
 def test_auto_gives_gpu_engines_a_front_end_each(name: str) -> None:
     # One GIL for the GPU engines' tokens is what issue 22 set out to remove; CPU engines
     # keep the path measured to win where their compute needs every core.
-    args = yaml.safe_load((DEPLOYMENTS / f"{name}.yaml").read_text())["applications"][0]["args"]
-    assert not parse_app_config(_on_gpus(args)).hosts_engines_in_router
-    assert parse_app_config(args).hosts_engines_in_router
+    assert not parse_app_config(on_gpus(name)).hosts_engines_in_router
+    assert parse_app_config(shipped_args(name)).hosts_engines_in_router
 
 
 @pytest.mark.parametrize("override", [{"num_replicas": 2}, {"autoscaling_config": {}}])

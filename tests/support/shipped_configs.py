@@ -1,0 +1,26 @@
+"""The shipped YAMLs' application args, as they are and as their comments say to run
+them on GPUs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
+
+
+def shipped_args(name: str) -> dict[str, Any]:
+    """``deployments/<name>.yaml``'s application args, a fresh copy per call."""
+    document = yaml.safe_load((DEPLOYMENTS / f"{name}.yaml").read_text())
+    return document["applications"][0]["args"]
+
+
+def on_gpus(name: str) -> dict[str, Any]:
+    """The same args with ``accelerator: gpu`` and without the CPU-only pool fields."""
+    args = shipped_args(name)
+    for pool in args["pools"]:
+        pool.pop("cpu_binds", None)
+        pool.pop("kv_cache_gib", None)
+    return {**args, "accelerator": "gpu"}
