@@ -51,6 +51,7 @@ from deployments.launcher import (
     niced_like_ray_workers,
     serve_run,
 )
+from engines.socket_folders import VLLM_IPC_ENV
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from splitserve.processes import ChildSettings, http_ok, running_process
 
@@ -248,16 +249,20 @@ def served(
     """A server process for the length of a block, once ``ready_url`` answers 200; stopped
     with SIGINT, and anything it started (engines included) killed if it lingers."""
     log = Path(tempfile.gettempdir()) / f"splitserve-bench-{name}.log"
-    with running_process(
-        command,
-        log,
-        lambda: http_ok(ready_url, timeout_s=5),
-        what=name,
-        ready_timeout_s=600,
-        stop_timeout_s=120,
-        cwd=REPO_ROOT,
-        env=dict(os.environ, **ENGINE_ENV, **(env or {})),
-        child=ChildSettings(niceness=niceness),
+    # A bare vLLM's IPC sockets go with the block (engines/socket_folders.py says why).
+    with (
+        tempfile.TemporaryDirectory(prefix=f"splitserve-bench-{name}-") as sockets,
+        running_process(
+            command,
+            log,
+            lambda: http_ok(ready_url, timeout_s=5),
+            what=name,
+            ready_timeout_s=600,
+            stop_timeout_s=120,
+            cwd=REPO_ROOT,
+            env=dict(os.environ, **ENGINE_ENV, **(env or {}), **{VLLM_IPC_ENV: sockets}),
+            child=ChildSettings(niceness=niceness),
+        ),
     ):
         time.sleep(2)  # let a freshly listening server finish its warm-up
         yield

@@ -41,6 +41,7 @@ from engines.protocol import (
 from engines.sampler import start_replica_sampler
 from engines.settings import EngineSpec, member_name
 from engines.slo_meter import MeteredHost, SloMeter
+from engines.socket_folders import VLLM_IPC_ENV, owned_folder, remove_folder
 from engines.transport import EngineTransportServer, TransportAddress
 from kv_transfer.backend_registry import make_kv_backend
 
@@ -187,6 +188,8 @@ class EngineHost:
         )
         if self._kv_events is not None:
             self._kv_events.start()
+        # vLLM's IPC sockets, in a folder that goes with this engine (socket_folders).
+        self._ipc_folder = owned_folder("vllm")
         started = time.perf_counter()
         gpu_ids = self._gpu_ids()
         # One spawn at a time per process: each engine's processes must inherit its own
@@ -204,6 +207,7 @@ class EngineHost:
         except BaseException:
             if self._kv_events is not None:
                 self._kv_events.stop()  # no engine will publish to it
+            remove_folder(self._ipc_folder)
             raise
         # After the engine: its processes exist now, and a failed start samples nothing.
         # An engine that shares its host process samples its own engine core alone.
@@ -232,7 +236,7 @@ class EngineHost:
         return host_ids[offset : offset + self._spec.pool.ranks_per_replica]
 
     def _process_env(self, gpu_ids: list[int]) -> dict[str, str]:
-        env = dict(self._spec.process_env)
+        env = {**self._spec.process_env, VLLM_IPC_ENV: str(self._ipc_folder)}
         if self._spec.device_offset is not None and gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
         return env
@@ -355,6 +359,9 @@ class EngineHost:
         kv_events = getattr(self, "_kv_events", None)
         if kv_events is not None:
             kv_events.stop()
+        ipc_folder = getattr(self, "_ipc_folder", None)
+        if ipc_folder is not None:
+            remove_folder(ipc_folder)
 
 
 @contextlib.contextmanager

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from engines.protocol import CacheUpdate
+from engines.socket_folders import owned_folder, remove_folder
 
 logger = logging.getLogger("splitserve.engines")
 
@@ -33,9 +30,6 @@ logger = logging.getLogger("splitserve.engines")
 ROOT_HASH = 0
 # How long the subscriber thread waits for a batch before it looks whether to stop.
 POLL_MS = 200
-# Each relay's ipc folder is named after the process that owns it, so that a relay can
-# remove the folders of owners killed before they could (SIGKILL skips ``stop``).
-FOLDER_PREFIX = "splitserve-kv-events-"
 
 
 def chain_hash(parent: int, block_token_ids: Sequence[int]) -> int:
@@ -99,8 +93,7 @@ class KVEventRelay:
     (called from its own thread), keeping the names a snapshot is made of."""
 
     def __init__(self, engine_name: str, deliver: Callable[[CacheUpdate], None]) -> None:
-        remove_orphaned_folders(Path(tempfile.gettempdir()))
-        self._folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+        self._folder = owned_folder("kv-events")
         self.endpoint = f"ipc://{self._folder / engine_name}.sock"
         self._deliver = deliver
         self._names = BlockNames()
@@ -128,7 +121,7 @@ class KVEventRelay:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * POLL_MS / 1000)
-        shutil.rmtree(self._folder, ignore_errors=True)
+        remove_folder(self._folder)
 
     def _run(self) -> None:
         import msgspec
@@ -171,30 +164,3 @@ class KVEventRelay:
         for update in updates:
             if update is not None:
                 self._deliver(update)
-
-
-def remove_orphaned_folders(parent: Path) -> list[Path]:
-    """Remove the relay folders under ``parent`` whose owning process is gone."""
-    removed = []
-    for folder in parent.glob(f"{FOLDER_PREFIX}*"):
-        owner = _owner_pid(folder.name)
-        if owner is None or _alive(owner):
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-    return removed
-
-
-def _owner_pid(folder_name: str) -> int | None:
-    pid, _, _ = folder_name.removeprefix(FOLDER_PREFIX).partition("-")
-    return int(pid) if pid.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True

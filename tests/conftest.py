@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,7 @@ if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
-from engines.kv_events import remove_orphaned_folders  # noqa: E402
+from engines.socket_folders import remove_orphaned_folders  # noqa: E402
 from tests.support.local_ports import forget_cluster, free_port  # noqa: E402
 from tests.support.served_apps import ServedApps  # noqa: E402
 
@@ -45,6 +47,8 @@ SESSION_MARKER = "SPLITSERVE_TEST_SESSION"
 # (Ray's default is 10 s): the dashboard tests wait for a number of exports, and at
 # 10 s each those waits were a minute of the suite.
 RAY_METRICS_EXPORT_MS = 2000
+# vLLM names its IPC sockets by a UUID (vllm.utils.network_utils.get_open_zmq_ipc_path).
+_UUID_NAME = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def _session_pids(token: str) -> set[int]:
@@ -83,6 +87,7 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Ray head for the whole session, small and quiet: the engines get the cores."""
     token = uuid.uuid4().hex
     os.environ[SESSION_MARKER] = token
+    loose_before = _loose_ipc_sockets()
     port = free_port()
     env = cluster_env() | dict(
         os.environ,
@@ -125,11 +130,25 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _signal_all(_wait_gone(alive, timeout_s=10), signal.SIGKILL)
         leftovers = _wait_gone(alive, timeout_s=10)
         forget_cluster(port)
-        # An engine host that a test killed could not remove its KV-event folder; the
-        # next relay on the node would (engines/kv_events.py), but none starts after this.
+        # An engine host that a test killed could not remove its socket folders; the next
+        # host on the node would (engines/socket_folders.py), but none starts after this.
         remove_orphaned_folders(Path(tempfile.gettempdir()))
+        loose = sorted(_loose_ipc_sockets() - loose_before)
+        assert not loose, f"vLLM IPC sockets left in the temporary directory: {loose[:5]}"
         assert not leaked_engines, f"vLLM engines outlived their apps: {sorted(leaked_engines)}"
         assert not leftovers, f"processes survived SIGKILL: {sorted(leftovers)}"
+
+
+def _loose_ipc_sockets() -> set[str]:
+    """Sockets named as vLLM names its IPC sockets, loose in the temporary directory
+    rather than in a folder that goes with their engine (engines/socket_folders.py)."""
+    found = set()
+    for entry in os.scandir(tempfile.gettempdir()):
+        if _UUID_NAME.fullmatch(entry.name) and stat.S_ISSOCK(
+            entry.stat(follow_symlinks=False).st_mode
+        ):
+            found.add(entry.name)
+    return found
 
 
 def _is_engine(pid: int) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import ray
 
+from engines.socket_folders import VLLM_IPC_ENV
 from engines.tiny_model import embedded_model_path
 from kv_transfer import (
     KVLayoutMismatchError,
@@ -62,11 +63,13 @@ ENGINE_ENV = {
 
 
 @pytest.fixture(scope="module")
-def dashboard() -> Iterator[str]:
+def dashboard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Our own Ray cluster; yields the address of its state API (list_objects needs it)."""
-    saved = {key: os.environ.get(key) for key in ("RAY_ADDRESS", *ENGINE_ENV)}
+    saved = {key: os.environ.get(key) for key in ("RAY_ADDRESS", VLLM_IPC_ENV, *ENGINE_ENV)}
     os.environ.pop("RAY_ADDRESS", None)
     os.environ.update(ENGINE_ENV)
+    # These engines are not an engine host's: their IPC sockets go in the test's folder.
+    os.environ[VLLM_IPC_ENV] = str(tmp_path_factory.mktemp("vllm-ipc"))
     try:  # a failed start must not leave this environment to the modules after this one
         context = ray.init(
             address="local",  # a new cluster, even if another one is running on this machine

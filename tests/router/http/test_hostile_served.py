@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from deployments.launcher import RAY_WORKER_NICENESS
+from engines.socket_folders import VLLM_IPC_ENV
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from splitserve.processes import ChildSettings, http_ok, running_process
 from tests.router.http.test_hostile_input import from_schema
@@ -73,6 +74,7 @@ def bare_vllm(ours: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("bare-vllm") / "server.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    env[VLLM_IPC_ENV] = str(log.parent)  # its IPC sockets stay out of /tmp itself
     with running_process(
         command,
         log,

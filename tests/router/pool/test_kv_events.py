@@ -3,15 +3,10 @@ engine side (BlockNames), and the block set the router keeps from them (BlockInd
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from engines.kv_events import FOLDER_PREFIX, BlockNames, KVEventRelay, remove_orphaned_folders
+from engines.kv_events import BlockNames
 from engines.protocol import CacheUpdate
 from router.pool.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
 from router.pool.replica_state import KV_EVENTS, MIRROR, ReplicaState
@@ -139,30 +134,3 @@ def test_without_a_pending_time_only_events_count() -> None:
     index = BlockIndex()
     index.expect(PromptBlocks(PROMPT), BLOCK)
     assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 0
-
-
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
-def test_a_killed_owners_ipc_folder_is_removed_and_live_ones_stay(tmp_path: Path) -> None:
-    orphaned = tmp_path / f"{FOLDER_PREFIX}{_dead_pid()}-abc"
-    live = tmp_path / f"{FOLDER_PREFIX}{os.getpid()}-def"
-    unnamed = tmp_path / f"{FOLDER_PREFIX}nopid"
-    for folder in (orphaned, live, unnamed):
-        folder.mkdir()
-        (folder / "engine-0.sock").touch()
-    assert remove_orphaned_folders(tmp_path) == [orphaned]
-    assert not orphaned.exists()
-    assert live.exists() and unnamed.exists()
-
-
-def test_a_relay_names_its_folder_after_its_process_and_removes_it_on_stop() -> None:
-    relay = KVEventRelay("engine-0", deliver=lambda update: None)
-    folder = Path(relay.endpoint.removeprefix("ipc://")).parent
-    assert folder.name.startswith(f"{FOLDER_PREFIX}{os.getpid()}-")
-    assert folder.is_dir()
-    relay.stop()
-    assert not folder.exists()
