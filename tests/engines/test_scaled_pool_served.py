@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 
 from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from tests.support.scaled_pools import complete, eventually, members
 from tests.support.synthetic_apps import synthetic_dp
 
 pytestmark = pytest.mark.serving
@@ -55,28 +56,11 @@ def scaled_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp
         yield app
 
 
-def _members(url: str) -> set[str]:
-    """The engines this router routes to (its /health lists them, 200 or 503)."""
-    return set(httpx.get(f"{url}/health", timeout=10).json()["replicas"])
-
-
-def _eventually(condition: Callable[[], bool], timeout_s: float = SCALE_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.25)
-
-
-def _complete(url: str, max_tokens: int) -> httpx.Response:
-    body = {"model": EMBEDDED_MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": max_tokens}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-
-
 def _burst_until(url: str, done: threading.Event) -> list[httpx.Response]:
     answers: list[httpx.Response] = []
     with ThreadPoolExecutor(BURST) as pool:
         while not done.is_set():
-            answers.extend(pool.map(lambda _: _complete(url, BURST_TOKENS), range(BURST)))
+            answers.extend(pool.map(lambda _: complete(url, BURST_TOKENS), range(BURST)))
     return answers
 
 
@@ -103,21 +87,24 @@ def test_the_pool_grows_under_load_and_shrinks_without_dropping_a_stream(
     scaled_pool: RunningApp,
 ) -> None:
     url = scaled_pool.base_url
-    assert len(_members(url)) == 1
+    assert len(members(url)) == 1
 
     # A queue forms on the one engine: Serve adds the second, and every router uses it.
     grown = threading.Event()
     with ThreadPoolExecutor(1) as load:
         answers = load.submit(_burst_until, url, grown)
         try:
-            _eventually(lambda: all(len(_members(u)) == 2 for u in scaled_pool.router_urls))
+            eventually(
+                lambda: all(len(members(u)) == 2 for u in scaled_pool.router_urls),
+                SCALE_TIMEOUT_S,
+            )
         finally:
             grown.set()
         burst = answers.result()
     assert {a.status_code for a in burst} == {200}
     assert {a.json()["usage"]["completion_tokens"] for a in burst} == {BURST_TOKENS}
-    engines = _members(url)
-    seen = {_complete(url, 1).headers["x-splitserve-replica"] for _ in range(4)}
+    engines = members(url)
+    seen = {complete(url, 1).headers["x-splitserve-replica"] for _ in range(4)}
     assert seen == engines, "the new engine takes requests once Serve runs it"
 
     # One long stream on each engine; with the queue gone, the pool shrinks under them.
@@ -126,15 +113,15 @@ def test_the_pool_grows_under_load_and_shrinks_without_dropping_a_stream(
     for thread in threads:
         thread.start()
         time.sleep(0.2)
-    _eventually(lambda: len(_members(url)) == 1)
+    eventually(lambda: len(members(url)) == 1, SCALE_TIMEOUT_S)
     shrunk_at = time.monotonic()
     for thread in threads:
         thread.join(timeout=SCALE_TIMEOUT_S)
-    (removed,) = engines - _members(url)
+    (removed,) = engines - members(url)
 
     assert {s["replica"] for s in streams} == engines
     for stream in streams:
         assert stream["errors"] == [] and stream["chunks"] == LONG_STREAM_TOKENS
     drained = next(s for s in streams if s["replica"] == removed)
     assert drained["ended_at"] > shrunk_at, "the engine left the pool while it streamed"
-    assert _complete(url, 4).status_code == 200
+    assert complete(url, 4).status_code == 200
