@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from deployments.launcher import RunningApp
-from tests.support.scaled_pools import complete, eventually, members
-from tests.support.synthetic_apps import synthetic_dp
+from tests.support.scaled_pools import complete, eventually, members, scaled_synthetic_pool
 
 pytestmark = pytest.mark.serving
 
@@ -45,9 +44,7 @@ SCALE_TIMEOUT_S = 150.0
 
 @pytest.fixture(scope="module")
 def ramp_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
-    folder = tmp_path_factory.mktemp("ramp-pool")
-    pool = {"role": "mixed", "replicas": 1, "autoscaling": SCALING}
-    with synthetic_dp(folder, 1, ENGINE, pool=pool) as app:
+    with scaled_synthetic_pool(tmp_path_factory.mktemp("ramp-pool"), 1, ENGINE, SCALING) as app:
         yield app
 
 

@@ -20,8 +20,7 @@ import pytest
 
 from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
-from tests.support.scaled_pools import complete, eventually, members
-from tests.support.synthetic_apps import synthetic_dp
+from tests.support.scaled_pools import complete, eventually, members, scaled_synthetic_pool
 
 pytestmark = pytest.mark.serving
 
@@ -51,8 +50,7 @@ SCALE_TIMEOUT_S = 120.0
 @pytest.fixture(scope="module")
 def scaled_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
     folder = tmp_path_factory.mktemp("scaled-pool")
-    pool = {"role": "mixed", "replicas": 1, "autoscaling": SCALING}
-    with synthetic_dp(folder, ROUTERS, ENGINE, pool=pool) as app:
+    with scaled_synthetic_pool(folder, ROUTERS, ENGINE, SCALING) as app:
         yield app
 
 

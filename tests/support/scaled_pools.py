@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 
+from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from tests.support.synthetic_apps import synthetic_dp
+
+
+@contextlib.contextmanager
+def scaled_synthetic_pool(
+    folder: Path, routers: int, engine: dict[str, Any], scaling: dict[str, Any]
+) -> Iterator[RunningApp]:
+    """One pool of synthetic engines that Serve scales (``scaling``: the pool's
+    ``autoscaling`` block), starting from one engine, behind ``routers`` routers."""
+    pool = {"role": "mixed", "replicas": 1, "autoscaling": scaling}
+    with synthetic_dp(folder, routers, engine, pool=pool) as app:
+        yield app
 
 
 def members(url: str) -> set[str]:
