@@ -33,6 +33,7 @@ from splitserve.processes import (
     command_lines,
     descendants,
     http_ok,
+    pids_with_env_entry,
     start_process,
     stop_process,
     wait_until_ready,
@@ -165,13 +166,8 @@ def replica_engine_pids(replica: str) -> set[int]:
     """The processes of one engine replica (``prefill-0``), wherever it is hosted: each
     carries its replica's name in its environment (ENGINE_NAME_ENV)."""
     marker = f"{ENGINE_NAME_ENV}={replica}".encode()
-    found = set()
-    for pid, cmdline in command_lines().items():
-        if _is_engine(cmdline):
-            with contextlib.suppress(OSError):
-                if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    found.add(pid)
-    return found
+    engines = {pid for pid, cmdline in command_lines().items() if _is_engine(cmdline)}
+    return engines & pids_with_env_entry(lambda entry: entry == marker)
 
 
 def descendant_engine_pids(root: int) -> set[int]:

@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deployments.launcher import cluster_env
-from splitserve.processes import LaunchError, ProcessId, descendants, wait_gone
+from splitserve.processes import (
+    LaunchError,
+    ProcessId,
+    descendants,
+    pids_with_env_entry,
+    wait_gone,
+)
 
 NODE_MARKER = "SPLITSERVE_LOCAL_NODE"
 LABEL = "splitserve-pool"
@@ -92,15 +98,10 @@ def local_nodes(
 def marked_pids(marker: str, role: str | None = None) -> set[int]:
     """Processes of the cluster ``marker`` (of its node ``role`` only, if given)."""
     node = f"{NODE_MARKER}={marker}:".encode()
-    wanted = node + role.encode() if role else None
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                environ = (entry / "environ").read_bytes().split(b"\0")
-                if any(v == wanted if wanted else v.startswith(node) for v in environ):
-                    pids.add(int(entry.name))
-    return pids
+    if role is None:
+        return pids_with_env_entry(lambda entry: entry.startswith(node))
+    wanted = node + role.encode()
+    return pids_with_env_entry(lambda entry: entry == wanted)
 
 
 def _node_args(node: NodeSpec, object_store_bytes: int, metrics_port: int) -> list[str]:

@@ -249,6 +249,18 @@ def command_lines() -> dict[int, str]:
     return lines
 
 
+def pids_with_env_entry(matches: Callable[[bytes], bool]) -> set[int]:
+    """Processes with an environment entry (``NAME=value``, as bytes) that ``matches``:
+    how a marker variable finds every process that inherited it, orphans included."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if any(map(matches, (entry / "environ").read_bytes().split(b"\0"))):
+                    pids.add(int(entry.name))
+    return pids
+
+
 def wait_gone(processes: set[ProcessId], timeout_s: float) -> set[ProcessId]:
     """Those of ``processes`` still alive after up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

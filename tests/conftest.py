@@ -37,6 +37,7 @@ if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
 
 from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
 from engines.socket_folders import remove_orphaned_folders  # noqa: E402
+from splitserve.processes import pids_with_env_entry  # noqa: E402
 from tests.support.local_ports import forget_cluster, free_port  # noqa: E402
 from tests.support.served_apps import ServedApps  # noqa: E402
 
@@ -56,12 +57,7 @@ def _session_pids(token: str) -> set[int]:
     title (Ray's agents, vLLM's engines) may write it over its environment, marker
     included, and a full run once left Ray's dashboard agent unfound that way."""
     needle = f"{SESSION_MARKER}={token}".encode()
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if needle in (entry / "environ").read_bytes():
-                    pids.add(int(entry.name))
+    pids = pids_with_env_entry(lambda entry: needle in entry) - {os.getpid()}
     return pids | {child for pid in pids for child in _descendants(pid)}
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from loadgen.burstgpt import (
     trace_subset,
     write_trace_csv,
 )
+from tests.support.local_ports import free_port
 
 CONTEXT = 4096
 # (timestamp, model, request, response, log type)
@@ -147,14 +147,8 @@ def test_generated_csv_goes_through_the_same_parser(tmp_path: Path) -> None:
     assert len(trace_subset(trace, "T-general", CONTEXT)) > 400
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_offline_download_fails_fast_naming_trace_file(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{_closed_port()}/{BURSTGPT_FILENAME}"
+    url = f"http://127.0.0.1:{free_port()}/{BURSTGPT_FILENAME}"
     started = time.monotonic()
     with pytest.raises(TraceUnavailableError, match="--trace-file") as raised:
         resolve_trace_file(None, tmp_path, url=url, timeout_s=2.0, show_progress=False)
