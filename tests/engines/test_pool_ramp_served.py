@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from deployments.launcher import RunningApp
-from tests.support.scaled_pools import complete, eventually, members, scaled_synthetic_pool
+from tests.support.scaled_pools import complete, members, scaled_synthetic_pool
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.serving
 

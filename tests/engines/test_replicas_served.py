@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from deployments.launcher import ROUTER_DEPLOYMENT, RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from splitserve.processes import command_lines
 from tests.support.synthetic_apps import synthetic_dp
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.serving
 
@@ -28,6 +28,7 @@ ROUTERS = 2
 # Paced steps: a stream of a few hundred tokens lasts seconds, long enough to cut.
 STEP_INTERVAL_S = 0.01
 RECOVERY_TIMEOUT_S = 120.0
+RECOVERY_POLL_S = 0.5
 # Within the context (4096): at STEP_INTERVAL_S a stream of 40 s, cut long before.
 LONG_STREAM_TOKENS = 4000
 
@@ -82,13 +83,6 @@ def _engine_requests(url: str, replica: str, state: str = "running") -> float:
     return float("nan")
 
 
-def _eventually(condition: Callable[[], bool], timeout_s: float = RECOVERY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.5)
-
-
 def test_every_router_reaches_every_engine(engines_apart: RunningApp) -> None:
     for url in engines_apart.router_urls:
         assert _replicas_seen(url) == {"engine-0", "engine-1"}
@@ -104,9 +98,9 @@ def test_a_client_that_leaves_aborts_its_request_in_the_engine(
     url = engines_apart.base_url
     events = _stream_events(url, max_tokens=LONG_STREAM_TOKENS)
     assert next(events)["choices"]
-    _eventually(lambda: _running(url) == 1, timeout_s=30)
+    eventually(lambda: _running(url) == 1, 30, RECOVERY_POLL_S)
     events.close()  # the client goes away mid-stream
-    _eventually(lambda: _running(url) == 0, timeout_s=30)
+    eventually(lambda: _running(url) == 0, 30, RECOVERY_POLL_S)
 
 
 def test_engines_killed_mid_stream_end_the_stream_with_an_error_and_rejoin(
@@ -125,7 +119,11 @@ def test_engines_killed_mid_stream_end_the_stream_with_an_error_and_rejoin(
                 os.kill(pid, signal.SIGKILL)
     assert got_error, "a stream cut after its first token must end with an error event"
     # Serve restarts the replicas; each router reconnects and uses both engines again.
-    _eventually(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+    eventually(
+        lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200,
+        RECOVERY_TIMEOUT_S,
+        RECOVERY_POLL_S,
+    )
     assert not set(engines) & set(_replica_pids("engine-0") + _replica_pids("engine-1"))
     for router_url in engines_apart.router_urls:
         assert _replicas_seen(router_url) == {"engine-0", "engine-1"}

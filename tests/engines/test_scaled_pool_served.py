@@ -20,7 +20,8 @@ import pytest
 
 from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
-from tests.support.scaled_pools import complete, eventually, members, scaled_synthetic_pool
+from tests.support.scaled_pools import complete, members, scaled_synthetic_pool
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.serving
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,6 @@ def scaled_synthetic_pool(
 def members(url: str) -> set[str]:
     """The engines this router routes to (its /health lists them, 200 or 503)."""
     return set(httpx.get(f"{url}/health", timeout=10).json()["replicas"])
-
-
-def eventually(condition: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.25)
 
 
 def complete(url: str, max_tokens: int) -> httpx.Response:
