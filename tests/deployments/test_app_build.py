@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from deployments.app import (
     ENGINE_REPLICA_CLASS,
     ROUTER_CLASS,
@@ -18,7 +16,7 @@ from deployments.app import (
     SCALED_POOL_REQUEST_ROUTER,
     build_app,
 )
-from tests.support.shipped_configs import on_gpus
+from tests.support.shipped_configs import on_gpus, shipped_args
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("vllm", "torch", "transformers", "router.http.ingress", "engines.host")
@@ -38,9 +36,9 @@ def test_the_build_step_imports_neither_vllm_nor_the_replicas() -> None:
 
 
 def test_the_replicas_are_named_by_import_paths_that_resolve() -> None:
-    args = yaml.safe_load((REPO / "deployments" / "dp.yaml").read_text())["applications"][0]
-    args["args"].setdefault("router", {})["engine_in_router"] = False
-    router = build_app(args["args"])
+    args = shipped_args("dp")
+    args.setdefault("router", {})["engine_in_router"] = False
+    router = build_app(args)
     engines = router._bound_deployment.init_args[2]  # the router's engines, by replica name
     assert router._bound_deployment.func_or_class == ROUTER_CLASS
     assert {app._bound_deployment.func_or_class for app in engines.values()} == {
@@ -52,11 +50,11 @@ def test_the_replicas_are_named_by_import_paths_that_resolve() -> None:
 
 
 def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> None:
-    args = yaml.safe_load((REPO / "deployments" / "pd.yaml").read_text())["applications"][0]
-    decode = next(pool for pool in args["args"]["pools"] if pool["role"] == "decode")
+    args = shipped_args("pd")
+    decode = next(pool for pool in args["pools"] if pool["role"] == "decode")
     decode.pop("cpu_binds", None)
     decode["autoscaling"] = {"max_replicas": 3, "tpot_slo_s": 0.04, "drain_timeout_s": 30}
-    router = build_app(args["args"])
+    router = build_app(args)
     settings, roles, engines, _, pools = router._bound_deployment.init_args
     assert set(roles) == {"prefill-0"} and set(engines) == {"prefill-0"}
     assert [s.deployment for s in settings.scaled_pools] == ["decode-pool"]

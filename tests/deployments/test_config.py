@@ -312,7 +312,7 @@ def test_pd_always_is_pd_without_the_policies() -> None:
 def test_the_router_hosts_engines_unless_told_not_to(
     name: str, setting: str | bool, in_router: bool
 ) -> None:
-    args = yaml.safe_load((DEPLOYMENTS / f"{name}.yaml").read_text())["applications"][0]["args"]
+    args = shipped_args(name)
     args.setdefault("router", {})["engine_in_router"] = setting
     assert parse_app_config(args).hosts_engines_in_router is in_router
 
