@@ -28,7 +28,7 @@ import yaml
 from deployments.launcher import RunningApp, config_path
 from router.dispatch import PREFILL_HEADER, REPLICA_HEADER
 from tests.support.greedy import MODEL, greedy
-from tests.support.scaled_pools import members
+from tests.support.scaled_pools import members, shrink_under_streams
 from tests.support.served_apps import ServedApps
 from tests.support.waiting import eventually
 
@@ -155,20 +155,9 @@ def test_the_decode_pool_grows_to_two_engines_and_back_to_one(
 
     # One long stream on each; with no new request the window empties and Serve
     # shrinks the pool under them.
-    streams: list[dict[str, Any]] = [{}, {}]
-    threads = [threading.Thread(target=_stream, args=(url, s)) for s in streams]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.5)
-    _until(lambda: len(_decode_engines(url)) == 1)
-    shrunk_at = time.monotonic()
-    for thread in threads:
-        thread.join(timeout=SCALE_TIMEOUT_S)
-    (removed,) = engines - _decode_engines(url)
-
-    assert {s["replica"] for s in streams} == engines
+    streams = shrink_under_streams(
+        lambda result: _stream(url, result), lambda: _decode_engines(url), SCALE_TIMEOUT_S, 0.5
+    )
     for stream in streams:
         assert stream["errors"] == [] and stream["tokens"] == LONG_STREAM_TOKENS
-    drained = next(s for s in streams if s["replica"] == removed)
-    assert drained["ended_at"] > shrunk_at, "the engine left the pool while it streamed"
     assert [_complete(url, p)[0] for p in PROMPTS] == reference
