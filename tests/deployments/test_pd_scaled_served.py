@@ -17,7 +17,6 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +119,6 @@ def _stream(url: str, result: dict[str, Any]) -> None:
     result.update(tokens=tokens, errors=errors, ended_at=time.monotonic())
 
 
-def _until(check: Callable[[], bool]) -> None:
-    eventually(check, SCALE_TIMEOUT_S)
-
-
 def test_the_decode_pool_grows_to_two_engines_and_back_to_one(
     scaled_pd: RunningApp, reference: list[list[int]]
 ) -> None:
@@ -135,7 +130,7 @@ def test_the_decode_pool_grows_to_two_engines_and_back_to_one(
     load = threading.Thread(target=_load_until, args=(url, grown, failures))
     load.start()
     try:
-        _until(lambda: len(_decode_engines(url)) == 2)
+        eventually(lambda: len(_decode_engines(url)) == 2, SCALE_TIMEOUT_S)
     finally:
         grown.set()
         load.join(timeout=120)
