@@ -1,24 +1,30 @@
-"""What crosses between the router and an engine replica (through Ray, pickled).
+"""What crosses between the router and an engine replica.
 
 Kept small on purpose: token ids in, token deltas out. The router owns the OpenAI
 surface; an engine replica only runs vLLM on token ids.
+
+Every type is a msgspec struct, as vLLM's own engine messages are: the engine transport
+(engines/transport.py) sends them as msgpack, data only, and decodes each frame into
+exactly these types, so no frame can name a class to build. ``array_like`` keeps a
+per-token chunk to a short array; ``tag`` lets a delta's union be decoded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import msgspec
 
 EngineRole = Literal["mixed", "prefill", "decode"]
 
 
-@dataclass(slots=True)
-class GenerateRequest:
+class GenerateRequest(msgspec.Struct, array_like=True):
     request_id: str
     # Which router process receives this request's deltas (see EngineReplica.deltas).
     subscriber: str
     prompt_token_ids: list[int]
-    # A vllm.SamplingParams; typed loosely so the router need not import vLLM's engine.
+    # A vllm.SamplingParams. Typed loosely so that importing the protocol does not import
+    # vLLM (seconds); the engine's side of the transport decodes it into its type.
     sampling_params: Any
     # Opaque to the router: produced by one engine's KV connector, consumed by another's.
     kv_transfer_params: dict[str, Any] | None = None
@@ -30,8 +36,7 @@ class GenerateRequest:
     deadline: float | None = None
 
 
-@dataclass(slots=True)
-class GenerateChunk:
+class GenerateChunk(msgspec.Struct, array_like=True, tag="chunk"):
     """New tokens of one engine step (stream) or the whole answer (non-stream)."""
 
     token_ids: list[int]
@@ -42,22 +47,8 @@ class GenerateChunk:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
 
-    def __reduce__(self) -> tuple[type[GenerateChunk], tuple[Any, ...]]:
-        # One per token on the engine transport: pickled as constructor arguments, it
-        # costs a third of what a slotted dataclass's field-by-field state does.
-        return GenerateChunk, (
-            self.token_ids,
-            self.text,
-            self.finish_reason,
-            self.stop_reason,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.kv_transfer_params,
-        )
 
-
-@dataclass(slots=True)
-class GenerateFailure:
+class GenerateFailure(msgspec.Struct, array_like=True, tag="failure"):
     """The engine could not finish a request; ends that request's deltas."""
 
     message: str
@@ -65,8 +56,7 @@ class GenerateFailure:
     engine_dead: bool = False
 
 
-@dataclass(slots=True)
-class CacheUpdate:
+class CacheUpdate(msgspec.Struct, array_like=True, tag="cache"):
     """A change to an engine's prefix cache, from its KV events (engines/kv_events.py).
 
     stored: (vLLM's block hash, the router's chained hash of the same block);
@@ -74,8 +64,9 @@ class CacheUpdate:
     cleared and lists every block it holds).
     """
 
-    stored: list[tuple[Any, int]] = field(default_factory=list)
-    removed: list[Any] = field(default_factory=list)
+    # vLLM's block hashes are bytes or ints (ExternalBlockHash).
+    stored: list[tuple[bytes | int, int]] = msgspec.field(default_factory=list)
+    removed: list[bytes | int] = msgspec.field(default_factory=list)
     cleared: bool = False
 
 
@@ -86,8 +77,7 @@ CACHE_UPDATES = ""
 DeltaBatch = list[tuple[str, GenerateChunk | GenerateFailure | CacheUpdate]]
 
 
-@dataclass(slots=True)
-class EngineStats:
+class EngineStats(msgspec.Struct, array_like=True):
     """One replica's load as its engine last reported it."""
 
     replica: str
@@ -105,6 +95,6 @@ class EngineStats:
     kv_capacity_blocks: int = 0
     # Prompt tokens since the engine started, by where they came from as vLLM counts them:
     # local_compute, local_cache_hit, external_kv_transfer.
-    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     # How a prefill request names this engine as its KV's consumer (decode engines of PD).
     kv_consumer: str | None = None

@@ -11,11 +11,12 @@ replica prefills locally.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from engines.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
@@ -79,7 +80,7 @@ class PrefillDecodeFlow:
         consumed = False
         try:
             # Inside the try: a client that leaves at the first token must free the KV too.
-            yield dataclasses.replace(first, finish_reason=None, stop_reason=None)
+            yield msgspec.structs.replace(first, finish_reason=None, stop_reason=None)
             decode_request = _decode_request(request, first, self._kv.decode_params(handle))
             async for chunk in decode.generate(decode_request, prefill_tokens=0):
                 consumed = True
@@ -99,7 +100,7 @@ class PrefillDecodeFlow:
         params = request.sampling_params.clone()
         params.max_tokens = 1
         params.min_tokens = min(params.min_tokens, 1)
-        prefill_request = dataclasses.replace(
+        prefill_request = msgspec.structs.replace(
             request,
             request_id=f"{request.request_id}-prefill",
             sampling_params=params,
@@ -132,7 +133,7 @@ def _decode_request(
     params = request.sampling_params.clone()
     params.max_tokens = request.sampling_params.max_tokens - len(first.token_ids)
     params.min_tokens = max(0, params.min_tokens - len(first.token_ids))
-    return dataclasses.replace(
+    return msgspec.structs.replace(
         request,
         request_id=f"{request.request_id}-decode",
         prompt_token_ids=[*request.prompt_token_ids, *first.token_ids],
@@ -142,7 +143,7 @@ def _decode_request(
 
 
 def _merge(first: GenerateChunk, later: GenerateChunk) -> GenerateChunk:
-    return dataclasses.replace(
+    return msgspec.structs.replace(
         later,
         token_ids=[*first.token_ids, *later.token_ids],
         text=first.text + later.text,

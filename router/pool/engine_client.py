@@ -26,7 +26,17 @@ from engines.protocol import (
     GenerateFailure,
     GenerateRequest,
 )
-from engines.transport import TransportAddress, encode_frame, read_frame
+from engines.transport import (
+    ENGINE_MESSAGES,
+    Abort,
+    Call,
+    Deltas,
+    Subscribe,
+    TransportAddress,
+    encode_frame,
+    prove_to_engine,
+    read_frame,
+)
 from router.policies.prefill_gate import PrefillGate
 from router.pool.replica_state import PrefillTicket, ReplicaState
 
@@ -80,7 +90,8 @@ class SocketEngineLink:
     """An engine replica in a Serve deployment of its own, over its transport.
 
     The Serve handle is for control only: it names the replica's address and secret at
-    each (re)connect. Calls and deltas then travel on one TCP connection per router
+    each (re)connect, and both sides prove that secret before anything else crosses.
+    Calls and deltas then travel on one TCP connection per router
     process and engine (engines/transport.py). A broken connection fails what waits on
     it; the router's listener then reconnects, to the replica Serve restarted if it died.
     """
@@ -91,7 +102,6 @@ class SocketEngineLink:
         self._handle = handle
         self._replica = replica
         self._connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._secret = ""
         self._subscribed = False
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -103,18 +113,26 @@ class SocketEngineLink:
 
     async def wait_ready(self) -> None:
         """Connect, once, whoever asks first (the listener or the readiness check): a
-        second connection would carry calls on a socket that never said hello."""
+        second connection would carry calls on a socket that never subscribed."""
         async with self._connecting:
             while self._connection is None:
                 try:
-                    # Serve routes to a replica once its constructor (the engine's start)
-                    # returned, so the address is one of an engine that can serve.
-                    address = await asyncio.wait_for(self._transport_address(), ADDRESS_TIMEOUT_S)
-                    self._connection = await asyncio.open_connection(address.host, address.port)
-                    self._secret = address.secret
+                    self._connection = await self._connect()
                 except Exception as error:
                     logger.debug("engine replica not reachable yet: %s", error)
                     await asyncio.sleep(RESUBSCRIBE_DELAY_S)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # Serve routes to a replica once its constructor (the engine's start) returned,
+        # so the address is one of an engine that can serve.
+        address = await asyncio.wait_for(self._transport_address(), ADDRESS_TIMEOUT_S)
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        try:
+            await prove_to_engine(reader, writer, address.secret)
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
 
     async def _transport_address(self) -> TransportAddress:
         if self._replica is None:
@@ -127,7 +145,7 @@ class SocketEngineLink:
     def abort(self, request_id: str) -> None:
         writer = self._open_writer()
         if writer is not None:
-            writer.write(encode_frame(("abort", request_id)))
+            writer.write(encode_frame(Abort(request_id)))
 
     async def stats(self) -> EngineStats:
         return await self._call("stats", None)
@@ -140,15 +158,15 @@ class SocketEngineLink:
         if self._connection is None:
             raise EngineUnavailable("not connected to the engine replica")
         reader, writer = self._connection
-        writer.write(encode_frame(("hello", self._secret, subscriber)))
+        writer.write(encode_frame(Subscribe(subscriber)))
         self._subscribed = True
         try:
             while True:
-                message = await read_frame(reader)
-                if message[0] == "deltas":
-                    yield message[1]
-                elif message[0] == "reply":
-                    self._settle(*message[1:])
+                message = await read_frame(reader, ENGINE_MESSAGES)
+                if isinstance(message, Deltas):
+                    yield message.batch
+                else:
+                    self._settle(message.call_id, message.error, message.value)
         finally:
             self._disconnect()
 
@@ -156,7 +174,7 @@ class SocketEngineLink:
         self._disconnect()
 
     def _open_writer(self) -> asyncio.StreamWriter | None:
-        """The connection's writer, if it has said hello and is not closing."""
+        """The connection's writer, if it has subscribed and is not closing."""
         connection = self._connection
         if not self._subscribed or connection is None or connection[1].is_closing():
             return None
@@ -170,7 +188,7 @@ class SocketEngineLink:
         reply = asyncio.get_running_loop().create_future()
         self._replies[call_id] = reply
         try:
-            writer.write(encode_frame(("call", call_id, method, argument)))
+            writer.write(encode_frame(Call(call_id, method, argument)))
             return await reply
         finally:
             self._replies.pop(call_id, None)

@@ -1,22 +1,52 @@
 """The router<->engine transport, without Ray: a synthetic engine host served on the
-loopback address, reached by the router's SocketEngineLink through an EngineClient."""
+loopback address, reached by the router's SocketEngineLink through an EngineClient, and
+hostile peers on both ends: nothing is decoded before the secret is proved, frames are
+bounded, and no frame is ever unpickled."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pickle
+import struct
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 from deployments.app import engine_names, engine_spec
 from deployments.config import parse_app_config
-from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
+from engines import transport
+from engines.protocol import (
+    CacheUpdate,
+    EngineStats,
+    GenerateChunk,
+    GenerateFailure,
+    GenerateRequest,
+)
 from engines.synthetic import SyntheticEngineHost
-from engines.transport import EngineTransportServer, TransportAddress, encode_frame
+from engines.transport import (
+    CHALLENGE_BYTES,
+    DIGEST_BYTES,
+    ENGINE_MESSAGES,
+    MAGIC,
+    MAX_FRAME_BYTES,
+    ROUTER_MESSAGES,
+    Call,
+    Deltas,
+    EngineTransportServer,
+    Reply,
+    Subscribe,
+    TransportAddress,
+    TransportClosed,
+    encode_frame,
+    prove_to_engine,
+    with_sampling_params,
+)
 from router.pool.engine_client import (
     EngineClient,
     EngineFailed,
@@ -46,7 +76,7 @@ class FakeHandle:
 
 
 def _request(request_id: str, max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id, "", [7, 8, 9], SimpleNamespace(max_tokens=max_tokens))
+    return GenerateRequest(request_id, "", [7, 8, 9], SamplingParams(max_tokens=max_tokens))
 
 
 @contextlib.asynccontextmanager
@@ -130,23 +160,41 @@ async def test_an_engine_that_goes_away_fails_what_was_in_flight_as_unavailable(
         assert not client.healthy
 
 
-async def test_a_connection_without_the_secret_is_refused() -> None:
+async def test_a_router_with_the_wrong_secret_never_connects() -> None:
     host = SyntheticEngineHost(engine_spec(CONFIG, *engine_names(CONFIG)[0]))
     server = EngineTransportServer(host)
     address = await server.start("127.0.0.1")
     forged = TransportAddress(address.host, address.port, "not-the-secret")
     link = SocketEngineLink(FakeHandle(forged))
-    await asyncio.wait_for(link.wait_ready(), WAIT_S)
-    stream = link.deltas("router-x")
-    with pytest.raises(ConnectionError):
-        await asyncio.wait_for(anext(stream), WAIT_S)
-    assert not link.ready
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(link.wait_ready(), 1.0)
+    assert not link.ready and server.refused >= 1
     await server.stop()
+    host.shutdown()
 
 
-def test_a_chunk_crosses_the_connection_with_every_field() -> None:
-    """GenerateChunk pickles as its constructor's arguments: a field added to it and not
-    to ``__reduce__`` would arrive with its default."""
+async def test_a_router_refuses_an_engine_that_cannot_prove_the_secret() -> None:
+    """A stranger on a reused port greets as an engine but cannot answer the router's
+    challenge: the router gives up on it before it sends a request."""
+
+    async def stranger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(MAGIC + bytes(CHALLENGE_BYTES))
+        await reader.readexactly(DIGEST_BYTES + CHALLENGE_BYTES)
+        writer.write(bytes(DIGEST_BYTES))
+        await writer.drain()
+        await reader.read()
+
+    server = await asyncio.start_server(stranger, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+    with pytest.raises(TransportClosed, match="did not prove"):
+        await prove_to_engine(reader, writer, "the-secret")
+    writer.close()
+    server.close()
+
+
+def test_every_message_crosses_with_every_field() -> None:
+    """msgpack carries each protocol type field by field: every field set away from its
+    default arrives as it was sent, and the union of deltas decodes to its own types."""
     chunk = GenerateChunk(
         token_ids=[3, 4],
         text="tokens",
@@ -156,7 +204,103 @@ def test_a_chunk_crosses_the_connection_with_every_field() -> None:
         num_cached_tokens=256,
         kv_transfer_params={"remote_block_ids": [1, 2]},
     )
-    arrived = pickle.loads(encode_frame(("deltas", [("request", chunk)]))[4:])
-    assert arrived == ("deltas", [("request", chunk)])
-    defaults = {name: field.default for name, field in GenerateChunk.__dataclass_fields__.items()}
-    assert all(getattr(chunk, name) != default for name, default in defaults.items())
+    defaults = GenerateChunk([], "")
+    assert all(getattr(chunk, f) != getattr(defaults, f) for f in GenerateChunk.__struct_fields__)
+    batch = [
+        ("request", chunk),
+        ("", CacheUpdate(stored=[(b"\x01\x02", -5), (7, 9)], removed=[b"\x03"], cleared=True)),
+        ("other", GenerateFailure("gone", engine_dead=True)),
+    ]
+    assert ENGINE_MESSAGES.decode(encode_frame(Deltas(batch))[4:]) == Deltas(batch)
+    stats = EngineStats("engine-0", "decode", 1, 2, 3, 0.5, 6, 7, 8.0, 16, 99, {"a": 1}, "d0")
+    assert ENGINE_MESSAGES.decode(encode_frame(Reply(4, None, stats))[4:]) == Reply(4, None, stats)
+
+
+def test_sampling_parameters_arrive_as_vllms_own_type() -> None:
+    params = SamplingParams(
+        max_tokens=9,
+        temperature=0.5,
+        seed=3,
+        stop=["x"],
+        logit_bias={5: 1.5},
+        logprobs=2,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{4}"),
+        output_kind=RequestOutputKind.DELTA,
+    )
+    request = GenerateRequest("r", "router-1", [1, 2], params, {"k": [1]}, priority=2)
+    sent = ROUTER_MESSAGES.decode(encode_frame(Call(1, "submit", request))[4:])
+    arrived = with_sampling_params(sent.argument)
+    assert isinstance(arrived.sampling_params, SamplingParams)
+    assert arrived.sampling_params == params and arrived == request
+
+
+# What a stranger on the node's network might send to an engine's port.
+class _Evil:
+    """Unpickling this creates a file: the proof that a frame was unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))
+
+
+def _framed(body: bytes, length: int | None = None) -> bytes:
+    return struct.pack("!I", len(body) if length is None else length) + body
+
+
+async def _closed_by_engine(reader: asyncio.StreamReader) -> bool:
+    """The engine closed the connection: reading ends, with nothing more, in time."""
+    try:
+        while await asyncio.wait_for(reader.read(4096), WAIT_S):
+            pass
+    except ConnectionError:
+        pass
+    return True
+
+
+async def _hostile(address: TransportAddress, payload: bytes, authenticate: bool) -> None:
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    if authenticate:
+        await prove_to_engine(reader, writer, address.secret)
+    else:
+        await reader.readexactly(len(MAGIC) + CHALLENGE_BYTES)
+    writer.write(payload)
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    assert await _closed_by_engine(reader)
+    writer.close()
+
+
+@pytest.mark.parametrize("authenticate", [False, True], ids=["stranger", "with-the-secret"])
+async def test_hostile_frames_run_nothing_close_the_connection_and_the_engine_serves_on(
+    tmp_path: Path, authenticate: bool
+) -> None:
+    marker = tmp_path / "unpickled"
+    subscribe = _framed(msgspec.msgpack.encode(Subscribe("x")))
+    payloads = {
+        "pickle": _framed(pickle.dumps(_Evil(marker))),
+        "garbage": os.urandom(DIGEST_BYTES + CHALLENGE_BYTES + 64),
+        "huge length": _framed(b"\x00" * 16, length=0xFFFFFFF0),
+        "one byte over the bound": _framed(b"", length=MAX_FRAME_BYTES + 1),
+        "not a message": _framed(msgspec.msgpack.encode(["call", 1, "exec", "rm -rf /"])),
+        "a call before subscribing": _framed(msgspec.msgpack.encode(Call(1, "stats"))),
+        "a pickle after subscribing": subscribe + _framed(pickle.dumps(_Evil(marker))),
+    }
+    async with _served(step_interval_s=0.001) as (_, server, client):
+        assert server.address is not None
+        for name, payload in payloads.items():
+            await asyncio.wait_for(_hostile(server.address, payload, authenticate), WAIT_S * 2)
+            assert not marker.exists(), f"{name}: a frame was unpickled"
+        assert server.refused == len(payloads)
+        chunks = [chunk async for chunk in client.generate(_request("after", 3))]
+    assert [len(chunk.token_ids) for chunk in chunks] == [1, 1, 1]
+
+
+async def test_a_peer_that_says_nothing_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "HANDSHAKE_TIMEOUT_S", 0.2)
+    async with _served() as (_, server, _client):
+        assert server.address is not None
+        reader, writer = await asyncio.open_connection(server.address.host, server.address.port)
+        assert await _closed_by_engine(reader)
+        writer.close()

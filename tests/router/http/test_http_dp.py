@@ -8,13 +8,13 @@ process (tests/support/in_process_router.py; no Ray cluster, no vLLM engine).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from engines.protocol import EngineStats
@@ -99,7 +99,7 @@ def reported_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     report = SyntheticEngineHost.stats
 
     def stats(host: SyntheticEngineHost) -> EngineStats:
-        return dataclasses.replace(report(host), block_size=16, kv_capacity_blocks=1024)
+        return msgspec.structs.replace(report(host), block_size=16, kv_capacity_blocks=1024)
 
     monkeypatch.setattr(SyntheticEngineHost, "stats", stats)
 
