@@ -223,9 +223,10 @@ class AppConfig(StrictModel):
         )
 
 
-# Engine settings that shape the KV cache: prefill and decode must agree on all of them,
-# or the transferred blocks would be read with the wrong layout.
-KV_LAYOUT_ENGINE_KWARGS = ("block_size", "dtype", "kv_cache_dtype")
+# Engine arguments that shape the KV cache: prefill and decode must agree on all of them,
+# or the transferred blocks would be read with the wrong layout. (The model's dtype and
+# block size are model fields, shared by every pool.)
+KV_LAYOUT_ENGINE_KWARGS = ("kv_cache_dtype",)
 
 
 def _check_kv_layouts_match(prefill: PoolConfig, decode: PoolConfig) -> None:

@@ -118,16 +118,12 @@ def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -
 
     model = resolve_model(spec.model)
     pool = spec.pool
-    known = set(AsyncEngineArgs.__dataclass_fields__)
-    unknown = sorted(set(pool.engine_kwargs) - known)
-    if unknown:
-        raise ValueError(f"engine_kwargs has fields vLLM does not know: {unknown}")
     kwargs: dict[str, Any] = {
         "model": model.path,
         "served_model_name": [model.served_name],
-        "dtype": spec.model.dtype,
+        "dtype": spec.model.engine_dtype,
         "max_model_len": spec.model.max_model_len,
-        "enforce_eager": spec.model.enforce_eager,
+        "enforce_eager": spec.model.eager_on(spec.accelerator),
         "seed": spec.model.seed,
         "enable_prefix_caching": spec.model.enable_prefix_caching,
         "tensor_parallel_size": pool.tensor_parallel_size,
@@ -138,7 +134,7 @@ def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -
         kwargs["distributed_executor_backend"] = "mp"
     if spec.model.block_size is not None:
         kwargs["block_size"] = spec.model.block_size
-    if spec.accelerator == "gpu":
+    if spec.accelerator == "gpu" and pool.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
     if spec.kv_transfer is not None:
         kwargs["kv_transfer_config"] = spec.kv_transfer
@@ -343,6 +339,7 @@ class EngineHost:
             kv_capacity_blocks=cache.num_gpu_blocks or 0,
             prompt_tokens=dict(latest.prompt_tokens),
             kv_consumer=self._kv_consumer,
+            max_model_len=self._engine.vllm_config.model_config.max_model_len,
         )
 
     async def check_health(self) -> None:

@@ -98,3 +98,6 @@ class EngineStats(msgspec.Struct, array_like=True):
     prompt_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     # How a prefill request names this engine as its KV's consumer (decode engines of PD).
     kv_consumer: str | None = None
+    # The context the engine was given (vLLM derives it from the model unless set): the
+    # router refuses what does not fit; 0 where the engine has no model.
+    max_model_len: int = 0

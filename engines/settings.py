@@ -5,11 +5,13 @@ it over. The YAML's ``model:``, ``pools:`` and ``engine:`` blocks validate into 
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
 from engines.protocol import EngineRole
+from engines.vllm_args import engine_arg_names
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
 
@@ -18,6 +20,42 @@ from splitserve.config_base import StrictModel
 ENGINE_NAME_ENV = "SPLITSERVE_ENGINE"
 # vLLM's CPU backend: the cores an engine's ranks run on.
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+# vLLM engine arguments that splitserve sets from its own fields: in engine_kwargs they
+# would silently override those fields, so they are refused, naming the field to use.
+ENGINE_ARGS_SET_BY_FIELDS = {
+    "model": "model.source",
+    "served_model_name": "model.served_model_name",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "block_size": "model.block_size",
+    "enforce_eager": "model.enforce_eager",
+    "seed": "model.seed",
+    "enable_prefix_caching": "model.enable_prefix_caching",
+    "tensor_parallel_size": "the pool's tensor_parallel_size",
+    "pipeline_parallel_size": "the pool's pipeline_parallel_size",
+    "gpu_memory_utilization": "the pool's gpu_memory_utilization",
+    "kv_transfer_config": "strategy and kv_transfer (the KV connector is set by them)",
+    "kv_events_config": "router.prefix_signal",
+    "disable_log_stats": "nothing: the router reads the engine's stats",
+}
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` if every name is an engine argument of vLLM's that no field of ours sets."""
+    problems = []
+    known = engine_arg_names()
+    for name in sorted(kwargs):
+        if name in ENGINE_ARGS_SET_BY_FIELDS:
+            problems.append(f"{name!r} is set by {ENGINE_ARGS_SET_BY_FIELDS[name]}; use that")
+        elif name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+            problems.append(f"{name!r} is not one of vLLM's engine arguments{hint}")
+    if problems:
+        raise ValueError("engine_kwargs: " + "; ".join(problems))
+    return kwargs
 
 
 def member_name(pool_name: str, replica_id: str) -> str:
@@ -35,12 +73,33 @@ class ModelConfig(StrictModel):
     served_model_name: str | None = Field(
         None, description="Name clients use in 'model'; defaults to the source's name."
     )
-    dtype: str = "auto"
-    max_model_len: int = Field(4096, gt=0)
+    dtype: str | None = Field(
+        None,
+        description="vLLM's dtype. Unset: float32 for the embedded model (its random"
+        " weights give near-tied logits, and bf16 rounding would let TP/PP reductions flip"
+        " greedy tokens), else 'auto', as vllm serve.",
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="The context length; unset: the model's own, as vllm serve."
+    )
     block_size: int | None = Field(None, gt=0, description="KV block size; engine default if None.")
-    enforce_eager: bool = True
+    enforce_eager: bool | None = Field(
+        None,
+        description="Run without CUDA graphs or torch.compile. Unset: true on CPUs (compiling"
+        " costs more start-up than it saves on the embedded model), false on GPUs, as vllm"
+        " serve.",
+    )
     seed: int = 0
     enable_prefix_caching: bool = True
+
+    @property
+    def engine_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.source == "embedded" else "auto"
+
+    def eager_on(self, accelerator: str) -> bool:
+        return self.enforce_eager if self.enforce_eager is not None else accelerator == "cpu"
 
 
 class PlacementConfig(StrictModel):
@@ -139,9 +198,17 @@ class PoolConfig(StrictModel):
         ),
     )
     kv_cache_gib: int = Field(1, ge=1, description="CPU only: KV cache GiB per engine.")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU only.")
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="GPU only: the share of each GPU's memory the engine may take (weights,"
+        " activations, KV cache); unset: vLLM's default, as vllm serve.",
+    )
     engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Extra vllm AsyncEngineArgs fields, passed as is."
+        default_factory=dict,
+        description="Extra vLLM engine arguments (AsyncEngineArgs fields), checked by name;"
+        " not those a field of ours sets.",
     )
     placement: PlacementConfig | None = Field(
         None,
@@ -153,6 +220,11 @@ class PoolConfig(StrictModel):
         description="Grow and shrink this pool with the load; ``replicas`` is then the number"
         " it starts with. Scaled pools run as engine replicas of their own.",
     )
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return check_engine_kwargs(kwargs)
 
     @model_validator(mode="after")
     def _binds_match_replicas(self) -> PoolConfig:

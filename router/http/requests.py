@@ -114,7 +114,11 @@ def reject_unsupported(request: OpenAIRequest) -> None:
 
 class PromptBuilder:
     """Tokenizes prompts with the model's own tokenizer and chat template; a template
-    sent by the client only with ``trust_request_chat_template``, as vLLM."""
+    sent by the client only with ``trust_request_chat_template``, as vLLM.
+
+    ``max_model_len`` is the context a prompt and its answer must fit; the router sets
+    it to what the engines report once they are up (engines derive it as vLLM does).
+    """
 
     def __init__(
         self,
@@ -124,7 +128,7 @@ class PromptBuilder:
         trust_request_chat_template: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
-        self._max_model_len = max_model_len
+        self.max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._trust_templates = trust_request_chat_template
         # apply_chat_template's own arguments, which chat_template_kwargs must not set:
@@ -232,10 +236,10 @@ class PromptBuilder:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        room = self._max_model_len - prompt_len
+        room = self.max_model_len - prompt_len
         if room <= 0:
             raise bad_request(
-                f"This model's maximum context length is {self._max_model_len} tokens;"
+                f"This model's maximum context length is {self.max_model_len} tokens;"
                 f" the prompt has {prompt_len} tokens.",
                 "prompt",
             )
@@ -245,7 +249,7 @@ class PromptBuilder:
             raise bad_request("'max_tokens' must be at least 1", "max_tokens")
         if requested > room:
             raise bad_request(
-                f"This model's maximum context length is {self._max_model_len} tokens."
+                f"This model's maximum context length is {self.max_model_len} tokens."
                 f" However, you requested {prompt_len + requested} tokens ({prompt_len} in"
                 f" the prompt, {requested} for the completion). Reduce the prompt or"
                 " max_tokens.",

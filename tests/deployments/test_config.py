@@ -98,11 +98,27 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             {
                 "strategy": "pd",
                 "pools": [
-                    {"role": "prefill", "engine_kwargs": {"block_size": 64}},
+                    {"role": "prefill", "engine_kwargs": {"kv_cache_dtype": "fp8"}},
                     {"role": "decode"},
                 ],
             },
-            "must share one KV layout, but (prefill != decode): engine_kwargs.block_size 64",
+            "must share one KV layout, but (prefill != decode): engine_kwargs.kv_cache_dtype",
+        ),
+        (
+            {"strategy": "single", "pools": [{"engine_kwargs": {"max_num_seq": 8}}]},
+            "pools.0.engine_kwargs: engine_kwargs: 'max_num_seq' is not one of"
+            " vLLM's engine arguments (did you mean 'max_num_seqs'",
+        ),
+        (
+            {"strategy": "single", "pools": [{"engine_kwargs": {"dtype": "half"}}]},
+            "'dtype' is set by model.dtype; use that",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 2, "engine_kwargs": {"tensor_parallel_size": 2}}],
+            },
+            "'tensor_parallel_size' is set by the pool's tensor_parallel_size",
         ),
         (
             {

@@ -212,7 +212,7 @@ def test_every_message_crosses_with_every_field() -> None:
         ("other", GenerateFailure("gone", engine_dead=True)),
     ]
     assert ENGINE_MESSAGES.decode(encode_frame(Deltas(batch))[4:]) == Deltas(batch)
-    stats = EngineStats("engine-0", "decode", 1, 2, 3, 0.5, 6, 7, 8.0, 16, 99, {"a": 1}, "d0")
+    stats = EngineStats("engine-0", "decode", 1, 2, 3, 0.5, 6, 7, 8.0, 16, 99, {"a": 1}, "d0", 4096)
     assert ENGINE_MESSAGES.decode(encode_frame(Reply(4, None, stats))[4:]) == Reply(4, None, stats)
 
 

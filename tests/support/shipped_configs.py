@@ -9,6 +9,8 @@ from typing import Any
 import yaml
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
+# Every application YAML shipped in deployments/, by name.
+SHIPPED = sorted(path.stem for path in DEPLOYMENTS.glob("*.yaml"))
 
 
 def shipped_args(name: str) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""The names of vLLM's engine arguments (``AsyncEngineArgs``), known without importing vLLM.
+
+A config is validated before anything starts, in processes that do not otherwise import
+vLLM (the launcher, Serve's application builder), and importing
+``vllm.engine.arg_utils`` costs 9-15 s there (it imports torch). The names are the
+class-level annotated fields of ``EngineArgs`` and ``AsyncEngineArgs`` in vLLM's own
+source, read with ``ast``; tests/engines/test_vllm_args.py checks them against the
+imported dataclass, so a vLLM that declares its fields another way fails there.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from pathlib import Path
+
+ENGINE_ARG_CLASSES = ("EngineArgs", "AsyncEngineArgs")
+
+
+@functools.cache
+def engine_arg_names() -> frozenset[str]:
+    source = _arg_utils_source()
+    if source is None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        return frozenset(AsyncEngineArgs.__dataclass_fields__)
+    return frozenset(_annotated_fields(ast.parse(source.read_text()), ENGINE_ARG_CLASSES))
+
+
+def _arg_utils_source() -> Path | None:
+    # find_spec of a top-level package locates it without running its __init__.
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    return path if path.is_file() else None
+
+
+def _annotated_fields(module: ast.Module, classes: tuple[str, ...]) -> set[str]:
+    names: set[str] = set()
+    for node in module.body:
+        if isinstance(node, ast.ClassDef) and node.name in classes:
+            names.update(
+                statement.target.id
+                for statement in node.body
+                if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+            )
+    return names
