@@ -363,15 +363,21 @@ def check_key_text(key: str) -> None:
 
 class AuthConfig(StrictModel):
     """Who may call the router (the ``auth:`` block). With no key here and none in the
-    environment (SPLITSERVE_API_KEYS, VLLM_API_KEY), every route is open, as today."""
+    environment (SPLITSERVE_API_KEYS, VLLM_API_KEY), every route is open: allowed on a
+    loopback address, and beyond it only with ``allow_open``."""
 
     keys: list[ApiKeyConfig] = Field(default_factory=list)
     open_paths: list[OpenRoute] = Field(
-        default_factory=lambda: ["/health"],
-        description="Routes that answer without a key when keys are configured. /health"
-        " by default, for load balancers' and Kubernetes' probes; /metrics is not, since"
-        " it names the keys and shows the traffic (give Prometheus a key of its own with"
-        " routes: [/metrics]).",
+        default_factory=lambda: ["/health", "/metrics"],
+        description="Routes that answer without a key when keys are configured: /health"
+        " for load balancers' and Kubernetes' probes, /metrics for Prometheus, as vLLM's"
+        " server leaves it open. Leave /metrics out to guard it too (it names the keys and"
+        " shows the traffic) and give Prometheus a key of its own with routes: [/metrics].",
+    )
+    allow_open: bool = Field(
+        False,
+        description="Serve every route without a key on an address beyond loopback"
+        " (http_options.host: 0.0.0.0 and no keys). Without it such a router stops at start.",
     )
     retry_after_s: int = Field(
         1, ge=0, description="Retry-After on a refusal for a key's max_queued, in seconds."

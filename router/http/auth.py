@@ -248,14 +248,24 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to any interface
 
 
-def warn_if_open(keys: ApiKeys, http_host: str | None, logger: logging.Logger) -> None:
-    """Say so at start when a router without keys listens beyond this machine."""
+def check_exposure(
+    keys: ApiKeys, http_host: str | None, allow_open: bool, logger: logging.Logger
+) -> None:
+    """Refuse to start a router without keys that listens beyond this machine, unless the
+    YAML says ``auth.allow_open: true``: an open port on a node's address is a decision,
+    not a default."""
     if keys.enabled:
         logger.info("API keys required (open routes aside): %s", ", ".join(keys.key_names()))
-    elif http_host is not None and not is_loopback(http_host):
-        logger.warning(
-            "no API keys are configured and Serve listens on %s: anyone who can reach this"
-            " host can use every route; set auth.keys in the YAML or %s",
-            http_host,
-            KEYS_ENV,
+        return
+    if http_host is None or is_loopback(http_host):
+        return
+    if not allow_open:
+        raise AuthSetupError(
+            f"Serve listens on {http_host} and no API keys are configured: anyone who can"
+            f" reach this host could use every route. Set auth.keys in the YAML or {KEYS_ENV},"
+            " bind http_options.host: 127.0.0.1, or set auth.allow_open: true to serve"
+            " openly on purpose"
         )
+    logger.warning(
+        "no API keys and Serve listens on %s: every route is open (auth.allow_open)", http_host
+    )

@@ -32,7 +32,7 @@ from engines.protocol import GenerateChunk, GenerateRequest
 from engines.settings import EngineSpec
 from kv_transfer import KVRouterSide, KVTransferCollector, make_kv_backend
 from router.dispatch import Dispatch, Dispatcher, Plan
-from router.http.auth import ApiKeys, warn_if_open
+from router.http.auth import ApiKeys, check_exposure
 from router.http.errors import OpenAIError, routing_error_response
 from router.http.openapi import describe_request_bodies
 from router.http.readiness import Readiness
@@ -98,18 +98,21 @@ class Router:
         model = resolve_model(settings.model)
         self._served_name = model.served_name
         tokenizer = AutoTokenizer.from_pretrained(model.path)
-        vocab_size = AutoConfig.from_pretrained(model.path).vocab_size
-        prompts = PromptBuilder(
+        model_config = AutoConfig.from_pretrained(model.path)
+        vocab_size = model_config.vocab_size
+        # Until the engines report the context they were given (engines_ready), the
+        # configured one or the model's own.
+        self._prompts = PromptBuilder(
             tokenizer,
-            settings.model.max_model_len,
+            settings.model.max_model_len or model_config.max_position_embeddings,
             vocab_size,
             settings.router.trust_request_chat_template,
         )
         self._requests = RequestValidator(
-            prompts, self._served_name, settings.qos.default_priority, settings.router
+            self._prompts, self._served_name, settings.qos.default_priority, settings.router
         )
         self._auth = ApiKeys.from_settings(settings.auth)
-        warn_if_open(self._auth, settings.http_host, logger)
+        check_exposure(self._auth, settings.http_host, settings.auth.allow_open, logger)
         qos = settings.qos
         # Started side by side; each spawn alone (its processes inherit its environment).
         restarts = settings.router.engine_restart_attempts
@@ -138,8 +141,13 @@ class Router:
         calibration = functools.partial(
             calibrate_ttft, self._pool, qos.calibration_prompt_tokens, vocab_size
         )
+
+        async def engines_ready() -> None:
+            await self._adopt_engines_context()
+            await calibration()
+
         self._readiness = Readiness(
-            self._pool, on_engines_ready=calibration, members_known=self._pool_watcher.populated
+            self._pool, on_engines_ready=engines_ready, members_known=self._pool_watcher.populated
         )
         self._kv: KVRouterSide | None = None
         if settings.kv_transfer is not None:
@@ -212,7 +220,7 @@ class Router:
         card = ModelCard(
             id=self._served_name,
             owned_by="splitserve",
-            max_model_len=self._config.model.max_model_len,
+            max_model_len=self._prompts.max_model_len,
         )
         self._metrics.requests.labels("/v1/models", "200", "none").inc()
         return JSONResponse(ModelList(data=[card]).model_dump())
@@ -536,6 +544,15 @@ class Router:
         kv = getattr(self, "_kv", None)
         if kv is not None:
             kv.shutdown()  # what the KV backend holds for this application goes with it
+
+    async def _adopt_engines_context(self) -> None:
+        """Take the context length the engines derived (vLLM's rules: the model's own,
+        capped by max_model_len), so the router refuses what they would refuse."""
+        stats = await asyncio.gather(*(replica.link.stats() for replica in self._pool))
+        reported = [s.max_model_len for s in stats if s.max_model_len]
+        if reported and min(reported) != self._prompts.max_model_len:
+            logger.info("the engines' context is %d tokens", min(reported))
+            self._prompts.max_model_len = min(reported)
 
     async def _replica_health(self, replica: EngineClient) -> str:
         if not replica.link.ready:

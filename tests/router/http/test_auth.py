@@ -23,8 +23,8 @@ from router.http.auth import (
     AuthSetupError,
     Client,
     Unauthorized,
+    check_exposure,
     is_loopback,
-    warn_if_open,
 )
 from router.http.errors import OpenAIError
 from router.observation.metrics import RouterMetrics
@@ -34,8 +34,10 @@ from tests.support.in_process_router import chat_body, http_request, in_process_
 CHAT = "/v1/chat/completions"
 TEAM_KEY = "sk-team-a-0123456789"
 PROBE_KEY = "sk-prometheus-0123456789"
+# /metrics guarded, as a deployment that keeps its traffic to itself sets it.
 AUTH = {
     "retry_after_s": 2,
+    "open_paths": ["/health"],
     "keys": [
         {"key_env": "TEAM_A_KEY", "max_priority": "normal", "max_queued": 2},
         {"name": "prometheus", "key": PROBE_KEY, "routes": ["/metrics", "/health"]},
@@ -203,17 +205,30 @@ def test_loopback_hosts(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
 
-def test_a_router_without_keys_on_a_public_host_warns(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_router_without_keys_beyond_loopback_stops_unless_allowed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     logger = logging.getLogger("test.auth")
     with caplog.at_level(logging.INFO, logger="test.auth"):
-        warn_if_open(keys({}, {}), "127.0.0.1", logger)
-        warn_if_open(keys({}, {}), None, logger)  # host unknown: nothing to say
+        check_exposure(keys({}, {}), "127.0.0.1", False, logger)
+        check_exposure(keys({}, {}), None, False, logger)  # host unknown: nothing to say
         assert not caplog.records
-        warn_if_open(keys({}, {}), "0.0.0.0", logger)
-        warn_if_open(keys(), "0.0.0.0", logger)
+        with pytest.raises(AuthSetupError, match=r"Serve listens on 0\.0\.0\.0 and no API keys"):
+            check_exposure(keys({}, {}), "0.0.0.0", False, logger)
+        check_exposure(keys({}, {}), "0.0.0.0", True, logger)
+        check_exposure(keys(), "0.0.0.0", False, logger)
     warning, info = caplog.records
-    assert warning.levelno == logging.WARNING and "no API keys" in warning.getMessage()
+    assert warning.levelno == logging.WARNING and "auth.allow_open" in warning.getMessage()
     assert info.levelno == logging.INFO and "TEAM_A_KEY, prometheus" in info.getMessage()
+
+
+def test_metrics_and_health_stay_open_by_default_as_vllms_do() -> None:
+    guarded = keys({"keys": [{"key_env": "TEAM_A_KEY"}]})
+    assert guarded.refusal({}, "/metrics") is None
+    assert guarded.refusal({}, "/health") is None
+    assert guarded.refusal({}, "/v1/completions") is not None
+    closed = keys({"keys": [{"key_env": "TEAM_A_KEY"}], "open_paths": ["/health"]})
+    assert closed.refusal({}, "/metrics") is not None
 
 
 # ---- the YAML's auth block -----------------------------------------------------------------
