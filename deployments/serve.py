@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import threading
 
 from deployments.launcher import (
     DEFAULT_PORT,
@@ -20,6 +22,10 @@ from deployments.launcher import (
     serve_command,
     wait_until_bindable,
 )
+from splitserve.processes import SERVE_DEPLOY_FAILED, stop_process
+
+# How long `serve run` may take to stop the application after a failure or Ctrl-C.
+STOP_TIMEOUT_S = 90.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,8 +44,45 @@ def main(argv: list[str] | None = None) -> None:
         print(f"using the cluster at RAY_ADDRESS; it must have been started with {settings}")
     wait_until_bindable(args.port)
     command, env = serve_command(path, args.port)
-    sys.stdout.flush()
-    os.execvpe(command[0], command, env)
+    sys.exit(run_until_failed(command, env))
+
+
+def run_until_failed(command: list[str], env: dict[str, str]) -> int:
+    """Run ``serve run``, echoing what it prints, until it ends or prints a line that
+    means the application will never come up (SERVE_DEPLOY_FAILED: a failed build, or
+    an engine that cannot start, with vLLM's reason). ``serve run`` itself keeps
+    running after those, while Serve restarts the same failure for ever; here the
+    application is stopped and the exit status is 1."""
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    failures: list[str] = []
+    ended = threading.Event()
+
+    def echo() -> None:
+        # Reads to the end, stop included, so a full pipe never stalls `serve run`.
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            if not failures and any(marker in line for marker in SERVE_DEPLOY_FAILED):
+                failures.append(line.strip())
+                ended.set()
+        ended.set()
+
+    reader = threading.Thread(target=echo, name="serve-run-output", daemon=True)
+    reader.start()
+    try:
+        ended.wait()
+    except KeyboardInterrupt:
+        # The terminal's Ctrl-C reached `serve run` too; it stops the application.
+        stop_process(process, STOP_TIMEOUT_S)  # type: ignore[arg-type]
+        return 130
+    if not failures:
+        return process.wait()
+    print(f"\nerror: the application cannot come up: {failures[0]}", file=sys.stderr)
+    stop_process(process, STOP_TIMEOUT_S)  # type: ignore[arg-type]
+    reader.join(timeout=5)
+    return 1
 
 
 if __name__ == "__main__":

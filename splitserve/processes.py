@@ -95,11 +95,16 @@ def start_process(
 # come up: its build failed, or its replicas kept failing to start
 # (ray/serve/_private/application_state.py, _update_status). `serve run` of a config
 # keeps running after either, so a launcher waiting for health would wait it out.
+# What a router logs when an engine in its process failed every start it was given and
+# never ran: its settings cannot work (vLLM's reason is in the line and the log above
+# it), and Serve would restart the router, and the engine with it, for ever.
+ENGINE_CANNOT_START = "splitserve: an engine cannot start"
 SERVE_DEPLOY_FAILED = (
     "Deploying app '",  # "... failed with exception:" (never "Deploying new app")
     "Runtime env setup for app '",
     "Unexpected error occurred while deploying application",
     "Failed to update the deployments",
+    ENGINE_CANNOT_START,
 )
 
 

@@ -39,6 +39,7 @@ from engines.transport import (
 )
 from router.policies.prefill_gate import PrefillGate
 from router.pool.replica_state import PrefillTicket, ReplicaState
+from splitserve.processes import ENGINE_CANNOT_START
 
 if TYPE_CHECKING:
     from engines.host import EngineHost
@@ -230,6 +231,7 @@ class LocalEngineLink:
         self._host: EngineHost | None = None
         self._starting: asyncio.Task[None] | None = None
         self._failed_starts = 0
+        self._ever_started = False
         self._ready = asyncio.Event()
         self._aborts: set[asyncio.Task[None]] = set()
         # Set when the application stops: an engine that dies then is not replaced (on
@@ -315,12 +317,22 @@ class LocalEngineLink:
                 await asyncio.to_thread(dead.shutdown)
             self._host = await asyncio.to_thread(self._start_host)
             self._failed_starts = 0
+            self._ever_started = True
         except Exception as error:
             if _interpreter_stopping(error):
                 self._stopping = True  # the process is exiting: nothing to restart
                 return
             self._failed_starts += 1
             logger.exception("engine %s did not start", self._name)
+            if self.gave_up and not self._ever_started:
+                logger.error(
+                    "%s: %s failed all %d starts: %s: %s",
+                    ENGINE_CANNOT_START,
+                    self._name,
+                    self._failed_starts,
+                    type(error).__name__,
+                    error,
+                )
         finally:
             self._starting = None
             self._ready.set()  # waiters look again: ready, or start anew

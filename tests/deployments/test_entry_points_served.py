@@ -1,6 +1,7 @@
 """The README's commands that start an application themselves: ``make demo`` (``python -m
 loadgen demo``) and ``python -m loadgen sweep`` each run a real ``serve run``, measure
-it, stop it, and leave no engine behind.
+it, stop it, and leave no engine behind; ``python -m deployments.serve`` stops, with
+vLLM's reason, an application whose engine can never start.
 
 Both run on the session's cluster (``RAY_ADDRESS``), which serves port 8000 only, so
 no other application may run meanwhile (conftest closes the shared one first). Each
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from deployments.launcher import DEPLOYMENTS_DIR, REPO_ROOT
-from splitserve.processes import command_lines
+from splitserve.processes import ENGINE_CANNOT_START, command_lines
 
 pytestmark = pytest.mark.serving
 
@@ -88,3 +89,31 @@ def test_a_sweep_starts_each_mode_it_measures(ray_address: str, tmp_path: Path) 
         cells = list(csv.DictReader(rows))
     assert [(c["mode"], c["completed"]) for c in cells] == [("dp", str(REQUESTS))], cells
     assert (out / "logs" / "server-dp.log").exists()
+
+
+def test_serve_stops_with_vllms_reason_when_an_engine_cannot_start(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """An engine whose cache cannot hold one max_model_len request never starts; Serve
+    would restart its router for ever. ``python -m deployments.serve`` stops the
+    application and exits 1, with vLLM's reason in what it printed."""
+    document = yaml.safe_load((DEPLOYMENTS_DIR / "single.yaml").read_text())
+    args = document["applications"][0]["args"]
+    # vLLM's CPU blocks hold 128 tokens: 2 blocks are 256 tokens, under 4096.
+    args["pools"][0]["engine_kwargs"] = {"num_gpu_blocks_override": 2}
+    args["router"]["engine_restart_attempts"] = 1
+    config = tmp_path / "unstartable.yaml"
+    config.write_text(yaml.safe_dump(document))
+    result = subprocess.run(
+        [sys.executable, "-m", "deployments.serve", str(config)],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, RAY_ADDRESS=ray_address),
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+    )
+    assert result.returncode == 1, _output(result)
+    assert "error: the application cannot come up: " in result.stderr, _output(result)
+    assert ENGINE_CANNOT_START in result.stdout, _output(result)
+    assert "max seq len (4096)" in result.stdout, _output(result)  # vLLM's own reason
+    assert not _replicas_left(), "the application outlived its failed launch"
