@@ -2,11 +2,16 @@
 ``dashboards/splitserve.json`` (the tests check the committed file matches).
 
 Rows: the client's view (load generator), the router, the engines (vLLM's own metrics,
-per replica and role), KV transfer (PD), QoS, and utilization with the per-GPU
-imbalance. Every panel reads the Prometheus datasource chosen in ``$datasource``.
-Names come from router/observation/metrics.py, kv_transfer/metrics.py, loadgen/exposition.py,
-engines/sampler.py and vLLM; dashboards/prometheus.yml maps Ray's exported names
-(``ray_vllm_x``, ``ray_splitserve_x``) back to ``vllm:x`` and ``splitserve_x``.
+per replica and role), Ray Serve's replicas and errors, KV transfer (PD), QoS, and
+utilization with the per-GPU imbalance. Every panel reads the Prometheus datasource
+chosen in ``$datasource``. Names come from router/observation/metrics.py,
+kv_transfer/metrics.py, loadgen/exposition.py, engines/sampler.py, vLLM and Ray Serve.
+
+What the engines record with ``ray.util.metrics`` (vLLM's metrics, the utilization
+sampler) reaches Prometheus from Ray's per-node endpoint as ``ray_vllm_x`` and
+``ray_splitserve_x``. dashboards/prometheus.yml renames them back to ``vllm:x`` and
+``splitserve_x``; a Prometheus that scrapes Ray's endpoint as it is (Ray's own config, a
+plain PodMonitor) keeps Ray's names. Those panels read both (``either``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,32 +56,58 @@ class Row:
     panels: tuple[Panel, ...] = field(default_factory=tuple)
 
 
-def quantile(q: float, bucket: str, selector: str, by: str) -> str:
-    """A quantile from a histogram's buckets over the panel's rate window."""
-    return f"histogram_quantile({q}, sum by (le, {by}) (rate({bucket}{{{selector}}}[{RATE}])))"
+def rate_by(metric: str, selector: str, by: str) -> str:
+    return f"sum by ({by}) (rate({metric}{{{selector}}}[{RATE}]))"
 
 
-def latency(title: str, description: str, bucket: str, selector: str, by: str) -> Panel:
+def ray_exported(name: str) -> str:
+    """The name Ray's metrics endpoint gives what an engine records as ``name``."""
+    return "ray_" + name.replace(":", "_")
+
+
+def either(name: str, query: Callable[[str], str]) -> str:
+    """``query`` over the relabelled name, or else over Ray's own.
+
+    Both sides aggregate to the same labels, so ``or`` keeps one series per label set
+    (the relabelled one where a Prometheus holds both); a ``{__name__=~"a|b"}`` selector
+    would instead fail on duplicate series once rate() drops the names.
+    """
+    return f"({query(name)} or {query(ray_exported(name))})"
+
+
+def engine_rate_by(metric: str, selector: str, by: str) -> str:
+    return either(metric, lambda name: rate_by(name, selector, by))
+
+
+def engine_gauge(aggregation: str, metric: str, by: str) -> str:
+    return either(metric, lambda name: f"{aggregation} by ({by}) ({name}{{{REPLICA}}})")
+
+
+Rates = Callable[[str, str, str], str]  # (metric, selector, by) -> summed rates
+
+
+def latency(
+    title: str, description: str, bucket: str, selector: str, by: str, rates: Rates = rate_by
+) -> Panel:
+    """p50 and p95 from a histogram's buckets over the panel's rate window."""
+    buckets = rates(bucket, selector, f"le, {by}")
     return Panel(
         title,
         description,
         "s",
         (
-            Target(quantile(0.5, bucket, selector, by), f"p50 {{{{{by}}}}}"),
-            Target(quantile(0.95, bucket, selector, by), f"p95 {{{{{by}}}}}"),
+            Target(f"histogram_quantile(0.5, {buckets})", f"p50 {{{{{by}}}}}"),
+            Target(f"histogram_quantile(0.95, {buckets})", f"p95 {{{{{by}}}}}"),
         ),
     )
-
-
-def rate_by(metric: str, selector: str, by: str) -> str:
-    return f"sum by ({by}) (rate({metric}{{{selector}}}[{RATE}]))"
 
 
 def legend(labels: str) -> str:
     return " ".join(f"{{{{{label.strip()}}}}}" for label in labels.split(","))
 
 
-PREFIX_QUERIES = rate_by("vllm:prefix_cache_queries_total", REPLICA, "replica, role")
+PREFIX_QUERIES = engine_rate_by("vllm:prefix_cache_queries_total", REPLICA, "replica, role")
+PREFIX_HITS = engine_rate_by("vllm:prefix_cache_hits_total", REPLICA, "replica, role")
 
 CLIENT = Row(
     "Client view (load generator)",
@@ -232,11 +264,11 @@ ENGINES = Row(
             "short",
             (
                 Target(
-                    f"sum by (replica, role) (vllm:num_requests_running{{{REPLICA}}})",
+                    engine_gauge("sum", "vllm:num_requests_running", "replica, role"),
                     "running {{replica}} ({{role}})",
                 ),
                 Target(
-                    f"sum by (replica, role) (vllm:num_requests_waiting{{{REPLICA}}})",
+                    engine_gauge("sum", "vllm:num_requests_waiting", "replica, role"),
                     "waiting {{replica}} ({{role}})",
                 ),
             ),
@@ -247,7 +279,7 @@ ENGINES = Row(
             "percentunit",
             (
                 Target(
-                    f"max by (replica, role) (vllm:kv_cache_usage_perc{{{REPLICA}}})",
+                    engine_gauge("max", "vllm:kv_cache_usage_perc", "replica, role"),
                     legend("replica, role"),
                 ),
             ),
@@ -260,8 +292,7 @@ ENGINES = Row(
                 # vLLM's Ray counters skip inc(0): no hits yet means no hits series, so
                 # count those replicas as 0 hits instead of showing no data.
                 Target(
-                    f"({rate_by('vllm:prefix_cache_hits_total', REPLICA, 'replica, role')}"
-                    f" or 0 * {PREFIX_QUERIES}) / {PREFIX_QUERIES}",
+                    f"({PREFIX_HITS} or 0 * {PREFIX_QUERIES}) / {PREFIX_QUERIES}",
                     legend("replica, role"),
                 ),
             ),
@@ -272,6 +303,7 @@ ENGINES = Row(
             "vllm:time_to_first_token_seconds_bucket",
             REPLICA,
             "replica",
+            engine_rate_by,
         ),
         latency(
             "Engine TPOT",
@@ -279,6 +311,7 @@ ENGINES = Row(
             "vllm:request_time_per_output_token_seconds_bucket",
             REPLICA,
             "replica",
+            engine_rate_by,
         ),
         Panel(
             "Engine tokens per second",
@@ -286,10 +319,11 @@ ENGINES = Row(
             "short",
             (
                 Target(
-                    rate_by("vllm:prompt_tokens_total", REPLICA, "replica"), "prompt {{replica}}"
+                    engine_rate_by("vllm:prompt_tokens_total", REPLICA, "replica"),
+                    "prompt {{replica}}",
                 ),
                 Target(
-                    rate_by("vllm:generation_tokens_total", REPLICA, "replica"),
+                    engine_rate_by("vllm:generation_tokens_total", REPLICA, "replica"),
                     "generation {{replica}}",
                 ),
             ),
@@ -301,8 +335,71 @@ ENGINES = Row(
             "short",
             (
                 Target(
-                    rate_by("vllm:prompt_tokens_by_source_total", REPLICA, "replica, source"),
+                    engine_rate_by(
+                        "vllm:prompt_tokens_by_source_total", REPLICA, "replica, source"
+                    ),
                     legend("replica, source"),
+                ),
+            ),
+        ),
+    ),
+)
+
+# Ray Serve's own metrics (ray/serve/_private: deployment_state.py, replica.py,
+# request_ingress_metrics.py), exported by Ray's endpoint under these names as they are.
+SERVE_BY = "application, deployment"
+# With per-replica series (Serve's default) a replica's gauge is 1 while healthy and 0 once
+# stopped; otherwise one series per deployment holds the count: the sum is the count either way.
+SERVE_HEALTHY = f"sum by ({SERVE_BY}) (ray_serve_deployment_replica_healthy)"
+
+
+def serve_errors(counter: str, by: str) -> str:
+    """Errors per second, or 0 for a live deployment without any: Ray creates a counter's
+    series at its first error, so a healthy deployment would otherwise show no data."""
+    return f"{rate_by(counter, '', by)} or on ({SERVE_BY}) 0 * {SERVE_HEALTHY}"
+
+
+SERVE = Row(
+    "Serve (Ray Serve's replicas and errors)",
+    (
+        Panel(
+            "Serve replicas per deployment",
+            "Healthy replicas of each Serve deployment (engine pools included) and the"
+            " number Serve is aiming for (its autoscaler's target, or num_replicas).",
+            "short",
+            (
+                Target(SERVE_HEALTHY, "healthy {{deployment}}"),
+                Target(
+                    f"max by ({SERVE_BY}) (ray_serve_autoscaling_target_replicas)",
+                    "target {{deployment}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Serve HTTP errors",
+            "Responses with a 4xx or 5xx code per second, by deployment and code, as Serve"
+            " counted them (503 and 429 include admission control's refusals).",
+            "reqps",
+            (
+                Target(
+                    serve_errors(
+                        "ray_serve_num_deployment_http_error_requests_total",
+                        f"{SERVE_BY}, error_code",
+                    ),
+                    "{{deployment}} {{error_code}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Serve replica exceptions",
+            "Exceptions raised in each deployment's replicas per second, by type.",
+            "short",
+            (
+                Target(
+                    serve_errors(
+                        "ray_serve_deployment_error_counter_total", f"{SERVE_BY}, exception_type"
+                    ),
+                    "{{deployment}} {{exception_type}}",
                 ),
             ),
         ),
@@ -397,9 +494,21 @@ QOS = Row(
     ),
 )
 
+
+def busy_percent(device: str, by: str) -> str:
+    """Busy share in percent from the sampler's busy-seconds counter of ``device``."""
+    return f"100 * {engine_rate_by(f'splitserve_{device}_busy_seconds_total', REPLICA, by)}"
+
+
+def sampled(metric: str) -> str:
+    """The sampler's latest gauge: per GPU where NVML answers, else per engine process."""
+    return (
+        f"{engine_gauge('max', f'splitserve_gpu_{metric}', 'replica, gpu')}"
+        f" or {engine_gauge('max', f'splitserve_cpu_{metric}', 'replica, process')}"
+    )
+
+
 # GPUs where NVML answers; otherwise the engine processes' CPU (the metric names say which).
-GPU_BUSY = f"rate(splitserve_gpu_busy_seconds_total{{{REPLICA}}}[{RATE}])"
-CPU_BUSY = f"rate(splitserve_cpu_busy_seconds_total{{{REPLICA}}}[{RATE}])"
 UTILIZATION = Row(
     "Utilization (200 ms sampler)",
     (
@@ -410,8 +519,8 @@ UTILIZATION = Row(
             "percent",
             (
                 Target(
-                    f"100 * sum by (replica, gpu) ({GPU_BUSY})"
-                    f" or 100 * sum by (replica, process) ({CPU_BUSY})",
+                    f"{busy_percent('gpu', 'replica, gpu')}"
+                    f" or {busy_percent('cpu', 'replica, process')}",
                     "{{replica}} {{gpu}}{{process}}",
                 ),
             ),
@@ -423,10 +532,10 @@ UTILIZATION = Row(
             "percent",
             (
                 Target(
-                    f"(max(100 * sum by (replica, gpu) ({GPU_BUSY}))"
-                    f" - min(100 * sum by (replica, gpu) ({GPU_BUSY})))"
-                    f" or (max(100 * sum by (replica) ({CPU_BUSY}))"
-                    f" - min(100 * sum by (replica) ({CPU_BUSY})))",
+                    f"(max({busy_percent('gpu', 'replica, gpu')})"
+                    f" - min({busy_percent('gpu', 'replica, gpu')}))"
+                    f" or (max({busy_percent('cpu', 'replica')})"
+                    f" - min({busy_percent('cpu', 'replica')}))",
                     "max - min",
                 ),
             ),
@@ -435,27 +544,13 @@ UTILIZATION = Row(
             "Latest sample",
             "The sampler's gauges: the latest 200 ms sample each time Ray exports.",
             "percent",
-            (
-                Target(
-                    f"max by (replica, gpu) (splitserve_gpu_utilization_percent{{{REPLICA}}})"
-                    f" or max by (replica, process)"
-                    f" (splitserve_cpu_utilization_percent{{{REPLICA}}})",
-                    "{{replica}} {{gpu}}{{process}}",
-                ),
-            ),
+            (Target(sampled("utilization_percent"), "{{replica}} {{gpu}}{{process}}"),),
         ),
         Panel(
             "Memory used",
             "GPU memory in use per GPU; on CPU the resident memory of each engine process.",
             "bytes",
-            (
-                Target(
-                    f"max by (replica, gpu) (splitserve_gpu_memory_used_bytes{{{REPLICA}}})"
-                    f" or max by (replica, process)"
-                    f" (splitserve_cpu_memory_used_bytes{{{REPLICA}}})",
-                    "{{replica}} {{gpu}}{{process}}",
-                ),
-            ),
+            (Target(sampled("memory_used_bytes"), "{{replica}} {{gpu}}{{process}}"),),
         ),
         Panel(
             "Sampler ticks per second",
@@ -463,7 +558,9 @@ UTILIZATION = Row(
             "short",
             (
                 Target(
-                    rate_by("splitserve_utilization_samples_total", REPLICA, "replica, source"),
+                    engine_rate_by(
+                        "splitserve_utilization_samples_total", REPLICA, "replica, source"
+                    ),
                     legend("replica, source"),
                 ),
             ),
@@ -471,7 +568,12 @@ UTILIZATION = Row(
     ),
 )
 
-ROWS = (CLIENT, ROUTER, ENGINES, KV_TRANSFER, QOS, UTILIZATION)
+ROWS = (CLIENT, ROUTER, ENGINES, SERVE, KV_TRANSFER, QOS, UTILIZATION)
+# Where Grafana's replica dropdown finds engine replicas: vLLM's gauge, under either name.
+REPLICA_VALUES = (
+    f'{{__name__=~"vllm:num_requests_running|{ray_exported("vllm:num_requests_running")}"}}'
+)
+
 TEMPLATE_VARIABLES = ("run", "mode", "replica")
 
 
@@ -510,9 +612,7 @@ def templating() -> dict[str, Any]:
                 "router mode",
                 "label_values(splitserve_e2e_request_latency_seconds_count, mode)",
             ),
-            _variable(
-                "replica", "engine replica", "label_values(vllm:num_requests_running, replica)"
-            ),
+            _variable("replica", "engine replica", f"label_values({REPLICA_VALUES}, replica)"),
         ]
     }
 

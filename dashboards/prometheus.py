@@ -2,7 +2,8 @@
 
 Installs Debian's ``prometheus`` package with apt-get if it is missing, points
 dashboards/prometheus.yml at the cluster (router address, the Ray cluster's own
-service-discovery file, the load generator's metrics port), starts Prometheus on it,
+service-discovery file, the load generator's metrics port) with the alert rules of
+dashboards/alerts.yml, starts Prometheus on it,
 waits until it is ready and every target has been scraped once, and prints where to
 point Grafana. Ctrl-C stops it. The tests use ``run_prometheus`` the same way.
 """
@@ -125,6 +126,8 @@ def render_config(targets: ScrapeTargets, template: Path = CONFIG_TEMPLATE) -> d
     if targets.ray_scrape_interval:
         jobs[RAY_JOB]["scrape_interval"] = targets.ray_scrape_interval
         jobs[RAY_JOB]["scrape_timeout"] = targets.ray_scrape_interval
+    # Prometheus reads rule files relative to the config, which is written elsewhere.
+    config["rule_files"] = [str(template.parent / path) for path in config.get("rule_files", [])]
     return config
 
 
