@@ -1,6 +1,7 @@
 """``python -m loadgen`` takes ``vllm bench serve``'s command lines: every flag of vLLM's
-parser (read from vLLM itself) is served or refused by name, the README's command lines
-run against the fake server, headers and ``$OPENAI_API_KEY`` reach the server."""
+parser (read from vLLM itself) is served or refused by name, the command lines printed in
+docs/LOADGEN.md run against the fake server, headers and ``$OPENAI_API_KEY`` reach the
+server."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.benchmarks import serve
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from loadgen.arrivals import RampUpArrivals, ramp_up_rates
 from loadgen.burstgpt import BurstGPTShapedGenerator, write_trace_csv
@@ -24,32 +27,47 @@ from loadgen.fake_server import FakeServerConfig, fake_server_in_thread
 from loadgen.vllm_cli import NO_EFFECT_FLAGS, REFUSED_FLAGS, normalize_flag_names, resolve
 
 REPO = Path(__file__).resolve().parents[2]
-# The command lines of the README's "vllm bench serve's command line" paragraph, as
-# printed there after `python -m loadgen` (M: the model, DIR: a folder, FILE: a data
-# file; the server at 10.0.0.5:8000 becomes the fake one).
-DOCUMENTED = [
-    "--backend vllm --model M --endpoint /v1/completions --dataset-name random"
-    " --random-input-len 512 --random-output-len 64 --request-rate 4 --num-prompts 100"
-    " --save-result --result-dir DIR --goodput ttft:300 tpot:20"
-    " --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99",
-    "--backend openai --model M --dataset-name prefix_repetition"
-    " --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 128"
-    " --prefix-repetition-num-prefixes 8 --prefix-repetition-output-len 64"
-    " --num-prompts 200 --request-rate inf --max-concurrency 16 --save-result --result-dir DIR",
-    "--backend vllm --model M --dataset-name burstgpt --dataset-path FILE.csv --request-rate 2"
-    " --burstiness 0.5 --num-prompts 200 --seed 1 --save-result --save-detailed"
-    " --result-dir DIR --label burst",
-    "--backend openai-chat --endpoint /v1/chat/completions --model M --dataset-name custom"
-    " --dataset-path FILE.jsonl --custom-output-len 128 --request-rate 8 --num-prompts 100"
-    " --header X-Team=perf --save-result --result-dir DIR --result-filename chat.json",
-    "--model M --dataset-name random --random-input-len 1024 --random-output-len 128"
-    " --random-range-ratio 0.2 --random-prefix-len 256 --ramp-up-strategy linear"
-    " --ramp-up-start-rps 1 --ramp-up-end-rps 16 --num-prompts 400 --save-result"
-    " --result-dir DIR --metadata tp=1 hardware=h100",
-    "--host 10.0.0.5 --port 8000 --model M --random-input-len 2048 --random-output-len 32"
-    " --request-rate 8 --max-concurrency 32 --num-prompts 500 --goodput e2el:2000"
-    " --percentile-metrics ttft,e2el,client_queue_time --save-result --result-dir DIR",
-]
+# The command lines of docs/LOADGEN.md's "vllm bench serve's command line" section, read
+# from the page itself so that the page and this test cannot drift (M: the model, DIR:
+# a folder, FILE: a data file; the server at 10.0.0.5:8000 becomes the fake one).
+DOC = REPO / "docs" / "LOADGEN.md"
+DOC_HEADING = "## `vllm bench serve`'s command line"
+COMMAND = "python -m loadgen "
+
+
+def documented_command_lines(doc: Path = DOC, heading: str = DOC_HEADING) -> list[str]:
+    """The arguments of every ``python -m loadgen`` line in the first fenced code block
+    under ``heading`` in ``doc``. Raises if the heading, its code block or any such line
+    is missing, or if the block holds another command (a line this test would not run),
+    so that a moved, emptied or reworded section fails the test instead of passing it."""
+    lines = doc.read_text().splitlines()
+    if heading not in lines:
+        raise AssertionError(f"{doc}: no line {heading!r}; the command lines moved?")
+    block: list[str] | None = None
+    for line in lines[lines.index(heading) + 1 :]:
+        text = line.strip()
+        if block is None:
+            if text.startswith("```"):
+                block = []
+            elif text.startswith("#"):
+                break  # the next heading, and no code block in between
+        elif text.startswith("```"):
+            break
+        else:
+            block.append(text)
+    if block is None:
+        raise AssertionError(f"{doc}: no fenced code block under {heading!r}")
+    others = [text for text in block if text and not text.startswith(("#", COMMAND))]
+    if others:
+        raise AssertionError(f"{doc}: no {COMMAND.strip()!r} at the start of {others[0]!r}")
+    commands = [text.removeprefix(COMMAND) for text in block if text.startswith(COMMAND)]
+    if not commands:
+        raise AssertionError(f"{doc}: no {COMMAND.strip()!r} line in the block under {heading!r}")
+    return commands
+
+
+DOCUMENTED = documented_command_lines()
+
 # Run small and fast against the fake server: fewer requests, higher rates.
 SHRINK = {
     "--num-prompts": "16",
@@ -68,9 +86,6 @@ def server() -> Iterator[str]:
 
 def vllm_flags() -> dict[str, argparse.Action]:
     """Every option of ``vllm bench serve``, from vLLM's own parser."""
-    serve = pytest.importorskip("vllm.benchmarks.serve", reason="vLLM's benchmark client")
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     parser = FlexibleArgumentParser()
     serve.add_cli_args(parser)
     return {
@@ -271,6 +286,23 @@ def documented_argv(line: str, url: str, tmp_path: Path) -> list[str]:
     if "--host" not in argv:
         argv += ["--base-url", url]
     return [*argv, "--no-plots", "--disable-tqdm", "--num-warmups", "1"]
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        f"intro\n{DOC_HEADING}\ntext only\n## next\n```\n{COMMAND}--x\n```\n",
+        f"{DOC_HEADING}\n```bash\n# only a comment\n```\n",
+        f"{DOC_HEADING}\n```\n{COMMAND}--x\npython3 -m loadgen --x\n```\n",
+        f"## another heading\n```\n{COMMAND}--x\n```\n",
+    ],
+    ids=["no-block", "no-loadgen-line", "another-command", "no-heading"],
+)
+def test_the_documented_lines_reader_fails_loudly(page: str, tmp_path: Path) -> None:
+    doc = tmp_path / "PAGE.md"
+    doc.write_text(page)
+    with pytest.raises(AssertionError, match=r"PAGE\.md: no "):
+        documented_command_lines(doc)
 
 
 @pytest.mark.parametrize(

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.benchmarks import serve
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from loadgen.cli import main
 from loadgen.fake_server import FakeServerConfig, fake_server_in_thread
-
-serve = pytest.importorskip("vllm.benchmarks.serve", reason="vLLM's benchmark client")
 
 REQUESTS = 20
 # One command line for both clients (the server's address and the result folder apart).
@@ -48,8 +48,6 @@ SAME_VALUES = (
 
 def vllm_client(argv: list[str]) -> dict[str, Any]:
     """vLLM's benchmark client, as ``vllm bench serve`` would run it."""
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     parser = FlexibleArgumentParser()
     serve.add_cli_args(parser)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -161,8 +159,6 @@ def test_default_file_name_is_vllms(tokenizer: str, tmp_path: Path) -> None:
 
 def test_vllm_parser_takes_the_comparison_command() -> None:
     """The command above is vLLM's as it is (a guard against drifting from its flags)."""
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     parser = FlexibleArgumentParser()
     serve.add_cli_args(parser)
     args = parser.parse_args([*COMMAND, "--base-url", "http://x"])
