@@ -65,7 +65,11 @@ CALLS = ("submit", "stats", "check_health")
 
 
 class TransportClosed(ConnectionError):
-    """The other side closed the connection (or it broke, or broke the protocol)."""
+    """The other side closed the connection, or it broke."""
+
+
+class ProtocolViolation(TransportClosed):
+    """The peer did not prove the secret or sent what the protocol does not allow."""
 
 
 class Subscribe(msgspec.Struct, array_like=True, tag="subscribe"):
@@ -112,15 +116,20 @@ def encode_frame(message: RouterMessage | EngineMessage) -> bytes:
 
 async def read_frame(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder) -> Any:
     """The next message, decoded by ``decoder`` (ROUTER_MESSAGES or ENGINE_MESSAGES)."""
+    (length,) = _LENGTH.unpack(await _read(reader, _LENGTH.size))
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolViolation(f"a {length}-byte frame is over {MAX_FRAME_BYTES}")
     try:
-        (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        if length > MAX_FRAME_BYTES:
-            raise TransportClosed(f"a {length}-byte frame is over {MAX_FRAME_BYTES}")
-        return decoder.decode(await reader.readexactly(length))
-    except (asyncio.IncompleteReadError, ConnectionError) as error:
-        raise TransportClosed(str(error) or "connection closed") from error
+        return decoder.decode(await _read(reader, length))
     except msgspec.DecodeError as error:  # ValidationError is a DecodeError
-        raise TransportClosed(f"not a message of the transport: {error}") from error
+        raise ProtocolViolation(f"not a message of the transport: {error}") from error
+
+
+async def _read(reader: asyncio.StreamReader, size: int) -> bytes:
+    try:
+        return await reader.readexactly(size)
+    except (asyncio.IncompleteReadError, ConnectionError) as error:
+        raise TransportClosed(f"connection closed: {error}") from error
 
 
 def with_sampling_params(request: GenerateRequest) -> GenerateRequest:
@@ -140,7 +149,7 @@ async def _read_exactly(reader: asyncio.StreamReader, size: int) -> bytes:
     try:
         return await asyncio.wait_for(reader.readexactly(size), HANDSHAKE_TIMEOUT_S)
     except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as error:
-        raise TransportClosed(f"handshake not completed: {error!r}") from error
+        raise ProtocolViolation(f"handshake not completed: {error!r}") from error
 
 
 async def prove_to_engine(
@@ -150,12 +159,12 @@ async def prove_to_engine(
     that holds ``secret``."""
     greeting = await _read_exactly(reader, len(MAGIC) + CHALLENGE_BYTES)
     if greeting[: len(MAGIC)] != MAGIC:
-        raise TransportClosed("the peer does not speak the engine transport")
+        raise ProtocolViolation("the peer does not speak the engine transport")
     challenge = secrets.token_bytes(CHALLENGE_BYTES)
     writer.write(_digest(secret, b"router", greeting[len(MAGIC) :]) + challenge)
     answer = await _read_exactly(reader, DIGEST_BYTES)
     if not hmac.compare_digest(answer, _digest(secret, b"engine", challenge)):
-        raise TransportClosed("the engine did not prove the replica's secret")
+        raise ProtocolViolation("the engine did not prove the replica's secret")
 
 
 async def check_router(
@@ -166,7 +175,7 @@ async def check_router(
     writer.write(MAGIC + challenge)
     answer = await _read_exactly(reader, DIGEST_BYTES + CHALLENGE_BYTES)
     if not hmac.compare_digest(answer[:DIGEST_BYTES], _digest(secret, b"router", challenge)):
-        raise TransportClosed("the peer did not prove the replica's secret")
+        raise ProtocolViolation("the peer did not prove the replica's secret")
     writer.write(_digest(secret, b"engine", answer[DIGEST_BYTES:]))
 
 
@@ -231,12 +240,11 @@ class EngineTransportServer:
         try:
             await check_router(reader, writer, self._secret)
             await self._serve(reader, writer)
-        except TransportClosed as error:
-            if "connection closed" not in str(error):
-                self.refused += 1
-                logger.warning("engine transport: closed a connection: %s", error)
-        except asyncio.CancelledError:
-            pass
+        except ProtocolViolation as error:
+            self.refused += 1
+            logger.warning("engine transport: closed a connection: %s", error)
+        except (TransportClosed, asyncio.CancelledError):
+            pass  # the router left
         except Exception:
             logger.exception("engine transport connection failed")
         finally:
@@ -246,7 +254,7 @@ class EngineTransportServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hello = await read_frame(reader, ROUTER_MESSAGES)
         if not isinstance(hello, Subscribe):
-            raise TransportClosed(f"expected a subscribe frame first, got {type(hello).__name__}")
+            raise ProtocolViolation(f"expected a subscribe frame first, got {type(hello).__name__}")
         sender = asyncio.get_running_loop().create_task(self._send_deltas(hello.subscriber, writer))
         # The host ended the stream (it is being replaced): the router must reconnect.
         sender.add_done_callback(lambda _: writer.close())
@@ -258,7 +266,7 @@ class EngineTransportServer:
                 elif isinstance(message, Call):
                     await self._call(writer, message)
                 else:
-                    raise TransportClosed("a second subscribe frame")
+                    raise ProtocolViolation("a second subscribe frame")
         finally:
             # The router is gone: the host aborts what it had submitted (deltas' on_gone).
             sender.cancel()

@@ -304,3 +304,19 @@ async def test_a_peer_that_says_nothing_is_cut_off(monkeypatch: pytest.MonkeyPat
         reader, writer = await asyncio.open_connection(server.address.host, server.address.port)
         assert await _closed_by_engine(reader)
         writer.close()
+
+
+async def test_a_router_that_leaves_is_not_counted_as_refused() -> None:
+    async with _served() as (_, server, _client):
+        assert server.address is not None
+        link = SocketEngineLink(FakeHandle(server.address))
+        await asyncio.wait_for(link.wait_ready(), WAIT_S)
+        stream = link.deltas("router-leaving")
+        reading = asyncio.ensure_future(anext(stream))
+        await asyncio.wait_for(_until(lambda: link.ready), WAIT_S)
+        await link.stats()
+        link.shutdown()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(reading, WAIT_S)
+        await asyncio.sleep(0.2)
+        assert server.refused == 0
