@@ -45,11 +45,10 @@ ENGINE_ARGS_SET_BY_FIELDS = {
 def check_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` if every name is an engine argument of vLLM's that no field of ours sets."""
     problems = []
-    known = engine_arg_names()
     for name in sorted(kwargs):
         if name in ENGINE_ARGS_SET_BY_FIELDS:
             problems.append(f"{name!r} is set by {ENGINE_ARGS_SET_BY_FIELDS[name]}; use that")
-        elif name not in known:
+        elif name not in (known := engine_arg_names()):  # read only when there are names
             close = difflib.get_close_matches(name, known, n=3)
             hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
             problems.append(f"{name!r} is not one of vLLM's engine arguments{hint}")
