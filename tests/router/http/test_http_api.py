@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -593,6 +594,26 @@ async def test_models_lists_the_served_model(client: httpx.AsyncClient) -> None:
         "splitserve",
         4096,
     )
+
+
+async def test_the_router_adopts_the_context_its_engines_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset, max_model_len is what vLLM derives in the engine (on GPUs, the model's
+    own, which may differ from the config's max_position_embeddings); the router takes
+    the engines' figure before it admits anything, and refuses what they would."""
+    stats = SyntheticEngineHost.stats
+
+    def reporting(host: SyntheticEngineHost) -> Any:
+        return msgspec.structs.replace(stats(host), max_model_len=1000)
+
+    monkeypatch.setattr(SyntheticEngineHost, "stats", reporting)
+    async with in_process_router() as router, http_client(router) as client:
+        await ready(client)
+        card = (await client.get("/v1/models")).json()["data"][0]
+        assert card["max_model_len"] == 1000
+        over = await client.post(COMPLETIONS, json=completion(max_tokens=999))
+        assert over.status_code == 400 and "maximum context length is 1000" in over.text
 
 
 async def test_metrics_are_prometheus_text_counting_requests_by_status(
