@@ -75,12 +75,12 @@ def run_until_failed(command: list[str], env: dict[str, str]) -> int:
         ended.wait()
     except KeyboardInterrupt:
         # The terminal's Ctrl-C reached `serve run` too; it stops the application.
-        stop_process(process, STOP_TIMEOUT_S)  # type: ignore[arg-type]
+        stop_process(process, STOP_TIMEOUT_S)
         return 130
     if not failures:
         return process.wait()
     print(f"\nerror: the application cannot come up: {failures[0]}", file=sys.stderr)
-    stop_process(process, STOP_TIMEOUT_S)  # type: ignore[arg-type]
+    stop_process(process, STOP_TIMEOUT_S)
     reader.join(timeout=5)
     return 1
 

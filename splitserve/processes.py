@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -91,14 +92,16 @@ def start_process(
         )
 
 
-# What Serve's controller logs to the `serve run` console when an application will not
-# come up: its build failed, or its replicas kept failing to start
-# (ray/serve/_private/application_state.py, _update_status). `serve run` of a config
-# keeps running after either, so a launcher waiting for health would wait it out.
 # What a router logs when an engine in its process failed every start it was given and
 # never ran: its settings cannot work (vLLM's reason is in the line and the log above
 # it), and Serve would restart the router, and the engine with it, for ever.
 ENGINE_CANNOT_START = "splitserve: an engine cannot start"
+
+# What Serve's controller logs to the `serve run` console when an application will not
+# come up: its build failed, or its replicas kept failing to start
+# (ray/serve/_private/application_state.py, _update_status). `serve run` of a config
+# keeps running after either, so a launcher waiting for health would wait it out; so
+# does a router whose engine can never start (ENGINE_CANNOT_START).
 SERVE_DEPLOY_FAILED = (
     "Deploying app '",  # "... failed with exception:" (never "Deploying new app")
     "Runtime env setup for app '",
@@ -168,7 +171,7 @@ def http_ok(url: str, timeout_s: float = HTTP_PROBE_TIMEOUT_S) -> bool:
 
 
 def stop_process(
-    process: subprocess.Popen[bytes],
+    process: subprocess.Popen[Any],
     timeout_s: float,
     stop_signal: signal.Signals = signal.SIGINT,
 ) -> set[int]:
