@@ -37,6 +37,7 @@ from engines.protocol import (
     GenerateChunk,
     GenerateFailure,
     GenerateRequest,
+    TokenLogprobs,
 )
 from engines.sampler import start_replica_sampler
 from engines.settings import EngineSpec, member_name
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.engine")
 # vLLM's names for where a prompt token's KV came from (PromptTokenStats.ALL_SOURCES).
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# Our logits processor (FQCN), loaded by vLLM inside the engine core only.
+CONTINUATION = "engines.continuation:ContinuationProcessor"
 _SPAWN_LOCK = threading.Lock()
 SPAWN_POLL_S = 0.02  # how often a spawning engine looks for its new process
 # How long an engine taken out of a scaled pool serves before it looks whether it is
@@ -134,6 +137,9 @@ def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -
         kwargs["distributed_executor_backend"] = "mp"
     if spec.model.block_size is not None:
         kwargs["block_size"] = spec.model.block_size
+    if spec.model.reasoning_parser is not None:
+        # Structured outputs apply after the reasoning ends, as in `vllm serve`.
+        kwargs["reasoning_parser"] = spec.model.reasoning_parser
     if spec.accelerator == "gpu" and pool.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
     if spec.kv_transfer is not None:
@@ -141,20 +147,45 @@ def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -
     if kv_events is not None:
         kwargs["kv_events_config"] = kv_events.events_config()
     kwargs.update(pool.engine_kwargs)
+    if spec.kv_transfer is not None:
+        # A request handed over to this engine continues from the prefill engine's tokens.
+        kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), CONTINUATION]
     return AsyncEngineArgs(**kwargs)
 
 
-def _chunk_of(output: Any) -> GenerateChunk:
-    completion = output.outputs[0]
-    return GenerateChunk(
-        token_ids=list(completion.token_ids),
-        text=completion.text,
-        finish_reason=completion.finish_reason,
-        stop_reason=completion.stop_reason,
-        num_prompt_tokens=len(output.prompt_token_ids or ()),
-        num_cached_tokens=output.num_cached_tokens or 0,
-        kv_transfer_params=output.kv_transfer_params if output.finished else None,
-    )
+def _chunks_of(output: Any) -> list[GenerateChunk]:
+    """One chunk per completion that moved in this RequestOutput (``n`` > 1 has several)."""
+    prompt_logprobs = _logprobs_of(output.prompt_logprobs)
+    chunks = []
+    for completion in output.outputs:
+        chunks.append(
+            GenerateChunk(
+                token_ids=list(completion.token_ids),
+                text=completion.text,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                num_prompt_tokens=len(output.prompt_token_ids or ()),
+                num_cached_tokens=output.num_cached_tokens or 0,
+                kv_transfer_params=output.kv_transfer_params if output.finished else None,
+                index=completion.index,
+                logprobs=_logprobs_of(completion.logprobs),
+                prompt_logprobs=prompt_logprobs,
+            )
+        )
+        prompt_logprobs = None  # once per request
+    return chunks
+
+
+def _logprobs_of(positions: Any) -> list[TokenLogprobs | None] | None:
+    """vLLM's logprobs (a dict per position, or None) as plain data, in their order."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else [(token, lp.logprob, lp.rank, lp.decoded_token) for token, lp in position.items()]
+        for position in positions
+    ]
 
 
 @ENGINE_BACKENDS.register("vllm")
@@ -311,7 +342,8 @@ class EngineHost:
             async for output in self._engine.generate(
                 prompt, params, request.request_id, priority=priority
             ):
-                outbox.put_nowait((request.request_id, _chunk_of(output)))
+                for chunk in _chunks_of(output):
+                    outbox.put_nowait((request.request_id, chunk))
         except asyncio.CancelledError:
             # AsyncLLM.generate aborts what it has registered, but a cancel that lands
             # while the request is being added leaves it running with nobody reading.

@@ -36,8 +36,19 @@ class GenerateRequest(msgspec.Struct, array_like=True):
     deadline: float | None = None
 
 
+# SamplingParams.extra_args key: the token ids a handed-over request's output must start
+# with, sampled again (forced) on the decode engine (engines/continuation.py).
+CONTINUE_FROM = "splitserve_continue_from"
+
+
+# One position's logprobs as vLLM returns them: the sampled (or prompt) token first, then
+# the top ones by rank; (token id, logprob, rank, the token as text or None).
+TokenLogprobs = list[tuple[int, float, int | None, str | None]]
+
+
 class GenerateChunk(msgspec.Struct, array_like=True, tag="chunk"):
-    """New tokens of one engine step (stream) or the whole answer (non-stream)."""
+    """New tokens of one engine step (stream) or the whole answer (non-stream), of one
+    of the request's ``n`` completions (``index``)."""
 
     token_ids: list[int]
     text: str
@@ -46,6 +57,12 @@ class GenerateChunk(msgspec.Struct, array_like=True, tag="chunk"):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    index: int = 0
+    # One entry per token of ``token_ids``, where the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
+    # Once per request (its first chunk), where it asked for them: one entry per prompt
+    # token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class GenerateFailure(msgspec.Struct, array_like=True, tag="failure"):

@@ -33,6 +33,7 @@ ENGINE_ARGS_SET_BY_FIELDS = {
     "enforce_eager": "model.enforce_eager",
     "seed": "model.seed",
     "enable_prefix_caching": "model.enable_prefix_caching",
+    "reasoning_parser": "model.reasoning_parser",
     "tensor_parallel_size": "the pool's tensor_parallel_size",
     "pipeline_parallel_size": "the pool's pipeline_parallel_size",
     "gpu_memory_utilization": "the pool's gpu_memory_utilization",
@@ -90,6 +91,21 @@ class ModelConfig(StrictModel):
     )
     seed: int = 0
     enable_prefix_caching: bool = True
+    # `vllm serve`'s per-model frontend flags, applied by the router's vLLM serving layer.
+    chat_template: str | None = Field(
+        None, description="A Jinja template (text or file) instead of the model's own."
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description="tool_choice 'auto': parse tool calls out of the model's text."
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's tool parser for this model (e.g. hermes, llama3_json); named"
+        " and required tool_choice need one, as with vllm serve.",
+    )
+    reasoning_parser: str | None = Field(
+        None, description="vLLM's reasoning parser for this model (e.g. deepseek_r1)."
+    )
 
     @property
     def engine_dtype(self) -> str:

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 from engines.backends import ENGINE_BACKENDS
 from engines.delta_streams import DeltaStreams
-from engines.protocol import DeltaBatch, EngineStats, GenerateChunk, GenerateRequest
+from engines.protocol import (
+    DeltaBatch,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+    TokenLogprobs,
+)
 from engines.settings import EngineSpec
 
 # What every synthetic token reads as: one byte, one token for the byte-level tokenizer.
@@ -33,6 +39,10 @@ class _Running:
     remaining: int
     num_prompt_tokens: int
     token_id: int
+    completions: int = 1  # the request's n
+    logprobs: bool = False
+    # Sent with the first step, where the request asked for them.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @ENGINE_BACKENDS.register("synthetic")
@@ -54,11 +64,18 @@ class SyntheticEngineHost:
             raise ValueError(f"request id {request.request_id!r} is already running")
         max_tokens = getattr(request.sampling_params, "max_tokens", None) or DEFAULT_MAX_TOKENS
         self._streams.outbox(request.subscriber)
+        params = request.sampling_params
+        prompt = request.prompt_token_ids
         self._running[request.request_id] = _Running(
             request.subscriber,
             max_tokens,
-            len(request.prompt_token_ids),
-            request.prompt_token_ids[-1] if request.prompt_token_ids else 0,
+            len(prompt),
+            prompt[-1] if prompt else 0,
+            completions=getattr(params, "n", 1) or 1,
+            logprobs=getattr(params, "logprobs", None) is not None,
+            prompt_logprobs=[None, *([_certain(t)] for t in prompt[1:])]
+            if getattr(params, "prompt_logprobs", None) is not None
+            else None,
         )
         if self._stepper is None:
             self._stepper = asyncio.get_running_loop().create_task(self._step_forever())
@@ -118,13 +135,23 @@ class SyntheticEngineHost:
         for request_id, running in batch:
             running.remaining -= 1
             finished = running.remaining <= 0
-            chunk = GenerateChunk(
-                token_ids=[running.token_id],
-                text=SYNTHETIC_TEXT,
-                finish_reason="length" if finished else None,
-                num_prompt_tokens=running.num_prompt_tokens,
-            )
             outbox = self._streams.outbox(running.subscriber)
             if finished:
                 del self._running[request_id]
-            outbox.put_nowait((request_id, chunk))
+            for index in range(running.completions):
+                chunk = GenerateChunk(
+                    token_ids=[running.token_id],
+                    text=SYNTHETIC_TEXT,
+                    finish_reason="length" if finished else None,
+                    num_prompt_tokens=running.num_prompt_tokens,
+                    index=index,
+                    logprobs=[[_certain(running.token_id)]] if running.logprobs else None,
+                    prompt_logprobs=running.prompt_logprobs,
+                )
+                outbox.put_nowait((request_id, chunk))
+            running.prompt_logprobs = None
+
+
+def _certain(token_id: int) -> tuple[int, float, int, None]:
+    """A synthetic token's logprobs: it was certain (rank 1, probability 1)."""
+    return (token_id, 0.0, 1, None)

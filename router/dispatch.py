@@ -136,7 +136,9 @@ class Dispatcher:
         prefill = None
         if self._pd is not None:
             prefill = self._prefill_candidate(main.replica, prompt, priority)
-            if prefill is None:
+            if (stays := _stays_on_one_engine(request)) is not None:
+                decision, prefill = SplitDecision("local", stays), None
+            elif prefill is None:
                 unavailable = "no_peer" if self._role_free else "prefill_unavailable"
                 decision = SplitDecision("local", unavailable)
             else:
@@ -262,6 +264,19 @@ class Dispatcher:
         """A healthy replica of the pool; None if none is (the caller decides what then)."""
         healthy = [replica for replica in self._pool.of_role(role) if replica.healthy]
         return self._choices[role].choose(healthy, prompt) if healthy else None
+
+
+# Why a request's prompt is computed where it is generated, whatever the split policy.
+PARALLEL_SAMPLING = "parallel_sampling"
+
+
+def _stays_on_one_engine(request: GenerateRequest) -> str | None:
+    """``n`` > 1: the engine samples every completion's first token from one prompt
+    computation (its prefix cache shares the blocks); split, only one first token would
+    come from the prefill engine and each completion would load the KV again."""
+    if (getattr(request.sampling_params, "n", 1) or 1) > 1:
+        return PARALLEL_SAMPLING
+    return None
 
 
 # Remote decisions that, in a role-free pool, send the whole request to the peer

@@ -4,9 +4,11 @@ The decode replica is chosen first and named in the prefill request. The prefill
 replica computes the prompt and the first token; its KV blocks go into Ray's object
 store, pushed towards that decode engine, and the handle comes back in
 ``kv_transfer_params``. The first token is streamed to the client at once. The decode
-replica then gets the prompt plus that token, loads the transferred KV instead of
-recomputing it, and continues. If the prefill replica is missing or fails, the decode
-replica prefills locally.
+replica then gets the same prompt, loads the transferred KV instead of recomputing it,
+samples the token(s) the client already has again, forced (engines/continuation.py), so
+that its grammar, penalties, stop strings and seeded generator carry on from them as on
+one engine, and streams what follows. If the prefill replica is missing or fails, the
+decode replica prefills locally.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from engines.protocol import GenerateChunk, GenerateRequest
+from engines.protocol import CONTINUE_FROM, GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
 from router.pool.engine_client import EngineClient, EngineFailed
 
@@ -82,9 +84,11 @@ class PrefillDecodeFlow:
             # Inside the try: a client that leaves at the first token must free the KV too.
             yield msgspec.structs.replace(first, finish_reason=None, stop_reason=None)
             decode_request = _decode_request(request, first, self._kv.decode_params(handle))
+            already_sent = _AlreadySent(first)
             async for chunk in decode.generate(decode_request, prefill_tokens=0):
                 consumed = True
-                yield chunk
+                if rest := already_sent.drop_from(chunk):
+                    yield rest
         finally:
             if not consumed:
                 self._release(handle)
@@ -130,23 +134,56 @@ def _consumer_of(decode: EngineClient) -> str | None:
 def _decode_request(
     request: GenerateRequest, first: GenerateChunk, kv_transfer_params: dict[str, Any]
 ) -> GenerateRequest:
+    """The request as it was, continuing from ``first``'s tokens (forced)."""
     params = request.sampling_params.clone()
-    params.max_tokens = request.sampling_params.max_tokens - len(first.token_ids)
-    params.min_tokens = max(0, params.min_tokens - len(first.token_ids))
+    params.extra_args = {**(params.extra_args or {}), CONTINUE_FROM: list(first.token_ids)}
+    # The prefill engine computed the prompt, and sent its logprobs with the first token.
+    params.prompt_logprobs = None
     return msgspec.structs.replace(
         request,
         request_id=f"{request.request_id}-decode",
-        prompt_token_ids=[*request.prompt_token_ids, *first.token_ids],
         sampling_params=params,
         kv_transfer_params=kv_transfer_params,
     )
 
 
+class _AlreadySent:
+    """Takes what the client already has from the prefill engine off the front of the
+    decode engine's output: the same tokens, detokenized the same way, since both
+    engines saw the same prompt and the same first tokens as output."""
+
+    def __init__(self, first: GenerateChunk) -> None:
+        self._tokens = len(first.token_ids)
+        self._text = first.text
+
+    def drop_from(self, chunk: GenerateChunk) -> GenerateChunk | None:
+        """``chunk`` without what was sent already; None if nothing is left of it."""
+        if not self._tokens:
+            return chunk
+        dropped = min(self._tokens, len(chunk.token_ids))
+        self._tokens -= dropped
+        text = chunk.text
+        if text.startswith(self._text):
+            text, self._text = text[len(self._text) :], ""
+        logprobs = chunk.logprobs[dropped:] if chunk.logprobs is not None else None
+        rest = msgspec.structs.replace(
+            chunk, token_ids=chunk.token_ids[dropped:], text=text, logprobs=logprobs
+        )
+        if rest.token_ids or rest.text or rest.finish_reason is not None:
+            return rest
+        return None
+
+
 def _merge(first: GenerateChunk, later: GenerateChunk) -> GenerateChunk:
+    logprobs = first.logprobs
+    if later.logprobs is not None:
+        logprobs = [*(logprobs or ()), *later.logprobs]
     return msgspec.structs.replace(
         later,
         token_ids=[*first.token_ids, *later.token_ids],
         text=first.text + later.text,
+        logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs,
         num_cached_tokens=max(first.num_cached_tokens, later.num_cached_tokens),
         kv_transfer_params=later.kv_transfer_params or first.kv_transfer_params,
     )

@@ -24,7 +24,10 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+from vllm.sampling_params import RequestOutputKind
 
 from engines.backends import ENGINE_BACKENDS
 from engines.model_source import resolve_model
@@ -36,8 +39,22 @@ from router.http.auth import ApiKeys, check_exposure
 from router.http.errors import OpenAIError, routing_error_response
 from router.http.openapi import describe_request_bodies
 from router.http.readiness import Readiness
-from router.http.requests import OpenAIRequest, PreparedRequest, PromptBuilder, RequestValidator
+from router.http.requests import (
+    OpenAIRequest,
+    PreparedRequest,
+    PromptBuilder,
+    RequestValidator,
+    ServedByVllm,
+    parse_request,
+)
 from router.http.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
+from router.http.vllm_frontend import (
+    DispatchingEngineClient,
+    FrontendCall,
+    FrontendOptions,
+    VllmFrontend,
+    frontend_config,
+)
 from router.observation.metrics import RouterMetrics
 from router.observation.traffic_drift import TrafficDrift
 from router.observation.traffic_record import TrafficRecorder
@@ -142,9 +159,18 @@ class Router:
             calibrate_ttft, self._pool, qos.calibration_prompt_tokens, vocab_size
         )
 
+        # vLLM's serving layer, for what the router's own path does not render: its
+        # configuration is read in a worker thread meanwhile (seconds), and the layer is
+        # built once the engines report their context.
+        self._frontend: VllmFrontend | None = None
+        self._frontend_config = asyncio.get_running_loop().run_in_executor(
+            None, frontend_config, settings.model
+        )
+
         async def engines_ready() -> None:
             await self._adopt_engines_context()
             await calibration()
+            await self._start_frontend()
 
         self._readiness = Readiness(
             self._pool, on_engines_ready=engines_ready, members_known=self._pool_watcher.populated
@@ -209,6 +235,31 @@ class Router:
     async def chat_completions(self, raw: Request) -> Response:
         return await self._generate(raw, ChatCompletionRequest, "/v1/chat/completions")
 
+    @app.post("/v1/responses")
+    async def responses(self, raw: Request) -> Response:
+        return await self._vllm_route(raw, ResponsesRequest, "/v1/responses")
+
+    @app.post("/tokenize")
+    async def tokenize(self, raw: Request) -> Response:
+        return await self._vllm_route(raw, TokenizeRequest, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(self, raw: Request) -> Response:
+        return await self._vllm_route(raw, DetokenizeRequest, "/detokenize")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, raw: Request) -> Response:
+        listed = await self.models(raw)
+        if listed.status_code != HTTPStatus.OK:
+            return listed
+        if model_id != self._served_name:
+            return OpenAIError(
+                f"The model '{model_id}' does not exist; this server serves '{self._served_name}'.",
+                HTTPStatus.NOT_FOUND,
+                "model",
+            ).response()
+        return JSONResponse(self._model_card().model_dump())
+
     @app.get("/v1/models")
     async def models(self, raw: Request) -> Response:
         if refused := self._auth.refusal(raw.headers, "/v1/models"):
@@ -217,13 +268,15 @@ class Router:
             # Clients take a model list as readiness; vLLM's server does not listen yet.
             self._metrics.requests.labels("/v1/models", "503", "none").inc()
             return self._starting().response()
-        card = ModelCard(
+        self._metrics.requests.labels("/v1/models", "200", "none").inc()
+        return JSONResponse(ModelList(data=[self._model_card()]).model_dump())
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(
             id=self._served_name,
             owned_by="splitserve",
             max_model_len=self._prompts.max_model_len,
         )
-        self._metrics.requests.labels("/v1/models", "200", "none").inc()
-        return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
     async def health(self, raw: Request) -> Response:
@@ -265,7 +318,12 @@ class Router:
             # alone already breaks its limit is refused here, in microseconds, so that a
             # burst's refusals do not wait behind its admitted requests' parsing.
             self._admit_early(priority)
-            prepared = await self._requests.prepare_off_loop(model_cls, body, len(raw_body))
+            try:
+                prepared = await self._requests.prepare_off_loop(model_cls, body, len(raw_body))
+            except ServedByVllm as routed:
+                call = FrontendCall(route, arrival, priority, request_id)
+                call.on_first_token = waiting.release
+                return await self._serve_by_vllm(routed.request, raw, call)
             engine_request = GenerateRequest(
                 # vLLM needs ids unique among running requests; clients may reuse theirs.
                 request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
@@ -308,6 +366,120 @@ class Router:
                 events, headers, on_close=functools.partial(self._release, dispatch)
             )
         return await self._collect(events, writer, route, headers, priority)
+
+    # ---- requests vLLM's serving layer answers -----------------------------------------
+
+    async def _vllm_route(self, raw: Request, model_cls: type[Any], route: str) -> Response:
+        """A route only vLLM's layer serves (Responses, tokenize, detokenize): the same
+        keys, limits and admission as the completion routes, then vLLM's answer."""
+        arrival = time.perf_counter()
+        request_id = raw.headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+        priority = self._config.qos.default_priority
+        try:
+            client = self._auth.authenticate(raw.headers, route)
+            raw_body = await self._requests.receive(raw.headers, raw.stream())
+            priority, body = await self._requests.read_off_loop(raw_body, raw.headers)
+            priority, waiting = self._auth.admit(client, priority, self._metrics)
+            self._admit_early(priority)
+            request = parse_request(model_cls, body, self._config.router.unknown_fields)
+        except OpenAIError as error:
+            self._metrics.requests.labels(route, str(int(error.status)), priority).inc()
+            return error.response()
+        call = FrontendCall(route, arrival, priority, request_id)
+        call.on_first_token = waiting.release
+        return await self._serve_by_vllm(request, raw, call)
+
+    async def _serve_by_vllm(self, request: Any, raw: Request, call: FrontendCall) -> Response:
+        try:
+            if not await self._readiness.wait(self._config.router.ready_wait_s):
+                raise self._starting()
+            assert self._frontend is not None  # built before the router is ready
+            response, status = await self._frontend.serve(request, raw, call)
+        except OpenAIError as error:
+            response, status = error.response(), error.status
+        finally:
+            if call.on_first_token is not None:
+                call.on_first_token()  # released once, whenever it ends before a token
+        self._metrics.requests.labels(call.route, str(int(status)), call.priority).inc()
+        return response
+
+    async def _start_frontend(self) -> None:
+        vllm_config = await self._frontend_config
+        # What the engines reported (their rules), which the router refuses beyond.
+        vllm_config.model_config.max_model_len = self._prompts.max_model_len
+        client = DispatchingEngineClient(
+            vllm_config, self._open_for_vllm, self._config.router.request_timeout_s
+        )
+        options = FrontendOptions.of(
+            self._config.model, self._config.router.trust_request_chat_template
+        )
+        self._frontend = await asyncio.get_running_loop().run_in_executor(
+            None, VllmFrontend, client, options
+        )
+
+    async def _open_for_vllm(
+        self, request: GenerateRequest, call: FrontendCall
+    ) -> tuple[AsyncIterator[GenerateChunk], dict[str, str]]:
+        """Plan, admit and start one request vLLM's layer made; its first chunk is read
+        here, so a refusal or failure before it becomes ``call.error`` (its own status)."""
+        request.priority = ENGINE_PRIORITY[call.priority]
+        tried: list[str] = []
+        try:
+            plan = self._dispatcher.plan(request, call.priority)
+            self._admit(plan)
+            dispatch, first = await self._open(plan, call.arrival, tried)
+        except OpenAIError as error:
+            call.error = error
+            raise
+        except Exception as error:
+            logger.warning("a request failed before its first token: %s", error)
+            call.error = self._failure(error, " then ".join(tried), started=False)
+            raise
+        self._count_choices(dispatch.plan)
+        streamed = request.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
+        relay = self._relay(dispatch, first, call, streamed)
+        return relay, dispatch.response_headers()
+
+    async def _relay(
+        self,
+        dispatch: Dispatch,
+        first: tuple[GenerateChunk, float],
+        call: FrontendCall,
+        streamed: bool,
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """The dispatch's chunks, timed and counted as the router's own path does."""
+        last_token_at: float | None = None
+        generated = 0
+        try:
+            async for chunk, now in _after(first, dispatch.stream):
+                if chunk.token_ids and streamed:
+                    self._observe_token_timing(call.arrival, last_token_at, now, dispatch.outcome)
+                    last_token_at = now
+                if not generated and chunk.token_ids:
+                    self._observe_prefix_estimate(dispatch, chunk)
+                generated += len(chunk.token_ids)
+                yield chunk
+            self._account(dispatch, call.arrival, dispatch.plan.request.prompt_token_ids, generated)
+        except Exception as error:
+            names = "+".join(replica.name for replica in dispatch.replicas)
+            logger.exception("a request failed on %s", names)
+            if not streamed:  # nothing was sent: the response is this status
+                call.error = self._failure(error, names, started=False)
+            raise
+        finally:
+            await self._release(dispatch)
+
+    def _account(
+        self, dispatch: Dispatch, arrival: float, prompt_token_ids: list[int], generated: int
+    ) -> None:
+        """A finished request in the router's metrics, traffic record and drift."""
+        self._metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
+        self._metrics.tokens.labels("prompt").inc(len(prompt_token_ids))
+        self._metrics.tokens.labels("generation").inc(generated)
+        if self._recorder is not None:
+            self._recorder.record(arrival, prompt_token_ids, generated, dispatch.plan.priority)
+        if self._drift is not None:
+            self._drift.observe(arrival, len(prompt_token_ids), generated)
 
     async def _open(
         self, plan: Plan, arrival: float, tried: list[str]
@@ -434,20 +606,7 @@ class Router:
                 transcript.add(chunk)
                 if prepared.stream:
                     yield writer.delta_event(chunk, transcript, is_first)
-            self._metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
-            self._metrics.tokens.labels("prompt").inc(len(transcript.prompt_token_ids))
-            self._metrics.tokens.labels("generation").inc(len(transcript.token_ids))
-            if self._recorder is not None:
-                self._recorder.record(
-                    arrival,
-                    transcript.prompt_token_ids,
-                    len(transcript.token_ids),
-                    dispatch.plan.priority,
-                )
-            if self._drift is not None:
-                self._drift.observe(
-                    arrival, len(transcript.prompt_token_ids), len(transcript.token_ids)
-                )
+            self._account(dispatch, arrival, transcript.prompt_token_ids, len(transcript.token_ids))
             if not prepared.stream:
                 yield transcript
                 return

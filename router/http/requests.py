@@ -12,13 +12,14 @@ import asyncio
 import functools
 import inspect
 import json
+import typing
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
@@ -32,18 +33,25 @@ T = TypeVar("T")
 CHAT_TEMPLATE_PARAM = "chat_template"
 TEMPLATE_KWARGS_PARAM = "chat_template_kwargs"
 
-# (parameter, is it set to something we do not serve?, why)
-_UNSUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("n", lambda v: v is not None and v != 1, "only n=1 is supported"),
-    ("use_beam_search", bool, "beam search is not supported"),
-    ("best_of", lambda v: v is not None and v > 1, "best_of is not supported"),
-    ("echo", bool, "echo is not supported"),
-    ("suffix", lambda v: v is not None, "suffix is not supported"),
-    ("logprobs", lambda v: v not in (None, False), "logprobs are not supported yet"),
-    ("top_logprobs", lambda v: v not in (None, 0), "logprobs are not supported yet"),
-    ("prompt_logprobs", lambda v: v is not None, "prompt_logprobs are not supported"),
+# (parameter, is it set to something only vLLM's serving layer answers?): such requests
+# go through it (router/http/vllm_frontend.py); the rest take the router's own path.
+_VLLM_FEATURES: list[tuple[str, Callable[[Any], bool]]] = [
+    ("n", lambda v: v is not None and v != 1),
+    ("use_beam_search", bool),
+    ("best_of", lambda v: v is not None and v > 1),
+    ("echo", bool),
+    ("suffix", lambda v: v is not None),
+    ("logprobs", lambda v: v not in (None, False)),
+    ("top_logprobs", lambda v: v not in (None, 0)),
+    ("prompt_logprobs", lambda v: v is not None),
+    ("tools", bool),
+    ("tool_choice", lambda v: v not in (None, "none")),
+    ("documents", bool),
+    ("stream_options", lambda v: v is not None and bool(v.continuous_usage_stats)),
+]
+# What neither path takes from a client: (parameter, is it set?, why).
+_REFUSED: list[tuple[str, Callable[[Any], bool], str]] = [
     ("prompt_embeds", lambda v: v is not None, "prompt_embeds are not supported"),
-    ("tools", bool, "tool calling is not supported"),
     # The router's own hand-over between prefill and decode engines: a client's would
     # reach the decode engine's KV connector unchecked.
     (
@@ -58,6 +66,44 @@ _UNSUPPORTED: list[tuple[str, Callable[[Any], bool], str]] = [
         "an engine-to-engine hand-over field, not set by clients",
     ),
 ]
+# What a message of the router's own path holds; anything else (tool calls, a tool's
+# answer, content parts other than text) is rendered by vLLM's layer.
+_PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+
+
+class ServedByVllm(Exception):
+    """The request uses what only vLLM's serving layer answers (``feature``)."""
+
+    def __init__(self, request: OpenAIRequest, feature: str) -> None:
+        super().__init__(feature)
+        self.request = request
+        self.feature = feature
+
+
+def vllm_feature_of(request: OpenAIRequest) -> str | None:
+    """The first thing ``request`` asks for that the router's own path does not render."""
+    for param, is_set in _VLLM_FEATURES:
+        if is_set(getattr(request, param, None)):
+            return param
+    if isinstance(request, CompletionRequest) and _is_batch(request.prompt):
+        return "prompt"
+    if isinstance(request, ChatCompletionRequest):
+        for message in request.messages:
+            if not isinstance(message, dict) or message.keys() - _PLAIN_MESSAGE_KEYS:
+                return "messages"
+            content = message.get("content")
+            if isinstance(content, list) and any(
+                not isinstance(part, dict) or part.get("type") != "text" for part in content
+            ):
+                return "messages"
+    return None
+
+
+def _is_batch(prompt: Any) -> bool:
+    """Several prompts (strings or token-id lists) in one completion request."""
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return False
+    return all(isinstance(p, str | list) for p in prompt)
 
 
 @dataclass(slots=True)
@@ -82,7 +128,7 @@ def parse_request(
         # vLLM's validators iterate it before pydantic checks its type (a TypeError).
         raise bad_request("'messages' must be a list of message objects", "messages")
     try:
-        return model_cls.model_validate(body)
+        return _adapter(model_cls).validate_python(body)
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
@@ -96,9 +142,17 @@ def parse_request(
 
 
 @functools.cache
-def _field_names(model_cls: type[OpenAIRequest]) -> frozenset[str]:
-    names = set(model_cls.model_fields)
-    names.update(f.alias for f in model_cls.model_fields.values() if f.alias)
+def _adapter(model_cls: Any) -> TypeAdapter[Any]:
+    """Validates into ``model_cls``, a model or a union of them (vLLM's TokenizeRequest)."""
+    return TypeAdapter(model_cls)
+
+
+@functools.cache
+def _field_names(model_cls: Any) -> frozenset[str]:
+    names: set[str] = set()
+    for model in typing.get_args(model_cls) or (model_cls,):  # a union: any member's
+        names.update(model.model_fields)
+        names.update(f.alias for f in model.model_fields.values() if f.alias)
     return frozenset(names)
 
 
@@ -107,9 +161,16 @@ def _from_vllm(error: VLLMValidationError) -> OpenAIError:
 
 
 def reject_unsupported(request: OpenAIRequest) -> None:
-    for param, is_unsupported, why in _UNSUPPORTED:
+    for param, is_unsupported, why in _REFUSED:
         if is_unsupported(getattr(request, param, None)):
             raise bad_request(f"'{param}': {why}", param)
+
+
+def route_request(request: OpenAIRequest) -> None:
+    """Refuse what no path takes; ServedByVllm for what vLLM's layer must answer."""
+    reject_unsupported(request)
+    if (feature := vllm_feature_of(request)) is not None:
+        raise ServedByVllm(request, feature)
 
 
 class PromptBuilder:
@@ -144,7 +205,7 @@ class PromptBuilder:
         return self._trust_templates
 
     def prepare(self, request: OpenAIRequest) -> PreparedRequest:
-        reject_unsupported(request)
+        route_request(request)
         if isinstance(request, ChatCompletionRequest):
             prompt_ids = self._chat_prompt(request)
             requested = request.max_completion_tokens or request.max_tokens

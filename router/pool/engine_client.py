@@ -440,6 +440,8 @@ class EngineClient:
             prefill_tokens = len(request.prompt_token_ids)
         ticket = self.state.enqueue_prefill(prefill_tokens, time.perf_counter(), request.priority)
         finished = False
+        # Each of the request's n completions ends with a finish reason of its own.
+        unfinished = getattr(request.sampling_params, "n", 1) or 1
         timer = None
         loop = asyncio.get_running_loop()
         if request.deadline is not None:
@@ -460,7 +462,8 @@ class EngineClient:
             async for item in self._deltas(queue, ticket):
                 if inside is not None and item.token_ids:
                     inside.leave()  # its prefill is done: the next one may enter the engine
-                finished = item.finish_reason is not None
+                unfinished -= item.finish_reason is not None
+                finished = unfinished <= 0
                 yield item
                 if finished:
                     return

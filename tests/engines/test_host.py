@@ -26,6 +26,8 @@ SET_BY_THE_SHAPE = {
     "distributed_executor_backend": "multiprocessing for TP/PP ranks inside one replica",
     "kv_transfer_config": "PD's and auto's KV connector",
     "kv_events_config": "the router's prefix index reads the engine's KV events",
+    "logits_processors": "a handed-over request continues from the prefill engine's first"
+    " token (engines/continuation.py)",
     "enable_prefix_caching": "on, as vLLM's own default resolves it for these models; the"
     " router's prefix index needs it on, so it is not left to vLLM's choice",
 }

@@ -22,6 +22,7 @@ from deployments.app import engine_names, engine_spec
 from deployments.config import parse_app_config
 from engines import transport
 from engines.protocol import (
+    CONTINUE_FROM,
     CacheUpdate,
     EngineStats,
     GenerateChunk,
@@ -203,6 +204,9 @@ def test_every_message_crosses_with_every_field() -> None:
         num_prompt_tokens=512,
         num_cached_tokens=256,
         kv_transfer_params={"remote_block_ids": [1, 2]},
+        index=1,
+        logprobs=[[(3, -0.5, 1, "c"), (9, -1.5, 2, None)], [(4, float("-inf"), 7, "d")]],
+        prompt_logprobs=[None, [(1, -2.0, 3, "a")]],
     )
     defaults = GenerateChunk([], "")
     assert all(getattr(chunk, f) != getattr(defaults, f) for f in GenerateChunk.__struct_fields__)
@@ -224,6 +228,9 @@ def test_sampling_parameters_arrive_as_vllms_own_type() -> None:
         stop=["x"],
         logit_bias={5: 1.5},
         logprobs=2,
+        prompt_logprobs=1,
+        n=2,
+        extra_args={CONTINUE_FROM: [5]},
         structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{4}"),
         output_kind=RequestOutputKind.DELTA,
     )

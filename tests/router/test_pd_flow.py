@@ -12,7 +12,7 @@ import asyncio
 from vllm import SamplingParams
 
 from deployments.config import parse_app_config
-from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
+from engines.protocol import CONTINUE_FROM, EngineStats, GenerateChunk, GenerateRequest
 from kv_transfer.handle import CONSUMER_KEY
 from router.dispatch import PREFILL_HEADER, REPLICA_HEADER, Dispatch, Dispatcher
 from router.pool.engine_client import EngineClient
@@ -86,8 +86,10 @@ def test_remote_prefill_hands_the_first_token_and_the_kv_to_decode() -> None:
     assert prefill_request.kv_transfer_params == {"do_remote_decode": True, CONSUMER_KEY: CONSUMER}
     (decode_request,) = cluster.decode_link.submitted
     first = FIRST_TOKEN + len(PROMPT)
-    assert decode_request.prompt_token_ids == [*PROMPT, first]
-    assert decode_request.sampling_params.max_tokens == 4
+    # The same request, continuing from the first token (forced, engines/continuation.py).
+    assert decode_request.prompt_token_ids == PROMPT
+    assert decode_request.sampling_params.max_tokens == 5
+    assert decode_request.sampling_params.extra_args == {CONTINUE_FROM: [first]}
     assert decode_request.kv_transfer_params == {
         "do_remote_prefill": True,
         **handle_of(cluster.prefill_link),

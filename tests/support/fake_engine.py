@@ -14,6 +14,7 @@ from typing import Any
 
 from engines.delta_streams import DeltaStreams
 from engines.protocol import (
+    CONTINUE_FROM,
     DeltaBatch,
     EngineRole,
     EngineStats,
@@ -70,11 +71,17 @@ class FakeEngineLink:
             return
         params = request.sampling_params
         prefill = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        # A handed-over request samples the prefill engine's tokens first, as vLLM does
+        # under engines/continuation.py's processor.
+        forced = (params.extra_args or {}).get(CONTINUE_FROM, [])
         for index in range(params.max_tokens):
             last = index == params.max_tokens - 1
             handle = {"transfer_id": f"kv-{request.request_id}"} if prefill and last else None
+            token = forced[index] if index < len(forced) else None
             chunk = GenerateChunk(
-                token_ids=[FIRST_TOKEN + len(request.prompt_token_ids) + index],
+                token_ids=[FIRST_TOKEN + len(request.prompt_token_ids) + index]
+                if token is None
+                else [token],
                 text="x",
                 finish_reason="length" if last else None,
                 num_prompt_tokens=len(request.prompt_token_ids),

@@ -192,32 +192,19 @@ IMAGE_MESSAGE = {"role": "user", "content": [{"type": "image_url", "image_url": 
         pytest.param(CHAT, chat(messages="hi"), {}, "messages", "must be a list", id="messages"),
         pytest.param(
             CHAT,
-            chat(use_beam_search=True),
+            chat(messages=[IMAGE_MESSAGE]),
             {},
-            "use_beam_search",
-            "beam search is not supported",
-            id="beam-search-chat",
-        ),
-        pytest.param(
-            COMPLETIONS,
-            completion(use_beam_search=True),
-            {},
-            "use_beam_search",
-            "beam search is not supported",
-            id="beam-search-completion",
-        ),
-        pytest.param(CHAT, chat(tools=[TOOL]), {}, "tools", "tool calling is not", id="tools"),
-        pytest.param(CHAT, chat(n=2), {}, "n", "only n=1 is supported", id="n"),
-        pytest.param(
-            COMPLETIONS, completion(logprobs=1), {}, "logprobs", "not supported", id="logprobs"
+            None,
+            "is not a multimodal model",
+            id="image",
         ),
         pytest.param(
             CHAT,
-            chat(messages=[IMAGE_MESSAGE]),
+            chat(tools=[TOOL], tool_choice="required"),
             {},
-            "messages.0.content",
-            "content of type 'image_url' is not supported; only text",
-            id="image",
+            None,
+            "--tool-call-parser",
+            id="required-tool-without-a-parser",
         ),
         pytest.param(
             CHAT,
@@ -260,6 +247,87 @@ async def test_a_bad_request_is_a_400_naming_the_parameter(
     response = await client.post(route, content=content, headers=headers)
     assert says in openai_error(response, 400, "BadRequestError", param)
     assert "x-splitserve-replica" not in response.headers  # no engine was asked
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "check"),
+    [
+        pytest.param(
+            CHAT, chat(n=2), lambda b: [c["index"] for c in b["choices"]] == [0, 1], id="n"
+        ),
+        pytest.param(
+            CHAT,
+            chat(logprobs=True, top_logprobs=1),
+            lambda b: len(b["choices"][0]["logprobs"]["content"]) == 4,
+            id="chat-logprobs",
+        ),
+        pytest.param(
+            COMPLETIONS,
+            completion(prompt="hello", echo=True),
+            lambda b: b["choices"][0]["text"] == "hello" + "a" * 4,
+            id="echo",
+        ),
+        pytest.param(
+            COMPLETIONS,
+            completion(prompt="hello", prompt_logprobs=0),
+            lambda b: len(b["choices"][0]["prompt_logprobs"]) == 5,
+            id="prompt-logprobs",
+        ),
+        pytest.param(
+            COMPLETIONS,
+            completion(prompt=["a", "b"]),
+            lambda b: [c["text"] for c in b["choices"]] == ["aaaa", "aaaa"],
+            id="batched-prompts",
+        ),
+        pytest.param(
+            CHAT,
+            chat(use_beam_search=True, n=2),
+            # A synthetic engine gives one candidate per step: one beam survives.
+            lambda b: b["usage"]["completion_tokens"] == 4,
+            id="beam-search",
+        ),
+        pytest.param(
+            "/v1/responses",
+            {"model": EMBEDDED_MODEL_NAME, "input": "hi", "max_output_tokens": 4},
+            lambda b: b["output"][0]["content"][0]["text"] == "aaaa",
+            id="responses",
+        ),
+        pytest.param(
+            "/tokenize",
+            {"model": EMBEDDED_MODEL_NAME, "prompt": "hello"},
+            lambda b: b["tokens"] == list(b"hello"),
+            id="tokenize",
+        ),
+        pytest.param(
+            "/detokenize",
+            {"model": EMBEDDED_MODEL_NAME, "tokens": list(b"hello")},
+            lambda b: b["prompt"] == "hello",
+            id="detokenize",
+        ),
+    ],
+)
+async def test_what_only_vllms_layer_renders_is_served_through_the_dispatch(
+    client: httpx.AsyncClient, route: str, body: dict[str, Any], check: Any
+) -> None:
+    response = await client.post(route, content=json.dumps(body).encode())
+    assert response.status_code == 200, response.text
+    assert check(response.json()), response.text
+    if route != "/tokenize" and route != "/detokenize":
+        assert response.headers["x-splitserve-replica"] == "engine-0"
+
+
+async def test_a_stream_through_vllms_layer_carries_every_completion(
+    client: httpx.AsyncClient,
+) -> None:
+    body = completion(n=2, stream=True, logprobs=1)
+    response = await client.post(COMPLETIONS, content=json.dumps(body).encode())
+    assert response.status_code == 200
+    by_index: dict[int, str] = {}
+    for chunk in sse_events(response):
+        for choice in chunk["choices"]:
+            by_index[choice["index"]] = by_index.get(choice["index"], "") + choice["text"]
+            assert len(choice["logprobs"]["tokens"]) == 1
+    assert by_index == {0: "aaaa", 1: "aaaa"}
 
 
 async def test_unknown_fields_are_ignored_unless_the_router_rejects_them() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.protocol import GenerateRequest
+from engines.protocol import CONTINUE_FROM, GenerateRequest
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from tests.support.in_process_router import (
@@ -88,8 +88,10 @@ async def test_a_remote_prefill_names_both_replicas_and_hands_its_token_to_decod
         assert prefill.kv_transfer_params is not None
         assert prefill.kv_transfer_params["do_remote_decode"] is True
         (decode,) = submitted["decode-0"]
-        assert decode.prompt_token_ids == [*PROMPT, 7]  # the prompt and the first token
-        assert decode.sampling_params.max_tokens == 3
+        # The same request, continuing from the first token (forced on the decode engine).
+        assert decode.prompt_token_ids == PROMPT
+        assert decode.sampling_params.max_tokens == 4
+        assert decode.sampling_params.extra_args == {CONTINUE_FROM: [7]}
         assert decode.kv_transfer_params == {"do_remote_prefill": True}
         decisions = "splitserve_prefill_decisions_total"
         assert await metric(client, decisions, where="remote", reason="always") == 1

@@ -11,7 +11,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from engines.tiny_model import embedded_model_path
 from router.http.errors import OpenAIError
-from router.http.requests import PromptBuilder, decode_json_body, parse_request
+from router.http.requests import PromptBuilder, ServedByVllm, decode_json_body, parse_request
 
 MAX_MODEL_LEN = 64
 
@@ -57,11 +57,7 @@ def test_max_tokens_defaults_to_the_room_left(prompts: PromptBuilder) -> None:
         ({"prompt": [1] * 60, "max_tokens": 5}, "max_tokens"),
         ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, "prompt"),
         ({"prompt": [1, 2, 512]}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "a", "n": 3}, "n"),
-        ({"prompt": "a", "echo": True}, "echo"),
-        ({"prompt": "a", "logprobs": 1}, "logprobs"),
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "a", "top_p": 0}, "top_p"),
         ({"prompt": "a", "kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),
@@ -74,6 +70,49 @@ def test_refusals_name_the_parameter(
         prompts.prepare(_completion(**fields))
     assert raised.value.status == 400
     assert raised.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "feature"),
+    [
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "a", "n": 3}, "n"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "logprobs": 1}, "logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"prompt": "a", "use_beam_search": True}, "use_beam_search"),
+        (
+            {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options",
+        ),
+    ],
+)
+def test_what_only_vllms_layer_renders_goes_there(
+    prompts: PromptBuilder, fields: dict[str, object], feature: str
+) -> None:
+    with pytest.raises(ServedByVllm) as routed:
+        prompts.prepare(_completion(**fields))
+    assert routed.value.feature == feature
+
+
+@pytest.mark.parametrize(
+    ("message", "routed"),
+    [
+        ({"role": "user", "content": "hi"}, False),
+        ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, False),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, True),
+        ({"role": "tool", "content": "42", "tool_call_id": "call-1"}, True),
+    ],
+)
+def test_messages_beyond_plain_text_go_to_vllms_layer(
+    prompts: PromptBuilder, message: dict[str, object], routed: bool
+) -> None:
+    request = parse_request(ChatCompletionRequest, {"model": "m", "messages": [message]})
+    if routed:
+        with pytest.raises(ServedByVllm):
+            prompts.prepare(request)
+    else:
+        assert prompts.prepare(request).prompt_token_ids
 
 
 def test_stream_options(prompts: PromptBuilder) -> None:

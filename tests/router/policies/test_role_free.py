@@ -8,7 +8,7 @@ import asyncio
 from vllm import SamplingParams
 
 from deployments.config import parse_app_config
-from engines.protocol import EngineStats, GenerateChunk, GenerateRequest
+from engines.protocol import CONTINUE_FROM, EngineStats, GenerateChunk, GenerateRequest
 from kv_transfer.handle import CONSUMER_KEY
 from router.dispatch import (
     PEER_CHOICE,
@@ -96,7 +96,8 @@ def test_a_split_prompt_is_prefilled_by_the_peer_that_starts_it_soonest() -> Non
         CONSUMER_KEY: "engine-0-consumer",
     }
     (decode,) = pool.links[0].submitted
-    assert decode.prompt_token_ids == [*LONG, FIRST_TOKEN + len(LONG)]
+    assert decode.prompt_token_ids == LONG
+    assert decode.sampling_params.extra_args == {CONTINUE_FROM: [FIRST_TOKEN + len(LONG)]}
     assert decode.kv_transfer_params == {"do_remote_prefill": True, **handle_of(pool.links[2])}
     assert len([t for c in chunks for t in c.token_ids]) == 4
     headers = dispatch.response_headers()

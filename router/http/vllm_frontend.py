@@ -1,0 +1,482 @@
+"""vLLM's own OpenAI serving layer, in front of the router's dispatch.
+
+What ``vllm serve`` answers, the router answers the same way: the request models, chat
+rendering, tool and reasoning parsers, structured outputs, logprob formatting, ``n`` >
+1, echo, the Responses API, tokenize and detokenize all are vLLM's code. Beneath them
+sits ``DispatchingEngineClient``, vLLM's engine-client interface over our dispatch: each
+``generate`` is validated by vLLM's input processor (its 400s), admitted, planned and
+relayed as the router's own requests are, and its deltas come back as vLLM's
+``RequestOutput``. Only requests that need none of this take the router's hand-rendered
+path (router/http/ingress.py; why: docs/DECISIONS.md).
+
+A call's HTTP side (its arrival, priority, route, the headers saying where it ran, a
+refusal with its status) travels to ``generate`` in a context variable: vLLM's serving
+classes call it with nothing of ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from vllm.engine.protocol import EngineClient
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from engines.model_source import resolve_model
+from engines.protocol import GenerateChunk, GenerateRequest, TokenLogprobs
+from engines.settings import ModelConfig
+from router.http.errors import OpenAIError
+from router.settings import Priority
+
+# vLLM's response role for chat answers, as `vllm serve` sets it by default.
+RESPONSE_ROLE = "assistant"
+
+
+@dataclass(slots=True)
+class FrontendCall:
+    """One HTTP request served through vLLM's layer, as ``generate`` needs to know it."""
+
+    route: str
+    arrival: float
+    priority: Priority
+    request_id: str
+    # Where the request ran (x-splitserve-*), set once its first token exists.
+    headers: dict[str, str] = field(default_factory=dict)
+    # A refusal or failure before any token: answered with its own status, not vLLM's.
+    error: OpenAIError | None = None
+    # Called once the request has its first token (a key's queue slot is freed).
+    on_first_token: Callable[[], None] | None = None
+
+
+CURRENT_CALL: contextvars.ContextVar[FrontendCall] = contextvars.ContextVar("splitserve_call")
+
+# Opens a planned request on the engines: (the request's chunk stream, the response
+# headers); raises OpenAIError for what is refused or fails before the first token.
+OpenStream = Callable[
+    [GenerateRequest, FrontendCall], Awaitable[tuple[AsyncIterator[GenerateChunk], dict[str, str]]]
+]
+
+
+class DispatchingEngineClient(EngineClient):
+    """vLLM's engine-client interface over the router's dispatch.
+
+    vLLM's serving classes read its configuration (the same model and limits the engines
+    run), render and tokenize with its renderer, and call ``generate``. The rest of the
+    interface (sleep, profiling, weight updates) belongs to one engine, not to a router
+    of many, and says so."""
+
+    def __init__(self, vllm_config: Any, open_stream: OpenStream, timeout_s: float) -> None:
+        from vllm.renderers import renderer_from_config
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, self.renderer)
+        self._open_stream = open_stream
+        self._timeout_s = timeout_s
+
+    async def generate(  # type: ignore[override]
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        lora_request: Any = None,
+        priority: int = 0,
+        **_: Any,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        call = CURRENT_CALL.get()
+        # vLLM's own checks of the parameters and the prompt (what AsyncLLM.generate
+        # runs first), so a bad request is the 400 `vllm serve` gives.
+        core = self.input_processor.process_inputs(
+            request_id, prompt, sampling_params, supported_tasks=("generate",)
+        )
+        params = core.sampling_params
+        assert params is not None
+        prompt_ids = list(core.prompt_token_ids or ())
+        request = GenerateRequest(
+            # vLLM needs ids unique among running requests; clients may reuse theirs.
+            request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
+            subscriber="",
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            deadline=asyncio.get_running_loop().time() + self._timeout_s,
+        )
+        stream, headers = await self._open_stream(request, call)
+        call.headers.update(headers)
+        if call.on_first_token is not None:
+            call.on_first_token()
+        outputs = _RequestOutputs(request_id, prompt_ids, params)
+        try:
+            if params.output_kind == RequestOutputKind.FINAL_ONLY:
+                async for chunk in stream:
+                    outputs.add(chunk)
+                yield outputs.final()
+                return
+            async for chunk in stream:
+                yield outputs.delta(chunk)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    # ---- state vLLM's serving layer reads --------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return True
+
+    @property
+    def is_stopped(self) -> bool:
+        return False
+
+    @property
+    def errored(self) -> bool:
+        return False  # an engine that fails fails its requests; the others serve on
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError()
+
+    async def check_health(self) -> None:
+        return None
+
+    async def do_log_stats(self) -> None:
+        return None
+
+    async def notify_kv_transfer_request_rejected(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        raise _one_engines("loading an adapter")
+
+    # ---- one engine's operations, which a router of many does not offer ---------------
+
+    async def abort(self, *args: Any, **kwargs: Any) -> None:
+        # Closing a request's stream aborts it where it runs (see generate).
+        return None
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise _one_engines("pooling")
+
+    async def is_paused(self) -> bool:
+        return False
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+    async def pause_generation(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("pausing")
+
+    async def resume_generation(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("resuming")
+
+    async def release_kv_cache_memory(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("releasing KV memory")
+
+    async def reset_encoder_cache(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("resetting the encoder cache")
+
+    async def reset_mm_cache(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("resetting the multimodal cache")
+
+    async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        raise _one_engines("resetting the prefix cache")
+
+    async def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    async def sleep(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("sleeping")
+
+    async def wake_up(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("waking up")
+
+    async def start_profile(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("profiling")
+
+    async def stop_profile(self, *args: Any, **kwargs: Any) -> None:
+        raise _one_engines("profiling")
+
+
+def _one_engines(what: str) -> NotImplementedError:
+    return NotImplementedError(f"{what} is an operation of one engine, not of the router")
+
+
+class _RequestOutputs:
+    """The router's chunks of one request as vLLM's RequestOutputs: one per chunk when
+    streaming (deltas), or one with every completion whole at the end."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._request_id = request_id
+        self._prompt_ids = prompt_ids
+        self._unfinished = params.n
+        self._num_cached_tokens = 0
+        self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._whole: dict[int, CompletionOutput] = {}
+
+    def delta(self, chunk: GenerateChunk) -> RequestOutput:
+        self._note(chunk)
+        return self._output([_completion(chunk)], _vllm_logprobs(chunk.prompt_logprobs))
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self._note(chunk)
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = _vllm_logprobs(chunk.prompt_logprobs)
+        part = _completion(chunk)
+        whole = self._whole.setdefault(chunk.index, part)
+        if whole is part:
+            return
+        whole.text += part.text
+        whole.token_ids = [*whole.token_ids, *part.token_ids]
+        if part.logprobs is not None:
+            whole.logprobs = [*(whole.logprobs or ()), *part.logprobs]
+        whole.finish_reason, whole.stop_reason = part.finish_reason, part.stop_reason
+
+    def final(self) -> RequestOutput:
+        outputs = [self._whole[index] for index in sorted(self._whole)]
+        return self._output(outputs, self._prompt_logprobs)
+
+    def _note(self, chunk: GenerateChunk) -> None:
+        self._unfinished -= chunk.finish_reason is not None
+        self._num_cached_tokens = max(self._num_cached_tokens, chunk.num_cached_tokens)
+
+    def _output(
+        self,
+        outputs: list[CompletionOutput],
+        prompt_logprobs: list[dict[int, Logprob] | None] | None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=self._request_id,
+            prompt=None,
+            prompt_token_ids=self._prompt_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=outputs,
+            finished=self._unfinished <= 0,
+            num_cached_tokens=self._num_cached_tokens,
+        )
+
+
+def _completion(chunk: GenerateChunk) -> CompletionOutput:
+    return CompletionOutput(
+        index=chunk.index,
+        text=chunk.text,
+        token_ids=list(chunk.token_ids),
+        cumulative_logprob=None,
+        logprobs=_vllm_logprobs(chunk.logprobs),  # type: ignore[arg-type]
+        finish_reason=chunk.finish_reason,
+        stop_reason=chunk.stop_reason,
+    )
+
+
+def _vllm_logprobs(
+    positions: list[TokenLogprobs | None] | list[TokenLogprobs] | None,
+) -> list[dict[int, Logprob] | None] | None:
+    """Plain logprobs back as vLLM's dicts, in the engine's order (the sampled first)."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {token: Logprob(lp, rank, decoded) for token, lp, rank, decoded in position}
+        for position in positions
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendOptions:
+    """``vllm serve``'s per-model frontend flags (engines.settings.ModelConfig)."""
+
+    served_name: str
+    model_path: str
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False
+
+    @classmethod
+    def of(cls, model: ModelConfig, trust_request_chat_template: bool) -> FrontendOptions:
+        source = resolve_model(model)
+        return cls(
+            served_name=source.served_name,
+            model_path=source.path,
+            chat_template=model.chat_template,
+            enable_auto_tool_choice=model.enable_auto_tool_choice,
+            tool_call_parser=model.tool_call_parser,
+            reasoning_parser=model.reasoning_parser,
+            trust_request_chat_template=trust_request_chat_template,
+        )
+
+
+def frontend_config(model: ModelConfig) -> Any:
+    """The VllmConfig the engines derive for ``model`` (context, tokenizer, generation
+    defaults, structured outputs), as the serving layer reads it; built once per router,
+    in a worker thread (seconds)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    source = resolve_model(model)
+    args = AsyncEngineArgs(
+        model=source.path,
+        served_model_name=[source.served_name],
+        dtype=model.engine_dtype,
+        max_model_len=model.max_model_len,
+        seed=model.seed,
+        enforce_eager=True,  # nothing runs here; no graphs to plan
+        reasoning_parser=model.reasoning_parser or "",
+    )
+    return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+class VllmFrontend:
+    """vLLM's serving classes over one DispatchingEngineClient, as `vllm serve` builds them."""
+
+    def __init__(self, client: DispatchingEngineClient, options: FrontendOptions) -> None:
+        from vllm.renderers.chat_utils import load_chat_template
+
+        template = load_chat_template(options.chat_template)
+        models = OpenAIServingModels(
+            client, [BaseModelPath(name=options.served_name, model_path=options.model_path)]
+        )
+        reasoning_parser = options.reasoning_parser or ""
+        self._renderer = OnlineRenderer(
+            model_config=client.model_config,
+            renderer=client.renderer,
+            request_logger=None,
+            chat_template=template,
+            chat_template_content_format="auto",
+            trust_request_chat_template=options.trust_request_chat_template,
+            enable_auto_tools=options.enable_auto_tool_choice,
+            tool_parser=options.tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
+        self.chat = OpenAIServingChat(
+            client,
+            models,
+            RESPONSE_ROLE,
+            online_renderer=self._renderer,
+            request_logger=None,
+            chat_template=template,
+            chat_template_content_format="auto",
+            trust_request_chat_template=options.trust_request_chat_template,
+            enable_auto_tools=options.enable_auto_tool_choice,
+            tool_parser=options.tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
+        self.completion = OpenAIServingCompletion(
+            client, models, online_renderer=self._renderer, request_logger=None
+        )
+        self.responses = OpenAIServingResponses(
+            client,
+            models,
+            self._renderer,
+            request_logger=None,
+            chat_template=template,
+            chat_template_content_format="auto",
+            enable_auto_tools=options.enable_auto_tool_choice,
+            tool_parser=options.tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
+        self.tokenization = ServingTokenization(
+            models,
+            self._renderer,
+            chat_template=template,
+            chat_template_content_format="auto",
+            trust_request_chat_template=options.trust_request_chat_template,
+        )
+
+    async def serve(
+        self, request: Any, raw: Request, call: FrontendCall
+    ) -> tuple[Response, HTTPStatus]:
+        """Answer ``request`` as `vllm serve` would; a stream is read up to its first
+        event first, so a refusal or a failure before it is a status of its own."""
+        token = CURRENT_CALL.set(call)
+        try:
+            result = await self._dispatch(request, raw)
+            events = None
+            if hasattr(result, "__aiter__"):
+                # Its first step runs generate, which reads the call from CURRENT_CALL.
+                events = _sse(result) if isinstance(request, ResponsesRequest) else result
+                first = await anext(events, None)
+        except Exception as error:  # vLLM raises what it does not return, as its server
+            return self._error(call, error)
+        finally:
+            CURRENT_CALL.reset(token)
+        if call.error is not None:
+            if events is not None:
+                await events.aclose()  # type: ignore[attr-defined]
+            return call.error.response(call.headers), call.error.status
+        if isinstance(result, ErrorResponse):
+            body = result.model_dump(mode="json", by_alias=True)
+            return JSONResponse(body, status_code=result.error.code), HTTPStatus(result.error.code)
+        if events is None:
+            body = result.model_dump(mode="json", by_alias=True)
+            return JSONResponse(body, headers=call.headers), HTTPStatus.OK
+        stream = StreamingResponse(
+            _after_first(first, events), media_type="text/event-stream", headers=call.headers
+        )
+        return stream, HTTPStatus.OK
+
+    async def _dispatch(self, request: Any, raw: Request) -> Any:
+        if isinstance(request, ChatCompletionRequest):
+            return await self.chat.create_chat_completion(request, raw)
+        if isinstance(request, CompletionRequest):
+            return await self.completion.create_completion(request, raw)
+        if isinstance(request, ResponsesRequest):
+            return await self.responses.create_responses(request, raw)
+        if isinstance(request, TokenizeRequest):
+            return await self.tokenization.create_tokenize(request, raw)
+        if isinstance(request, DetokenizeRequest):
+            return await self.tokenization.create_detokenize(request, raw)
+        raise TypeError(f"no vLLM serving class takes {type(request).__name__}")
+
+    def _error(self, call: FrontendCall, error: Exception) -> tuple[Response, HTTPStatus]:
+        if call.error is not None:
+            return call.error.response(call.headers), call.error.status
+        response = create_error_response(error)
+        status = HTTPStatus(response.error.code)
+        return JSONResponse(response.model_dump(mode="json"), status_code=int(status)), status
+
+
+async def _sse(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """The Responses API's stream as vLLM's server writes it: named events."""
+    async for event in events:
+        kind = getattr(event, "type", "unknown")
+        yield f"event: {kind}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
+
+
+async def _after_first(first: str | None, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        if first is None:
+            return
+        yield first
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
