@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from engines.protocol import EngineRole
-from engines.vllm_args import engine_arg_names
+from engines.vllm_args import engine_arg_names, reasoning_parser_names, tool_parser_names
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
 
@@ -106,6 +106,24 @@ class ModelConfig(StrictModel):
     reasoning_parser: str | None = Field(
         None, description="vLLM's reasoning parser for this model (e.g. deepseek_r1)."
     )
+
+    @model_validator(mode="after")
+    def _known_parsers(self) -> ModelConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "enable_auto_tool_choice needs a tool_call_parser, as vllm serve's"
+                " --enable-auto-tool-choice needs --tool-call-parser"
+            )
+        for field, value, names in (
+            ("tool_call_parser", self.tool_call_parser, tool_parser_names),
+            ("reasoning_parser", self.reasoning_parser, reasoning_parser_names),
+        ):
+            known = names() if value is not None else frozenset()
+            if value is not None and known and value not in known:
+                raise ValueError(
+                    f"{field} {value!r} is not one of vLLM's: {', '.join(sorted(known))}"
+                )
+        return self
 
     @property
     def engine_dtype(self) -> str:

@@ -29,11 +29,39 @@ def engine_arg_names() -> frozenset[str]:
 
 
 def _arg_utils_source() -> Path | None:
+    return _vllm_source("engine", "arg_utils.py")
+
+
+@functools.cache
+def tool_parser_names() -> frozenset[str]:
+    """``--tool-call-parser``'s choices: the keys of vLLM's lazy parser registry."""
+    return _registry_keys(("tool_parsers", "__init__.py"), "_TOOL_PARSERS_TO_REGISTER")
+
+
+@functools.cache
+def reasoning_parser_names() -> frozenset[str]:
+    """``--reasoning-parser``'s choices, read as the tool parsers' are."""
+    return _registry_keys(("reasoning", "__init__.py"), "_REASONING_PARSERS_TO_REGISTER")
+
+
+def _registry_keys(parts: tuple[str, ...], registry: str) -> frozenset[str]:
+    source = _vllm_source(*parts)
+    if source is None:
+        return frozenset()
+    for node in ast.parse(source.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id == registry and isinstance(value, ast.Dict):
+            return frozenset(k.value for k in value.keys if isinstance(k, ast.Constant))
+    return frozenset()
+
+
+def _vllm_source(*parts: str) -> Path | None:
     # find_spec of a top-level package locates it without running its __init__.
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
     return path if path.is_file() else None
 
 

@@ -23,6 +23,7 @@ import yaml
 
 from deployments.launcher import RunningApp, config_path
 from router.dispatch import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
+from tests.support.api_corpus import assert_answers_as
 from tests.support.greedy import MODEL, greedy, kv_metric, metric
 from tests.support.served_apps import ServedApps
 
@@ -97,6 +98,13 @@ def test_streams_and_chat_match_single_engine(auto_app: RunningApp, reference: d
         assert token_ids == reference["completions"][index]
     assert _chat(auto_app.base_url) == reference["chat"]
     assert _chat(auto_app.base_url, stream=True) == reference["chat"]
+
+
+def test_every_kind_of_request_is_answered_as_bare_vllm(
+    auto_app: RunningApp, vllm_answers: dict[str, Any]
+) -> None:
+    """Role-free engines that always split: as one engine answers."""
+    assert_answers_as(vllm_answers, auto_app.base_url)
 
 
 def test_nothing_is_held_after_clients_leave_mid_stream(auto_app: RunningApp) -> None:

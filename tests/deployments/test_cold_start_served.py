@@ -16,12 +16,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import httpx
 import pytest
 
 from deployments.launcher import RunningApp
+from tests.support.api_corpus import assert_answers_as
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
@@ -187,3 +189,10 @@ def test_the_first_burst_is_shed_by_priority(started: tuple[RunningApp, StartupP
     others = [o.ttft_s for o in admitted if o.priority != "high"]
     if others:
         assert high < statistics.median(others), summary  # type: ignore[type-var]
+
+
+def test_every_kind_of_request_is_answered_as_bare_vllm(
+    started: tuple[RunningApp, StartupPolls], vllm_answers: dict[str, Any]
+) -> None:
+    """pd.yaml, once up: the API corpus (tests/support/api_corpus.py) as `vllm serve`."""
+    assert_answers_as(vllm_answers, started[0].base_url)

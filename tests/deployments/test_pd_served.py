@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from deployments.launcher import RunningApp, replica_engine_pids
+from tests.support.api_corpus import assert_answers_as
 from tests.support.greedy import MODEL, greedy, kv_metric, metric
 from tests.support.served_apps import ServedApps
 
@@ -92,6 +93,13 @@ def test_chat_matches_single_engine(pd_app: RunningApp, reference: dict) -> None
     for content, expected in zip(CHATS, reference["chats"], strict=True):
         assert _chat(pd_app.base_url, content)[0] == expected
         assert _chat(pd_app.base_url, content, stream=True)[0] == expected
+
+
+def test_every_kind_of_request_is_answered_as_bare_vllm(
+    pd_app: RunningApp, vllm_answers: dict[str, Any]
+) -> None:
+    """Through remote prefills: grammars, seeds and penalties continue on the decode engine."""
+    assert_answers_as(vllm_answers, pd_app.base_url)
 
 
 def test_nothing_left_after_clients_leave_mid_stream(pd_app: RunningApp, ray_address: str) -> None:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from deployments.launcher import RunningApp, app_engine_pids
+from tests.support.api_corpus import assert_answers_as
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
@@ -157,6 +158,13 @@ def test_chat_stream(app: RunningApp, client: openai.OpenAI, name: str) -> None:
     assert roles[0] == "assistant"
     assert usage is not None and usage.completion_tokens == MAX_TOKENS
     _check_reference(app, ("chat", name), token_ids)
+
+
+def test_every_kind_of_request_is_answered_as_bare_vllm(
+    app: RunningApp, vllm_answers: dict[str, Any]
+) -> None:
+    """The API corpus (tests/support/api_corpus.py), each kind against `vllm serve`'s answer."""
+    assert_answers_as(vllm_answers, app.base_url)
 
 
 def test_engines_run_where_the_strategy_puts_them(app: RunningApp) -> None:

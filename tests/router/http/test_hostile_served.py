@@ -3,15 +3,13 @@ format from the router, compared with what bare vLLM's own server answers, and a
 of generated bodies never gets a 5xx.
 
 Where we answer differently from vLLM it is on purpose and named here: OpenAI's API
-requires a user message's ``content`` (vLLM templates it as empty), and the router
-refuses what it does not serve yet (``n`` > 1, logprobs) instead of serving it.
+requires a user message's ``content`` (vLLM templates it as empty), and a client may not
+set the router's own engine-to-engine hand-over fields.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,12 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from deployments.launcher import RAY_WORKER_NICENESS
-from engines.socket_folders import VLLM_IPC_ENV
-from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
-from splitserve.processes import ChildSettings, http_ok, running_process
+from engines.tiny_model import EMBEDDED_MODEL_NAME
 from tests.router.http.test_hostile_input import from_schema
-from tests.support.local_ports import free_port
+from tests.support.bare_vllm import bare_vllm
 from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
@@ -52,7 +47,6 @@ CASES: list[tuple[str, str, bytes | dict[str, Any], bool]] = [
     ("no messages", CHAT, {"model": M}, True),
     ("a message without a role", CHAT, {"model": M, "messages": [{"content": "x"}]}, True),
     ("a user message without content", CHAT, {"model": M, "messages": [{"role": "user"}]}, False),
-    ("n of two", COMPLETIONS, {**X, "n": 2}, False),
     ("kv_transfer_params from a client", CHAT,
      {"model": M, "messages": USER, "kv_transfer_params": {"do_remote_prefill": True}}, False),
 ]  # fmt: skip
@@ -64,27 +58,8 @@ def ours(served_apps: ServedApps) -> str:
 
 
 @pytest.fixture(scope="module")
-def bare_vllm(ours: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(embedded_model_path()), "--served-model-name", M, "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
-    ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("bare-vllm") / "server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
-    env[VLLM_IPC_ENV] = str(log.parent)  # its IPC sockets stay out of /tmp itself
-    with running_process(
-        command,
-        log,
-        lambda: http_ok(f"{url}/health"),
-        what="bare vLLM server",
-        ready_timeout_s=300,
-        stop_timeout_s=60,
-        env=env,
-        child=ChildSettings(niceness=RAY_WORKER_NICENESS),
-    ):
+def bare_vllm_url(ours: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with bare_vllm(tmp_path_factory.mktemp("bare-vllm")) as url:
         yield url
 
 
@@ -105,11 +80,11 @@ def _assert_openai_error(response: httpx.Response) -> None:
     ("what", "route", "body", "vllm_refuses"), CASES, ids=[c[0] for c in CASES]
 )
 def test_each_class_of_bad_input_against_bare_vllm(
-    ours: str, bare_vllm: str, what: str, route: str, body: bytes | dict, vllm_refuses: bool
+    ours: str, bare_vllm_url: str, what: str, route: str, body: bytes | dict, vllm_refuses: bool
 ) -> None:
     mine = _post(ours, route, body)
     _assert_openai_error(mine)
-    theirs = _post(bare_vllm, route, body)
+    theirs = _post(bare_vllm_url, route, body)
     assert theirs.status_code < 500, f"bare vLLM answered {theirs.status_code} to {what}"
     # Refused by both, with the same class of status, unless we differ on purpose.
     assert (400 <= theirs.status_code < 500) == vllm_refuses, (what, theirs.status_code)
