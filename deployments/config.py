@@ -92,6 +92,20 @@ class AppConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _handed_over_requests_can_continue(self) -> AppConfig:
+        if self.strategy not in ("pd", "auto"):
+            return self
+        for pool in self.pools:
+            if "speculative_config" in pool.engine_kwargs:
+                raise ValueError(
+                    f"strategy {self.strategy!r} hands requests between engines, which"
+                    " continue them with a logits processor (engines/continuation.py);"
+                    " vLLM refuses logits processors beside speculative decoding: drop"
+                    f" speculative_config from the {pool.role} pool's engine_kwargs"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _pools_fit_strategy(self) -> AppConfig:
         roles = sorted(pool.role for pool in self.pools)
         if self.strategy == "pd":

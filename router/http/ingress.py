@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from vllm.sampling_params import RequestOutputKind
+from vllm.utils.gc_utils import freeze_gc_heap
 
 from engines.backends import ENGINE_BACKENDS
 from engines.model_source import resolve_model
@@ -171,6 +172,9 @@ class Router:
             await self._adopt_engines_context()
             await calibration()
             await self._start_frontend()
+            # What start-up built stays for good: out of the collector's sight, so its
+            # sweeps walk only what requests allocate, as `vllm serve` does after start.
+            freeze_gc_heap()
 
         self._readiness = Readiness(
             self._pool, on_engines_ready=engines_ready, members_known=self._pool_watcher.populated

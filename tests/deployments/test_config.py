@@ -115,6 +115,23 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
+                "strategy": "auto",
+                "pools": [
+                    {"replicas": 2, "engine_kwargs": {"speculative_config": {"method": "ngram"}}}
+                ],
+            },
+            "vLLM refuses logits processors beside speculative decoding",
+        ),
+        (
+            {"strategy": "single", "model": {"tool_call_parser": "hermez"}},
+            "tool_call_parser 'hermez' is not one of vLLM's",
+        ),
+        (
+            {"strategy": "single", "model": {"enable_auto_tool_choice": True}},
+            "enable_auto_tool_choice needs a tool_call_parser",
+        ),
+        (
+            {
                 "strategy": "dp",
                 "pools": [{"replicas": 2, "engine_kwargs": {"tensor_parallel_size": 2}}],
             },

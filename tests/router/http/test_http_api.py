@@ -696,3 +696,61 @@ async def test_metrics_are_prometheus_text_counting_requests_by_status(
     assert await metric(client, requests, route=CHAT, status="404") == 1
     assert await metric(client, "splitserve_replica_requests_total", replica="engine-0") == 1
     assert await metric(client, "splitserve_tokens_total", kind="generation") == 4
+
+
+# ---- statuses through vLLM's serving layer ------------------------------------------------------
+
+
+async def test_through_vllms_layer_a_qos_refusal_keeps_its_503_and_retry_after() -> None:
+    args = {
+        "engine": {"backend": "synthetic", "step_interval_s": 0.3},
+        "qos": {"enabled": True, "early_rejection_s": {"low": 0.1}, "retry_after_s": 7},
+    }
+    async with in_process_router(**args) as router, http_client(router) as client:
+        await ready(client)
+        # Past the early check (no queue yet), refused once planned: in generate.
+        router._admit_early = lambda priority: None
+        for stream in (False, True):
+            body = chat(max_tokens=1, n=2, stream=stream)
+            response = await client.post(CHAT, json=body, headers={"x-priority": "low"})
+            message = openai_error(response, 503, "ServiceUnavailableError", None)
+            assert "exceeds the 0.1 s allowed for low priority" in message
+            assert response.headers["retry-after"] == "7"
+
+
+async def test_through_vllms_layer_a_timeout_is_a_504_and_aborted_in_the_engine() -> None:
+    args = {"engine": SLOW_ENGINE, "qos": NO_CALIBRATION, "router": {"request_timeout_s": 0.3}}
+    async with in_process_router(**args) as router, http_client(router) as client:
+        await ready(client)
+        response = await client.post(COMPLETIONS, json=completion(n=2))  # one step, then 5 s
+        message = openai_error(response, 504, "TimeoutError", None)
+        assert "router.request_timeout_s (0.3 s)" in message
+        engine = router._pool.get("engine-0").link._host
+        await until(lambda: engine.stats().num_running == 0, timeout_s=1)
+
+
+async def test_through_vllms_layer_a_failed_engine_is_a_500_naming_it(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await ready(client)
+
+    async def failing(host: SyntheticEngineHost, request: Any) -> None:
+        raise RuntimeError("out of KV blocks")
+
+    monkeypatch.setattr(SyntheticEngineHost, "submit", failing)
+    response = await client.post(CHAT, json=chat(logprobs=True))
+    message = openai_error(response, 500, "InternalServerError", None)
+    assert message == "the engine replica failed (engine-0): out of KV blocks"
+
+
+async def test_through_vllms_layer_a_client_that_leaves_frees_the_engine() -> None:
+    async with in_process_router() as router, http_client(router) as client:
+        await ready(client)
+        body = completion(n=2, max_tokens=10_000, stream=True)
+        async with client.stream("POST", COMPLETIONS, json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # the client leaves after its first event
+        replica = router._pool.get("engine-0")
+        await until(lambda: replica.in_flight == 0 and not replica.link._host._running)
