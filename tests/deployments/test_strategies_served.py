@@ -219,8 +219,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": [1] * 4096, "max_tokens": 1}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 100000]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
@@ -233,7 +232,7 @@ BAD_REQUESTS = [
             ],
         },
         400,
-        "messages.0.content",
+        None,  # vLLM's layer renders it: "... is not a multimodal model"
     ),
 ]
 
