@@ -55,6 +55,7 @@ from router.http.vllm_frontend import (
     FrontendOptions,
     VllmFrontend,
     frontend_config,
+    in_daemon_thread,
 )
 from router.observation.metrics import RouterMetrics
 from router.observation.traffic_drift import TrafficDrift
@@ -160,13 +161,9 @@ class Router:
             calibrate_ttft, self._pool, qos.calibration_prompt_tokens, vocab_size
         )
 
-        # vLLM's serving layer, for what the router's own path does not render: its
-        # configuration is read in a worker thread meanwhile (seconds), and the layer is
-        # built once the engines report their context.
+        # vLLM's serving layer, for what the router's own path does not render: built
+        # once the engines are up (start_frontend).
         self._frontend: VllmFrontend | None = None
-        self._frontend_config = asyncio.get_running_loop().run_in_executor(
-            None, frontend_config, settings.model
-        )
 
         async def engines_ready() -> None:
             await self._adopt_engines_context()
@@ -408,7 +405,11 @@ class Router:
         return response
 
     async def _start_frontend(self) -> None:
-        vllm_config = await self._frontend_config
+        """vLLM's configuration and serving classes (seconds), in a daemon thread: a
+        router stopped meanwhile must not wait for it to exit, and it runs after the
+        engines' own start, never beside it (vLLM's start-up is not made to run twice
+        at once in one process)."""
+        vllm_config = await in_daemon_thread(frontend_config, self._config.model)
         # What the engines reported (their rules), which the router refuses beyond.
         vllm_config.model_config.max_model_len = self._prompts.max_model_len
         client = DispatchingEngineClient(
@@ -417,9 +418,7 @@ class Router:
         options = FrontendOptions.of(
             self._config.model, self._config.router.trust_request_chat_template
         )
-        self._frontend = await asyncio.get_running_loop().run_in_executor(
-            None, VllmFrontend, client, options
-        )
+        self._frontend = await in_daemon_thread(VllmFrontend, client, options)
 
     async def _open_for_vllm(
         self, request: GenerateRequest, call: FrontendCall

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,6 +52,7 @@ from engines.settings import ModelConfig
 from router.http.errors import OpenAIError
 from router.settings import Priority
 
+T = TypeVar("T")
 # vLLM's response role for chat answers, as `vllm serve` sets it by default.
 RESPONSE_ROLE = "assistant"
 
@@ -332,6 +334,33 @@ class FrontendOptions:
             reasoning_parser=model.reasoning_parser,
             trust_request_chat_template=trust_request_chat_template,
         )
+
+
+async def in_daemon_thread(function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` in a daemon thread of its own: unlike an executor's, the
+    process does not wait for it to finish before it exits."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = function(*args)
+        except BaseException as error:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, done, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    threading.Thread(target=run, name="splitserve-frontend", daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def frontend_config(model: ModelConfig) -> Any:

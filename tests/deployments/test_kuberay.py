@@ -718,6 +718,9 @@ def test_the_auto_scaled_rayservice_runs_auto_scaled_yaml() -> None:
     pool["autoscaling"]["max_replicas"] = shipped_pool["autoscaling"]["max_replicas"]
     assert shipped["model"]["source"] == "embedded" != ours["model"]["source"]
     ours["model"]["source"] = shipped["model"]["source"]
+    # Each model's own tool parser: Llama 3.x's there, the embedded model's here.
+    assert ours["model"]["tool_call_parser"] == "llama3_json"
+    ours["model"]["tool_call_parser"] = shipped["model"]["tool_call_parser"]
     assert ours == shipped
 
 

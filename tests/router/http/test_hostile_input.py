@@ -27,7 +27,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from router.http.errors import OpenAIError
-from router.http.requests import PromptBuilder, RequestValidator
+from router.http.requests import PromptBuilder, RequestValidator, ServedByVllm
 from router.settings import PRIORITIES
 
 EXAMPLES = settings(
@@ -117,11 +117,14 @@ def hostility(model_cls: type, raw: bytes) -> str | None:
 
 
 def refusal(validator: RequestValidator, model_cls: type, raw: bytes) -> OpenAIError | None:
-    """The router's 4xx in OpenAI's format for ``raw``, or None if it serves it; any
-    other outcome fails."""
+    """The router's 4xx in OpenAI's format for ``raw``, or None if it serves it (on its
+    own path, or through vLLM's layer, which validates it there); any other outcome
+    fails."""
     try:
         _, parsed = validator.read(raw, {})
         validator.prepare(model_cls, parsed)
+    except ServedByVllm:
+        return None
     except OpenAIError as error:
         assert 400 <= int(error.status) < 500, error.message
         document = error.body()

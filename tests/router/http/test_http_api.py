@@ -746,7 +746,7 @@ async def test_through_vllms_layer_a_failed_engine_is_a_500_naming_it(
 async def test_through_vllms_layer_a_client_that_leaves_frees_the_engine() -> None:
     async with in_process_router() as router, http_client(router) as client:
         await ready(client)
-        body = completion(n=2, max_tokens=10_000, stream=True)
+        body = completion(n=2, max_tokens=3000, stream=True)
         async with client.stream("POST", COMPLETIONS, json=body) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
