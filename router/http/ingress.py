@@ -332,7 +332,7 @@ class Router:
                 prompt_token_ids=prepared.prompt_token_ids,
                 sampling_params=prepared.sampling_params,
                 priority=ENGINE_PRIORITY[priority],
-                deadline=asyncio.get_running_loop().time() + self._config.router.request_timeout_s,
+                deadline=self._deadline(),
             )
             if not await self._readiness.wait(self._config.router.ready_wait_s):
                 raise self._starting()
@@ -404,6 +404,10 @@ class Router:
         self._metrics.requests.labels(call.route, str(int(status)), call.priority).inc()
         return response
 
+    def _deadline(self) -> float:
+        """When a request starting now is given up and aborted (event-loop time)."""
+        return asyncio.get_running_loop().time() + self._config.router.request_timeout_s
+
     async def _start_frontend(self) -> None:
         """vLLM's configuration and serving classes (seconds), in a daemon thread: a
         router stopped meanwhile must not wait for it to exit, and it runs after the
@@ -412,9 +416,7 @@ class Router:
         vllm_config = await in_daemon_thread(frontend_config, self._config.model)
         # What the engines reported (their rules), which the router refuses beyond.
         vllm_config.model_config.max_model_len = self._prompts.max_model_len
-        client = DispatchingEngineClient(
-            vllm_config, self._open_for_vllm, self._config.router.request_timeout_s
-        )
+        client = DispatchingEngineClient(vllm_config, self._open_for_vllm)
         options = FrontendOptions.of(
             self._config.model, self._config.router.trust_request_chat_template
         )
@@ -426,6 +428,7 @@ class Router:
         """Plan, admit and start one request vLLM's layer made; its first chunk is read
         here, so a refusal or failure before it becomes ``call.error`` (its own status)."""
         request.priority = ENGINE_PRIORITY[call.priority]
+        request.deadline = self._deadline()
         tried: list[str] = []
         try:
             plan = self._dispatcher.plan(request, call.priority)

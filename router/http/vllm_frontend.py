@@ -90,7 +90,7 @@ class DispatchingEngineClient(EngineClient):
     interface (sleep, profiling, weight updates) belongs to one engine, not to a router
     of many, and says so."""
 
-    def __init__(self, vllm_config: Any, open_stream: OpenStream, timeout_s: float) -> None:
+    def __init__(self, vllm_config: Any, open_stream: OpenStream) -> None:
         from vllm.renderers import renderer_from_config
         from vllm.v1.engine.input_processor import InputProcessor
 
@@ -99,16 +99,13 @@ class DispatchingEngineClient(EngineClient):
         self.renderer = renderer_from_config(vllm_config)
         self.input_processor = InputProcessor(vllm_config, self.renderer)
         self._open_stream = open_stream
-        self._timeout_s = timeout_s
 
     async def generate(  # type: ignore[override]
         self,
         prompt: Any,
         sampling_params: SamplingParams,
         request_id: str,
-        *,
-        lora_request: Any = None,
-        priority: int = 0,
+        # vLLM's priority and the rest: the router's own (the call's) are what count.
         **_: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
         call = CURRENT_CALL.get()
@@ -126,7 +123,6 @@ class DispatchingEngineClient(EngineClient):
             subscriber="",
             prompt_token_ids=prompt_ids,
             sampling_params=params,
-            deadline=asyncio.get_running_loop().time() + self._timeout_s,
         )
         stream, headers = await self._open_stream(request, call)
         call.headers.update(headers)
@@ -366,7 +362,7 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 def frontend_config(model: ModelConfig) -> Any:
     """The VllmConfig the engines derive for ``model`` (context, tokenizer, generation
     defaults, structured outputs), as the serving layer reads it; built once per router,
-    in a worker thread (seconds)."""
+    once its engines are up (seconds)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
 
