@@ -30,10 +30,13 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 PANEL_WIDTH, PANEL_HEIGHT, GRID_WIDTH = 8, 8, 24
 
-# Template variables: which run of the load generator, which router mode, which replicas.
+# Template variables: which run of the load generator, which served model (the router's
+# metrics carry it), which router mode, which replicas.
 RUN = 'run=~"$run"'
-MODE = 'mode=~"$mode"'
+MODEL = 'model=~"$model"'
+MODE = f'{MODEL}, mode=~"$mode"'
 REPLICA = 'replica=~"$replica"'
+ROUTER_REPLICA = f"{MODEL}, {REPLICA}"
 
 
 @dataclass(frozen=True)
@@ -180,8 +183,8 @@ ROUTER = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_requests_total", "", "route, status"),
-                    legend("route, status"),
+                    rate_by("splitserve_requests_total", MODEL, "model, route, status"),
+                    legend("model, route, status"),
                 ),
             ),
         ),
@@ -190,7 +193,7 @@ ROUTER = Row(
             "Router arrival to first token; prefill=remote is PD's prefill replica.",
             "splitserve_time_to_first_token_seconds_bucket",
             MODE,
-            "mode, prefill",
+            "model, mode, prefill",
         ),
         latency(
             "Server ITL",
@@ -219,7 +222,7 @@ ROUTER = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_replica_choices_total", "", "pool, policy, replica"),
+                    rate_by("splitserve_replica_choices_total", MODEL, "pool, policy, replica"),
                     legend("pool, policy, replica"),
                 ),
             ),
@@ -230,7 +233,8 @@ ROUTER = Row(
             "short",
             (
                 Target(
-                    f"sum by (replica, role) (splitserve_replica_in_flight_requests{{{REPLICA}}})",
+                    "sum by (replica, role)"
+                    f" (splitserve_replica_in_flight_requests{{{ROUTER_REPLICA}}})",
                     legend("replica, role"),
                 ),
             ),
@@ -241,7 +245,7 @@ ROUTER = Row(
             "short",
             (
                 Target(
-                    f"sum by (replica, state) (splitserve_engine_requests{{{REPLICA}}})",
+                    f"sum by (replica, state) (splitserve_engine_requests{{{ROUTER_REPLICA}}})",
                     legend("replica, state"),
                 ),
             ),
@@ -250,7 +254,11 @@ ROUTER = Row(
             "Tokens per second (router)",
             "Prompt and generated tokens the router counted.",
             "short",
-            (Target(rate_by("splitserve_tokens_total", "", "kind"), legend("kind")),),
+            (
+                Target(
+                    rate_by("splitserve_tokens_total", MODEL, "model, kind"), legend("model, kind")
+                ),
+            ),
         ),
     ),
 )
@@ -415,8 +423,8 @@ KV_TRANSFER = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_prefill_decisions_total", "", "where, reason"),
-                    legend("where, reason"),
+                    rate_by("splitserve_prefill_decisions_total", MODEL, "model, where, reason"),
+                    legend("model, where, reason"),
                 ),
             ),
         ),
@@ -464,8 +472,8 @@ QOS = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_rejections_total", "", "reason, priority"),
-                    legend("reason, priority"),
+                    rate_by("splitserve_rejections_total", MODEL, "model, reason, priority"),
+                    legend("model, reason, priority"),
                 ),
             ),
         ),
@@ -475,7 +483,7 @@ QOS = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_requests_total", "", "priority, status"),
+                    rate_by("splitserve_requests_total", MODEL, "priority, status"),
                     legend("priority, status"),
                 ),
             ),
@@ -486,7 +494,7 @@ QOS = Row(
             "s",
             (
                 Target(
-                    f"max by (replica) (splitserve_ttft_estimate_seconds{{{REPLICA}}})",
+                    f"max by (replica) (splitserve_ttft_estimate_seconds{{{ROUTER_REPLICA}}})",
                     legend("replica"),
                 ),
             ),
@@ -574,7 +582,7 @@ REPLICA_VALUES = (
     f'{{__name__=~"vllm:num_requests_running|{ray_exported("vllm:num_requests_running")}"}}'
 )
 
-TEMPLATE_VARIABLES = ("run", "mode", "replica")
+TEMPLATE_VARIABLES = ("run", "model", "mode", "replica")
 
 
 def _variable(name: str, label: str, query: str) -> dict[str, Any]:
@@ -606,6 +614,7 @@ def templating() -> dict[str, Any]:
                 "refresh": 1,
             },
             _variable("run", "load generator run", "label_values(loadgen_requests_total, run)"),
+            _variable("model", "served model", "label_values(splitserve_tokens_total, model)"),
             # A histogram has no series under its bare name: its _count has them all.
             _variable(
                 "mode",

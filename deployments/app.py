@@ -12,6 +12,7 @@ of Ray.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -19,11 +20,11 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
-from deployments.config import KV_STRATEGIES, AppConfig, parse_app_config
+from deployments.config import KV_STRATEGIES, AppConfig, ApplicationConfig, parse_application
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from engines.settings import CPU_BIND_ENV, ENGINE_NAME_ENV, EngineSpec, PlacementConfig, PoolConfig
 from kv_transfer.backend_registry import make_kv_backend
-from router.settings import ScaledPoolSettings
+from router.settings import ModelBinding, ScaledPoolSettings
 from splitserve.packaging import check_top_level_packages
 
 logger = logging.getLogger("splitserve.deployments")
@@ -74,28 +75,29 @@ def deployment_by_path(import_path: str, name: str, **options: Any) -> Deploymen
     return stand_in.options(func_or_class=import_path)
 
 
-def pool_name(pool: PoolConfig) -> str:
-    """What a pool's engines are named after: ``engine`` (mixed), ``prefill``, ``decode``."""
-    return "engine" if pool.role == "mixed" else pool.role
+def pool_name(pool: PoolConfig, suffix: str = "") -> str:
+    """What a pool's engines are named after: ``engine`` (mixed), ``prefill``, ``decode``;
+    with ``suffix`` (a model's, where an application serves several) ``engine-tiny-b``."""
+    return ("engine" if pool.role == "mixed" else pool.role) + suffix
 
 
-def engine_names(config: AppConfig) -> list[tuple[str, PoolConfig, int]]:
+def engine_names(config: AppConfig, suffix: str = "") -> list[tuple[str, PoolConfig, int]]:
     """Stable replica names of the pools of fixed size: ``engine-0``, ``engine-1`` or
     ``prefill-0``, ``decode-0``, each with its pool and its index there (which of the
     pool's cpu_binds). Scaled pools' engines are named by Serve's replica ids instead."""
     names = []
     for pool in config.pools:
         if pool.autoscaling is None:
-            prefix = pool_name(pool)
+            prefix = pool_name(pool, suffix)
             names.extend((f"{prefix}-{index}", pool, index) for index in range(pool.replicas))
     return names
 
 
-def scaled_pool_settings(config: AppConfig) -> list[ScaledPoolSettings]:
+def scaled_pool_settings(config: AppConfig, suffix: str = "") -> list[ScaledPoolSettings]:
     return [
         ScaledPoolSettings(
-            deployment=f"{pool_name(pool)}-pool",
-            name=pool_name(pool),
+            deployment=f"{pool_name(pool, suffix)}-pool",
+            name=pool_name(pool, suffix),
             role=pool.role,
             drain_timeout_s=pool.autoscaling.drain_timeout_s,
         )
@@ -140,13 +142,13 @@ def engine_spec(
     )
 
 
-def engine_actor_options(config: AppConfig, num_cpus: float, num_gpus: int) -> dict[str, Any]:
+def engine_actor_options(num_cpus: float, num_gpus: int, gpu: bool) -> dict[str, Any]:
     """Ray options of a process that hosts engines: its environment and devices."""
     actor_options: dict[str, Any] = {
         "num_cpus": num_cpus,
         "runtime_env": {"env_vars": ENGINE_HOST_ENV},
     }
-    if config.accelerator == "gpu":
+    if gpu:
         actor_options["num_gpus"] = num_gpus
     return actor_options
 
@@ -164,7 +166,7 @@ def place(actor_options: dict[str, Any], placement: PlacementConfig | None) -> N
 def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
     spec = engine_spec(config, name, pool, replica_index)
     actor_options = engine_actor_options(
-        config, config.resources.engine_num_cpus, pool.ranks_per_replica
+        config.resources.engine_num_cpus, pool.ranks_per_replica, config.accelerator == "gpu"
     )
     place(actor_options, pool.placement)
     engine = deployment_by_path(
@@ -185,7 +187,7 @@ def build_scaled_pool(config: AppConfig, settings: ScaledPoolSettings) -> Applic
     scaling = pool.autoscaling
     assert scaling is not None
     actor_options = engine_actor_options(
-        config, config.resources.engine_num_cpus, pool.ranks_per_replica
+        config.resources.engine_num_cpus, pool.ranks_per_replica, config.accelerator == "gpu"
     )
     place(actor_options, pool.placement)
     policy_kwargs = {
@@ -224,55 +226,76 @@ def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] |
     return make_kv_backend(config.kv_transfer).engine_config(roles[pool.role])
 
 
+@dataclass
+class _RouterProcess:
+    """What the router's own process hosts across every model: engines' specs need
+    their share of its CPUs and devices."""
+
+    engines: int = 0
+    devices: int = 0
+    gpu: bool = False
+
+
 def build_app_from_config(config: AppConfig) -> Application:
-    if config.hosts_engines_in_router:
-        return _router_hosting_engines(config)
-    engines: dict[str, Application] = {}
+    return build_application(ApplicationConfig(models=[config], auth=config.auth))
+
+
+def build_application(application: ApplicationConfig) -> Application:
+    """One router for every model, and each model's engines: in their own replicas, or
+    (``hosts_engines_in_router``) in the router's process."""
+    hosted = _RouterProcess()
+    bindings = [_bind_model(application, model, hosted) for model in application.models]
+    first = application.models[0]
+    resources = first.resources
+    if hosted.engines:
+        num_cpus = resources.router_num_cpus + hosted.engines * resources.engine_num_cpus
+        actor_options = engine_actor_options(num_cpus, hosted.devices, hosted.gpu)
+        health = {"health_check_period_s": ENGINE_HEALTH_CHECK_PERIOD_S}
+    else:
+        actor_options = {
+            "num_cpus": resources.router_num_cpus,
+            "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
+        }
+        health = {}
+    place(actor_options, first.router.placement)
+    router = deployment_by_path(
+        ROUTER_CLASS,
+        "Router",
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        ray_actor_options=actor_options,
+        **health,
+    )
+    return router.bind(bindings)
+
+
+def _bind_model(
+    application: ApplicationConfig, config: AppConfig, hosted: _RouterProcess
+) -> ModelBinding:
+    suffix = application.engine_prefix(config)
+    settings = config.ingress_settings(serve_http_host())
     roles: dict[str, str] = {}
-    for name, pool, index in engine_names(config):
+    if config.hosts_engines_in_router:
+        # Each engine keeps the replica name it would have had; device offsets count
+        # across every engine the router's process holds.
+        specs: dict[str, EngineSpec] = {}
+        names = engine_names(config, suffix)
+        shared = len(names) > 1 or application.several
+        for name, pool, index in names:
+            offset = hosted.devices if shared else None
+            specs[name] = engine_spec(config, name, pool, index, offset)
+            roles[name] = pool.role
+            hosted.devices += pool.ranks_per_replica
+            hosted.engines += 1
+        hosted.gpu = hosted.gpu or config.accelerator == "gpu"
+        return ModelBinding(settings=settings, roles=roles, local_engines=specs)
+    engines: dict[str, Application] = {}
+    for name, pool, index in engine_names(config, suffix):
         engines[name] = build_engine(config, name, pool, index)
         roles[name] = pool.role
-    scaled = scaled_pool_settings(config)
-    pools = {settings.deployment: build_scaled_pool(config, settings) for settings in scaled}
-    actor_options: dict[str, Any] = {
-        "num_cpus": config.resources.router_num_cpus,
-        "runtime_env": {"env_vars": SERVE_REPLICA_ENV},
-    }
-    place(actor_options, config.router.placement)
-    router = deployment_by_path(
-        ROUTER_CLASS,
-        "Router",
-        max_ongoing_requests=MAX_ONGOING_REQUESTS,
-        ray_actor_options=actor_options,
-    )
-    ingress = config.ingress_settings(serve_http_host()).model_copy(update={"scaled_pools": scaled})
-    return router.bind(ingress, roles, engines, None, pools)
-
-
-def _router_hosting_engines(config: AppConfig) -> Application:
-    """Every engine in the router's process: the router's replica takes the engines'
-    resources, and each engine keeps the replica name it would have had."""
-    resources = config.resources
-    specs: dict[str, EngineSpec] = {}
-    roles: dict[str, str] = {}
-    shared = config.engine_replicas > 1
-    devices = 0
-    for name, pool, index in engine_names(config):
-        offset = devices if shared else None
-        specs[name] = engine_spec(config, name, pool, index, offset)
-        roles[name] = pool.role
-        devices += pool.ranks_per_replica
-    num_cpus = resources.router_num_cpus + config.engine_replicas * resources.engine_num_cpus
-    actor_options = engine_actor_options(config, num_cpus, devices)
-    place(actor_options, config.router.placement)
-    router = deployment_by_path(
-        ROUTER_CLASS,
-        "Router",
-        max_ongoing_requests=MAX_ONGOING_REQUESTS,
-        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
-        ray_actor_options=actor_options,
-    )
-    return router.bind(config.ingress_settings(serve_http_host()), roles, {}, specs)
+    scaled = scaled_pool_settings(config, suffix)
+    pools = {item.deployment: build_scaled_pool(config, item) for item in scaled}
+    settings = settings.model_copy(update={"scaled_pools": scaled})
+    return ModelBinding(settings=settings, roles=roles, engines=engines, pool_handles=pools)
 
 
 def serve_http_host() -> str | None:
@@ -295,4 +318,4 @@ def serve_http_host() -> str | None:
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder: ``import_path: deployments.app:build_app``."""
     check_top_level_packages()
-    return build_app_from_config(parse_app_config(args))
+    return build_application(parse_application(args))

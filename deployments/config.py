@@ -6,12 +6,14 @@ One pydantic object per concern. Errors name the field and the allowed values, a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from engines.model_source import served_name_of
 from engines.protocol import EngineRole
 from engines.settings import EngineBackendConfig, ModelConfig, PoolConfig
 from kv_transfer.backend_registry import make_kv_backend
@@ -44,7 +46,8 @@ class ResourcesConfig(StrictModel):
 
 
 class AppConfig(StrictModel):
-    """Everything one splitserve application needs; the ``args`` of a Serve YAML."""
+    """Everything one served model needs: the ``args`` of a Serve YAML that serves one,
+    or one entry of ``models:`` (``ApplicationConfig``) where it serves several."""
 
     strategy: Strategy
     accelerator: Accelerator = "cpu"
@@ -221,6 +224,11 @@ class AppConfig(StrictModel):
     def pool(self, role: EngineRole) -> PoolConfig:
         return next(pool for pool in self.pools if pool.role == role)
 
+    @property
+    def served_name(self) -> str:
+        """The name clients route by (``model`` in a request)."""
+        return served_name_of(self.model)
+
     def ingress_settings(self, http_host: str | None = None) -> IngressSettings:
         """What the router process is handed: its own settings objects, validated here;
         ``http_host``: where Serve listens, if known."""
@@ -259,6 +267,99 @@ def _check_kv_layouts_match(prefill: PoolConfig, decode: PoolConfig) -> None:
         )
 
 
+# Settings of the router's own process, one for all the models it routes: where it runs
+# and how it reads a body, which happens before the body names its model.
+ROUTER_PROCESS_FIELDS = (
+    "placement",
+    "max_request_bytes",
+    "inline_prepare_max_bytes",
+    "prepare_threads",
+)
+# What ``models:`` entries take from the application's ``args`` unless they set it.
+SHARED_MODEL_FIELDS = ("accelerator", "resources", "auth")
+
+
+class ApplicationConfig(StrictModel):
+    """One Serve application: the models it serves (each with its own pools, split and
+    QoS) behind one router, and the API keys that guard them all. A YAML without a
+    ``models:`` list serves one model, whose ``args`` are this application's."""
+
+    models: list[AppConfig] = Field(min_length=1)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_model_or_a_list(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "models" not in data:
+            return {"models": [data], "auth": data.get("auth", {})}
+        models = data["models"]
+        if not isinstance(models, list):
+            return data  # pydantic names the type error
+        unexpected = sorted(set(data) - {"models", *SHARED_MODEL_FIELDS})
+        if unexpected:
+            raise ValueError(
+                f"with a models: list, {unexpected} belong inside each model's entry; the"
+                f" application's own args are {['models', *SHARED_MODEL_FIELDS]}"
+            )
+        shared = {name: data[name] for name in SHARED_MODEL_FIELDS if name in data}
+        return {
+            "models": [_with_shared(entry, shared) for entry in models],
+            "auth": data.get("auth", {}),
+        }
+
+    @model_validator(mode="after")
+    def _models_apart(self) -> ApplicationConfig:
+        names = [model.served_name for model in self.models]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"models: {repeated} served twice; set model.served_model_name to tell them apart"
+            )
+        slugs = [deployment_slug(name) for name in names]
+        if len(set(slugs)) != len(slugs):
+            raise ValueError(f"models: {names} give clashing engine names {slugs}; rename one")
+        first = self.models[0].router
+        for model in self.models[1:]:
+            for field in ROUTER_PROCESS_FIELDS:
+                if getattr(model.router, field) != getattr(first, field):
+                    raise ValueError(
+                        f"models: router.{field} is the router process's own, one for every"
+                        f" model, but {model.served_name!r} sets it otherwise than"
+                        f" {self.models[0].served_name!r}"
+                    )
+        return self
+
+    @property
+    def several(self) -> bool:
+        return len(self.models) > 1
+
+    def engine_prefix(self, model: AppConfig) -> str:
+        """What a model's engine names end in: nothing for one model (engine-0), its name
+        for several (engine-tiny-b-0), so that every Serve deployment is named once."""
+        return f"-{deployment_slug(model.served_name)}" if self.several else ""
+
+
+def _with_shared(entry: Any, shared: dict[str, Any]) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    if "auth" in entry:
+        raise ValueError(
+            "models[].auth: API keys guard the whole application; set auth beside models:"
+        )
+    return {
+        **{k: v for k, v in shared.items() if k != "auth"},
+        **entry,
+        "auth": shared.get("auth", {}),
+    }
+
+
+def deployment_slug(served_name: str) -> str:
+    """A served name as Serve deployment names may spell it (meta-llama/X -> meta-llama-X)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", served_name).strip("-")
+
+
 class ConfigError(ValueError):
     """A config that cannot be served, with every problem named."""
 
@@ -270,14 +371,32 @@ def parse_app_config(args: dict[str, Any], origin: str = "args") -> AppConfig:
         raise ConfigError(_describe(error, origin)) from None
 
 
+def parse_application(args: dict[str, Any], origin: str = "args") -> ApplicationConfig:
+    try:
+        return ApplicationConfig.model_validate(args)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, origin)) from None
+
+
 def load_app_config(path: Path | str, app_index: int = 0) -> AppConfig:
-    """The AppConfig of one application of a Serve YAML file."""
+    """The AppConfig of one application of a Serve YAML file that serves one model."""
+    args, origin = _application_args(path, app_index)
+    return parse_app_config(args, origin=origin)
+
+
+def load_application(path: Path | str, app_index: int = 0) -> ApplicationConfig:
+    """Every model of one application of a Serve YAML file."""
+    args, origin = _application_args(path, app_index)
+    return parse_application(args, origin=origin)
+
+
+def _application_args(path: Path | str, app_index: int) -> tuple[dict[str, Any], str]:
     document = yaml.safe_load(Path(path).read_text())
     try:
         args = document["applications"][app_index]["args"]
     except (KeyError, IndexError, TypeError):
         raise ConfigError(f"{path}: no applications[{app_index}].args") from None
-    return parse_app_config(args, origin=f"{path}: applications[{app_index}].args")
+    return args, f"{path}: applications[{app_index}].args"
 
 
 # Names of the Serve deployments that host engines when they run apart from the router.

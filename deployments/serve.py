@@ -31,7 +31,8 @@ STOP_TIMEOUT_S = 90.0
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__)
     parser.add_argument(
-        "config", help="single, dp, tp, pp, pd, pd_always, auto, auto_scaled, or a YAML path"
+        "config",
+        help="single, dp, tp, pp, pd, pd_always, auto, auto_scaled, models, or a YAML path",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="where the router listens")
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ from engines.backends import ENGINE_BACKENDS
 from engines.delta_streams import DeltaStreams, Outbox
 from engines.kv_events import KVEventRelay
 from engines.metrics import replica_stat_logger
-from engines.model_source import resolve_model
+from engines.model_source import resolve_adapter_path, resolve_model
 from engines.protocol import (
     CACHE_UPDATES,
     CacheUpdate,
@@ -37,6 +37,7 @@ from engines.protocol import (
     GenerateChunk,
     GenerateFailure,
     GenerateRequest,
+    LoraAdapter,
     TokenLogprobs,
 )
 from engines.sampler import start_replica_sampler
@@ -137,6 +138,10 @@ def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -
         kwargs["distributed_executor_backend"] = "mp"
     if spec.model.block_size is not None:
         kwargs["block_size"] = spec.model.block_size
+    if spec.model.lora_enabled:
+        kwargs["enable_lora"] = True
+        kwargs["max_loras"] = spec.model.loras_per_batch(spec.accelerator)
+        kwargs["max_lora_rank"] = spec.model.max_lora_rank
     if spec.model.reasoning_parser is not None:
         # Structured outputs apply after the reasoning ends, as in `vllm serve`.
         kwargs["reasoning_parser"] = spec.model.reasoning_parser
@@ -151,6 +156,12 @@ def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -
         # A request handed over to this engine continues from the prefill engine's tokens.
         kwargs["logits_processors"] = [*(kwargs.get("logits_processors") or ()), CONTINUATION]
     return AsyncEngineArgs(**kwargs)
+
+
+def _lora_request(adapter: LoraAdapter) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.int_id, resolve_adapter_path(adapter.path))
 
 
 def _chunks_of(output: Any) -> list[GenerateChunk]:
@@ -338,9 +349,10 @@ class EngineHost:
             }
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         priority = request.priority if self._schedules_by_priority else 0
+        lora = None if request.lora is None else _lora_request(request.lora)
         try:
             async for output in self._engine.generate(
-                prompt, params, request.request_id, priority=priority
+                prompt, params, request.request_id, priority=priority, lora_request=lora
             ):
                 for chunk in _chunks_of(output):
                     outbox.put_nowait((request.request_id, chunk))
@@ -377,6 +389,14 @@ class EngineHost:
     async def check_health(self) -> None:
         # Serve calls this periodically; raising marks the replica unhealthy and restarts it.
         await self._engine.check_health()
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        """Load an adapter now (vLLM would on its first request), so that a bad path
+        fails here, at load time, rather than in a client's request."""
+        await self._engine.add_lora(_lora_request(adapter))
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        await self._engine.remove_lora(adapter.int_id)
 
     def shutdown(self) -> None:
         sampler = getattr(self, "_sampler", None)

@@ -18,6 +18,14 @@ import msgspec
 EngineRole = Literal["mixed", "prefill", "decode"]
 
 
+class LoraAdapter(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter as engines load it: vLLM's LoRARequest, as data."""
+
+    name: str
+    int_id: int  # vLLM's id for it, unique among the adapters an engine holds
+    path: str
+
+
 class GenerateRequest(msgspec.Struct, array_like=True):
     request_id: str
     # Which router process receives this request's deltas (see EngineReplica.deltas).
@@ -34,6 +42,8 @@ class GenerateRequest(msgspec.Struct, array_like=True):
     # The router's event-loop time at which it gives up on the request and aborts it
     # (router.request_timeout_s); meaningless in other processes, ignored by engines.
     deadline: float | None = None
+    # The adapter the request runs with; None for the base model.
+    lora: LoraAdapter | None = None
 
 
 # SamplingParams.extra_args key: the token ids a handed-over request's output must start

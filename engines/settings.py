@@ -34,6 +34,9 @@ ENGINE_ARGS_SET_BY_FIELDS = {
     "seed": "model.seed",
     "enable_prefix_caching": "model.enable_prefix_caching",
     "reasoning_parser": "model.reasoning_parser",
+    "enable_lora": "model.lora_adapters or model.runtime_lora_updates",
+    "max_loras": "model.max_loras",
+    "max_lora_rank": "model.max_lora_rank",
     "tensor_parallel_size": "the pool's tensor_parallel_size",
     "pipeline_parallel_size": "the pool's pipeline_parallel_size",
     "gpu_memory_utilization": "the pool's gpu_memory_utilization",
@@ -63,12 +66,61 @@ def member_name(pool_name: str, replica_id: str) -> str:
     return f"{pool_name}-{replica_id}"
 
 
+# The embedded tiny Llama; ``embedded:<seed>`` is a variant with other random weights,
+# another model for a cluster that serves several.
+EMBEDDED_SOURCE = "embedded"
+
+
+def embedded_seed(source: str) -> int | None:
+    """The weights' seed of an embedded source, or None for a folder or hub id."""
+    if source == EMBEDDED_SOURCE:
+        return 0
+    name, colon, seed = source.partition(":")
+    if name != EMBEDDED_SOURCE or not colon:
+        return None
+    if not seed.isdigit():
+        raise ValueError(f"model.source {source!r}: an embedded variant is embedded:<seed>")
+    return int(seed)
+
+
+# A lora_adapters path that names the deterministic tiny adapter built locally for the
+# embedded model (engines/tiny_lora.py), by seed: embedded-lora:<seed>.
+EMBEDDED_LORA = "embedded-lora"
+
+
+def embedded_lora_seed(path: str) -> int | None:
+    name, colon, seed = path.partition(":")
+    if name != EMBEDDED_LORA:
+        return None
+    if not colon or not seed.isdigit():
+        raise ValueError(f"{path!r}: the embedded model's adapters are {EMBEDDED_LORA}:<seed>")
+    return int(seed)
+
+
+class LoraAdapterConfig(StrictModel):
+    """One adapter, as ``vllm serve --lora-modules name=path`` names it."""
+
+    name: str = Field(min_length=1, description="What clients send in 'model' to use it.")
+    path: str = Field(
+        description="A local folder (on every node that runs the model's engines), a"
+        " Hugging Face id, or embedded-lora:<seed> (a tiny adapter built locally for the"
+        " embedded model)."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _embedded_adapter(cls, path: str) -> str:
+        embedded_lora_seed(path)
+        return path
+
+
 class ModelConfig(StrictModel):
     """Which weights to serve and how vLLM should hold them."""
 
     source: str = Field(
-        "embedded",
-        description="'embedded' (the tiny offline Llama), a local folder, or a Hugging Face id.",
+        EMBEDDED_SOURCE,
+        description="'embedded' (the tiny offline Llama; 'embedded:<seed>' for a variant"
+        " with other weights), a local folder, or a Hugging Face id.",
     )
     served_model_name: str | None = Field(
         None, description="Name clients use in 'model'; defaults to the source's name."
@@ -106,6 +158,50 @@ class ModelConfig(StrictModel):
     reasoning_parser: str | None = Field(
         None, description="vLLM's reasoning parser for this model (e.g. deepseek_r1)."
     )
+    lora_adapters: list[LoraAdapterConfig] = Field(
+        default_factory=list,
+        description="LoRA adapters served from the start, each by its name (vllm serve's"
+        " --lora-modules); their engines run with LoRA enabled.",
+    )
+    runtime_lora_updates: bool = Field(
+        False,
+        description="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind"
+        " the API keys), as VLLM_ALLOW_RUNTIME_LORA_UPDATING allows them in vllm serve.",
+    )
+    max_loras: int | None = Field(
+        None,
+        gt=0,
+        description="Adapters one engine batch may mix (vLLM's max_loras). Unset: as many"
+        " as lora_adapters names, at least one, and one more on CPUs (vLLM's CPU LoRA"
+        " kernels read slot -1 for a base-model request: the spare slot keeps it empty).",
+    )
+    max_lora_rank: int = Field(
+        16, description="The highest adapter rank the engines accept (vLLM's max_lora_rank)."
+    )
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_adapters) or self.runtime_lora_updates
+
+    def loras_per_batch(self, accelerator: str) -> int:
+        if self.max_loras is not None:
+            return self.max_loras
+        return max(1, len(self.lora_adapters)) + (1 if accelerator == "cpu" else 0)
+
+    @model_validator(mode="after")
+    def _adapters_named_once(self) -> ModelConfig:
+        names = [adapter.name for adapter in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_adapters: names must differ, got {names}")
+        if self.served_model_name in names:
+            raise ValueError(f"lora_adapters: {self.served_model_name!r} names the model itself")
+        return self
+
+    @field_validator("source")
+    @classmethod
+    def _embedded_variant(cls, source: str) -> str:
+        embedded_seed(source)
+        return source
 
     @model_validator(mode="after")
     def _known_parsers(self) -> ModelConfig:
@@ -129,7 +225,7 @@ class ModelConfig(StrictModel):
     def engine_dtype(self) -> str:
         if self.dtype is not None:
             return self.dtype
-        return "float32" if self.source == "embedded" else "auto"
+        return "float32" if embedded_seed(self.source) is not None else "auto"
 
     def eager_on(self, accelerator: str) -> bool:
         return self.enforce_eager if self.enforce_eager is not None else accelerator == "cpu"

@@ -24,6 +24,7 @@ from engines.protocol import (
     EngineStats,
     GenerateChunk,
     GenerateRequest,
+    LoraAdapter,
     TokenLogprobs,
 )
 from engines.settings import EngineSpec
@@ -112,6 +113,12 @@ class SyntheticEngineHost:
         )
 
     async def check_health(self) -> None:
+        return None
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        return None  # its tokens do not depend on weights
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
         return None
 
     def shutdown(self) -> None:

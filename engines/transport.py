@@ -21,7 +21,8 @@ Then frames: a 4-byte big-endian length, at most ``MAX_FRAME_BYTES``, and a msgp
 body decoded into the message types below and nothing else (data only, as vLLM's own
 engine sockets carry msgpack, never a pickle). A frame that breaks any rule closes the
 connection. From the router: ``Subscribe`` once, then ``Call`` (``submit``, ``stats``,
-``check_health``) and ``Abort``. From the engine: ``Reply`` and ``Deltas``.
+``check_health``, ``add_lora``, ``remove_lora``) and ``Abort``. From the engine:
+``Reply`` and ``Deltas``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from engines.protocol import (
     GenerateChunk,
     GenerateFailure,
     GenerateRequest,
+    LoraAdapter,
 )
 
 logger = logging.getLogger("splitserve.engine")
@@ -61,7 +63,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # make a reader allocate.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 # The calls a router may make over a connection (EngineHost's methods of those names).
-CALLS = ("submit", "stats", "check_health")
+CALLS = ("submit", "stats", "check_health", "add_lora", "remove_lora")
 
 
 class TransportClosed(ConnectionError):
@@ -82,6 +84,7 @@ class Call(msgspec.Struct, array_like=True, tag="call"):
     call_id: int
     method: str
     argument: GenerateRequest | None = None
+    adapter: LoraAdapter | None = None  # add_lora's and remove_lora's
 
 
 class Abort(msgspec.Struct, array_like=True, tag="abort"):
@@ -201,6 +204,10 @@ class HostedEngine(Protocol):
 
     async def check_health(self) -> None: ...
 
+    async def add_lora(self, adapter: LoraAdapter) -> None: ...
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None: ...
+
 
 class EngineTransportServer:
     """Serves one engine host to every router process that connects."""
@@ -280,7 +287,9 @@ class EngineTransportServer:
             if call.method not in CALLS:
                 raise ValueError(f"unknown call {call.method!r}")
             method = getattr(self._host, call.method)
-            if call.argument is None:
+            if call.adapter is not None:
+                result = method(call.adapter)
+            elif call.argument is None:
                 result = method()
             else:
                 result = method(with_sampling_params(call.argument))

@@ -128,14 +128,15 @@ class Dispatcher:
     def plan(self, request: GenerateRequest, priority: Priority) -> Plan:
         prompt = PromptBlocks(request.prompt_token_ids)
         main_role = "decode" if self._disaggregated else "mixed"
+        adapter = None if request.lora is None else request.lora.name
         # An unhealthy replica is skipped while another is healthy.
-        main = self._choose(main_role, prompt) or Choice(
+        main = self._choose(main_role, prompt, adapter) or Choice(
             self._pool.of_role(main_role)[0], "unhealthy"
         )
         decision = SplitDecision("local", "colocated")
         prefill = None
         if self._pd is not None:
-            prefill = self._prefill_candidate(main.replica, prompt, priority)
+            prefill = self._prefill_candidate(main.replica, prompt, priority, adapter)
             if (stays := _stays_on_one_engine(request)) is not None:
                 decision, prefill = SplitDecision("local", stays), None
             elif prefill is None:
@@ -164,15 +165,16 @@ class Dispatcher:
         )
 
     def _prefill_candidate(
-        self, decode: EngineClient, prompt: PromptBlocks, priority: Priority
+        self, decode: EngineClient, prompt: PromptBlocks, priority: Priority, adapter: str | None
     ) -> Choice | None:
         """Who would compute the prompt remotely: the prefill pool's choice, or in a
         role-free pool the other healthy engine whose first token would come soonest
         for this priority (the engines schedule by priority: only work of the same or a
         higher priority is ahead of it)."""
         if not self._role_free:
-            return self._choose("prefill", prompt)
+            return self._choose("prefill", prompt, adapter)
         peers = [r for r in self._pool.of_role("mixed") if r.healthy and r is not decode]
+        peers = _holding(peers, adapter)
         if not peers:
             return None
         engine_priority = ENGINE_PRIORITY[priority]
@@ -260,10 +262,22 @@ class Dispatcher:
             return None
         return self.plan(plan.request, plan.priority)
 
-    def _choose(self, role: str, prompt: PromptBlocks) -> Choice | None:
-        """A healthy replica of the pool; None if none is (the caller decides what then)."""
+    def _choose(self, role: str, prompt: PromptBlocks, adapter: str | None) -> Choice | None:
+        """A healthy replica of the pool, among those that hold the request's adapter if
+        any does; None if none is healthy (the caller decides what then)."""
         healthy = [replica for replica in self._pool.of_role(role) if replica.healthy]
-        return self._choices[role].choose(healthy, prompt) if healthy else None
+        candidates = _holding(healthy, adapter)
+        return self._choices[role].choose(candidates, prompt) if candidates else None
+
+
+def _holding(replicas: list[EngineClient], adapter: str | None) -> list[EngineClient]:
+    """The replicas that hold ``adapter``, or all of them if none does (each can load it
+    from its path, as vLLM does on a request's first use). A split request's two engines
+    then both hold it wherever one does: its KV goes only to an engine with its adapter."""
+    if adapter is None:
+        return replicas
+    holders = [replica for replica in replicas if adapter in replica.adapters]
+    return holders or replicas
 
 
 # Why a request's prompt is computed where it is generated, whatever the split policy.

@@ -6,12 +6,13 @@ replica choice or split policy).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, SerializeAsAny, field_validator, model_validator
 
 from engines.protocol import EngineRole
-from engines.settings import ModelConfig, PlacementConfig
+from engines.settings import EngineSpec, ModelConfig, PlacementConfig
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
 from splitserve.registry import split_named_block, validate_settings
@@ -19,7 +20,18 @@ from splitserve.registry import split_named_block, validate_settings
 Priority = Literal["high", "normal", "low"]
 PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
 # The router's routes (router/http/ingress.py), by which keys are allowed and paths opened.
-Route = Literal["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
+Route = Literal[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+    "/v1/models",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/health",
+    "/metrics",
+]
 # Routes that may answer without a key: never the ones that spend engine time.
 OpenRoute = Literal["/v1/models", "/health", "/metrics"]
 UnknownFields = Literal["ignore", "reject"]
@@ -426,3 +438,16 @@ class IngressSettings(StrictModel):
     def disaggregated(self) -> bool:
         """Separate prefill and decode pools (PD); auto's one pool is role-free."""
         return self.kv_transfer is not None and self.strategy == "pd"
+
+
+@dataclass
+class ModelBinding:
+    """One served model as the application builder binds it to the router: its settings
+    and its engines (deployments/app.py). Serve replaces the bound engine deployments
+    inside it by their handles when the router starts."""
+
+    settings: IngressSettings
+    roles: dict[str, str]  # each engine's role, by replica name
+    engines: dict[str, Any] = field(default_factory=dict)  # Serve handles, by replica name
+    local_engines: dict[str, EngineSpec] = field(default_factory=dict)  # hosted in the router
+    pool_handles: dict[str, Any] = field(default_factory=dict)  # scaled pools, by deployment

@@ -227,6 +227,7 @@ SERVING_ORDER = (
     "tests.deployments.test_pd_served",
     "tests.deployments.test_auto_served",
     "tests.deployments.test_cold_start_served",
+    "tests.deployments.test_models_served",
     "tests.router.policies.test_policies_served",
     "tests.dashboards.test_prometheus_served",
     "tests.router.observation.test_traffic_served",

@@ -22,7 +22,7 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from router.http.errors import OpenAIError
-from router.observation.metrics import RouterMetrics
+from router.observation.metrics import ModelMetrics
 from router.policies.qos import Rejection
 from router.settings import PRIORITIES, ApiKeyConfig, AuthConfig, Priority, check_key_text
 
@@ -142,7 +142,7 @@ class ApiKeys:
         return None
 
     def admit(
-        self, client: Client, requested: Priority, metrics: RouterMetrics
+        self, client: Client, requested: Priority, metrics: ModelMetrics
     ) -> tuple[Priority, QueueSlot]:
         """The priority the client is served at (lowered to its key's highest, counted
         in ``metrics.priority_capped``) and its place in its key's queue: Rejection (429)
@@ -152,7 +152,7 @@ class ApiKeys:
             metrics.priority_capped.labels(client.name, requested, granted).inc()
         return granted, self._enqueue(client, granted, metrics)
 
-    def _enqueue(self, client: Client, priority: Priority, metrics: RouterMetrics) -> QueueSlot:
+    def _enqueue(self, client: Client, priority: Priority, metrics: ModelMetrics) -> QueueSlot:
         cap = client.max_queued
         if cap is None:
             return QueueSlot()

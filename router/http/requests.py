@@ -25,8 +25,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
 
 from router.http.errors import OpenAIError, bad_request
-from router.policies.qos import take_priority
-from router.settings import Priority, RouterConfig, UnknownFields
+from router.settings import RouterConfig, UnknownFields
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 T = TypeVar("T")
@@ -375,12 +374,13 @@ class RequestValidator:
         self,
         prompts: PromptBuilder,
         served_name: str,
-        default: Priority,
         limits: RouterConfig | None = None,
+        is_adapter: Callable[[str], bool] = lambda name: False,
     ) -> None:
+        """``is_adapter``: whether a name is one of the model's LoRA adapters now."""
         self._prompts = prompts
         self._served_name = served_name
-        self._default_priority = default
+        self._is_adapter = is_adapter
         self._limits = limits or RouterConfig()
         # Threads of their own, so that a burst of large bodies waits here and leaves
         # asyncio's default executor (which the event loop's own work uses) alone.
@@ -401,10 +401,10 @@ class RequestValidator:
                 raise _too_large(limit)
         return bytes(body)
 
-    async def read_off_loop(self, raw: bytes, headers: Mapping[str, str]) -> tuple[Priority, Any]:
-        """``read``, in a worker thread when the body is large."""
+    async def decode_off_loop(self, raw: bytes) -> Any:
+        """The JSON body (``decode_json_body``), in a worker thread when it is large."""
         large = len(raw) > self._limits.inline_prepare_max_bytes
-        return await self._run(large, self.read, raw, headers)
+        return await self._run(large, decode_json_body, raw)
 
     async def prepare_off_loop(
         self, model_cls: type[OpenAIRequest], body: Any, size: int
@@ -421,13 +421,11 @@ class RequestValidator:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, function, *args)
 
-    def read(self, raw: bytes, headers: Mapping[str, str]) -> tuple[Priority, Any]:
-        """The JSON body, and the request's priority (taken out of it or its headers)."""
-        body = decode_json_body(raw)
-        return take_priority(body, headers, self._default_priority), body
-
     def prepare(self, model_cls: type[OpenAIRequest], body: Any) -> PreparedRequest:
         request = parse_request(model_cls, body, self._limits.unknown_fields)
+        if request.model is not None and self._is_adapter(request.model):
+            # vLLM's layer resolves the adapter as vllm serve does, and hands it on.
+            raise ServedByVllm(request, "lora_adapter")
         if request.model is not None and request.model != self._served_name:
             raise OpenAIError(
                 f"The model '{request.model}' does not exist; this server serves"

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,7 +32,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.protocol import BaseModelPath, LoRAModulePath
 from vllm.entrypoints.openai.models.serving import OpenAIServingModels
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
@@ -47,7 +47,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from engines.model_source import resolve_model
-from engines.protocol import GenerateChunk, GenerateRequest, TokenLogprobs
+from engines.protocol import GenerateChunk, GenerateRequest, LoraAdapter, TokenLogprobs
 from engines.settings import ModelConfig
 from router.http.errors import OpenAIError
 from router.settings import Priority
@@ -82,6 +82,14 @@ OpenStream = Callable[
 ]
 
 
+class AdapterLoader(Protocol):
+    """Loads and unloads LoRA adapters on a model's engines (the router's ServedModel)."""
+
+    async def load_adapter(self, adapter: LoraAdapter) -> None: ...
+
+    async def unload_adapter(self, int_id: int) -> None: ...
+
+
 class DispatchingEngineClient(EngineClient):
     """vLLM's engine-client interface over the router's dispatch.
 
@@ -90,7 +98,9 @@ class DispatchingEngineClient(EngineClient):
     interface (sleep, profiling, weight updates) belongs to one engine, not to a router
     of many, and says so."""
 
-    def __init__(self, vllm_config: Any, open_stream: OpenStream) -> None:
+    def __init__(
+        self, vllm_config: Any, open_stream: OpenStream, adapters: AdapterLoader | None = None
+    ) -> None:
         from vllm.renderers import renderer_from_config
         from vllm.v1.engine.input_processor import InputProcessor
 
@@ -99,12 +109,15 @@ class DispatchingEngineClient(EngineClient):
         self.renderer = renderer_from_config(vllm_config)
         self.input_processor = InputProcessor(vllm_config, self.renderer)
         self._open_stream = open_stream
+        self._adapters = adapters
 
     async def generate(  # type: ignore[override]
         self,
         prompt: Any,
         sampling_params: SamplingParams,
         request_id: str,
+        *,
+        lora_request: Any = None,
         # vLLM's priority and the rest: the router's own (the call's) are what count.
         **_: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
@@ -112,7 +125,11 @@ class DispatchingEngineClient(EngineClient):
         # vLLM's own checks of the parameters and the prompt (what AsyncLLM.generate
         # runs first), so a bad request is the 400 `vllm serve` gives.
         core = self.input_processor.process_inputs(
-            request_id, prompt, sampling_params, supported_tasks=("generate",)
+            request_id,
+            prompt,
+            sampling_params,
+            supported_tasks=("generate",),
+            lora_request=lora_request,
         )
         params = core.sampling_params
         assert params is not None
@@ -123,6 +140,7 @@ class DispatchingEngineClient(EngineClient):
             subscriber="",
             prompt_token_ids=prompt_ids,
             sampling_params=params,
+            lora=None if lora_request is None else _adapter_of(lora_request),
         )
         stream, headers = await self._open_stream(request, call)
         call.headers.update(headers)
@@ -171,7 +189,18 @@ class DispatchingEngineClient(EngineClient):
         return False
 
     async def add_lora(self, lora_request: Any) -> bool:
-        raise _one_engines("loading an adapter")
+        """Load an adapter on every engine of the model (vLLM's serving layer calls this
+        for the YAML's adapters and for /v1/load_lora_adapter)."""
+        if self._adapters is None:
+            raise ValueError("LoRA is not enabled for this model (model.lora_adapters)")
+        await self._adapters.load_adapter(_adapter_of(lora_request))
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        if self._adapters is None:
+            return False
+        await self._adapters.unload_adapter(lora_id)
+        return True
 
     # ---- one engine's operations, which a router of many does not offer ---------------
 
@@ -220,6 +249,10 @@ class DispatchingEngineClient(EngineClient):
 
     async def stop_profile(self, *args: Any, **kwargs: Any) -> None:
         raise _one_engines("profiling")
+
+
+def _adapter_of(lora_request: Any) -> LoraAdapter:
+    return LoraAdapter(lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
 
 
 def _one_engines(what: str) -> NotImplementedError:
@@ -317,6 +350,7 @@ class FrontendOptions:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     trust_request_chat_template: bool = False
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path), vllm serve's --lora-modules
 
     @classmethod
     def of(cls, model: ModelConfig, trust_request_chat_template: bool) -> FrontendOptions:
@@ -329,6 +363,7 @@ class FrontendOptions:
             tool_call_parser=model.tool_call_parser,
             reasoning_parser=model.reasoning_parser,
             trust_request_chat_template=trust_request_chat_template,
+            lora_adapters=tuple((a.name, a.path) for a in model.lora_adapters),
         )
 
 
@@ -376,6 +411,10 @@ def frontend_config(model: ModelConfig) -> Any:
         enforce_eager=True,  # nothing runs here; no graphs to plan
         reasoning_parser=model.reasoning_parser or "",
     )
+    if model.lora_enabled:  # vLLM's input checks refuse adapters where LoRA is off
+        args.enable_lora = True
+        args.max_loras = model.loras_per_batch("cpu")
+        args.max_lora_rank = model.max_lora_rank
     return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
@@ -386,8 +425,13 @@ class VllmFrontend:
         from vllm.renderers.chat_utils import load_chat_template
 
         template = load_chat_template(options.chat_template)
-        models = OpenAIServingModels(
-            client, [BaseModelPath(name=options.served_name, model_path=options.model_path)]
+        self.models = models = OpenAIServingModels(
+            client,
+            [BaseModelPath(name=options.served_name, model_path=options.model_path)],
+            lora_modules=[
+                LoRAModulePath(name=name, path=path, base_model_name=options.served_name)
+                for name, path in options.lora_adapters
+            ],
         )
         reasoning_parser = options.reasoning_parser or ""
         self._renderer = OnlineRenderer(

@@ -25,6 +25,7 @@ from engines.protocol import (
     GenerateChunk,
     GenerateFailure,
     GenerateRequest,
+    LoraAdapter,
 )
 from engines.transport import (
     ENGINE_MESSAGES,
@@ -78,6 +79,10 @@ class EngineLink(Protocol):
     async def stats(self) -> EngineStats: ...
 
     async def check_health(self) -> None: ...
+
+    async def add_lora(self, adapter: LoraAdapter) -> None: ...
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None: ...
 
     async def wait_ready(self) -> None:
         """Return once the engine can take requests."""
@@ -154,6 +159,12 @@ class SocketEngineLink:
     async def check_health(self) -> None:
         await self._call("check_health", None)
 
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        await self._call("add_lora", None, adapter)
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        await self._call("remove_lora", None, adapter)
+
     async def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
         """The engine's deltas for this router process, until the connection ends."""
         if self._connection is None:
@@ -181,7 +192,7 @@ class SocketEngineLink:
             return None
         return connection[1]
 
-    async def _call(self, method: str, argument: Any) -> Any:
+    async def _call(self, method: str, argument: Any, adapter: LoraAdapter | None = None) -> Any:
         writer = self._open_writer()
         if writer is None:
             raise EngineUnavailable("the engine replica is not connected")
@@ -189,7 +200,7 @@ class SocketEngineLink:
         reply = asyncio.get_running_loop().create_future()
         self._replies[call_id] = reply
         try:
-            writer.write(encode_frame(Call(call_id, method, argument)))
+            writer.write(encode_frame(Call(call_id, method, argument, adapter)))
             return await reply
         finally:
             self._replies.pop(call_id, None)
@@ -282,6 +293,12 @@ class LocalEngineLink:
 
     async def check_health(self) -> None:
         await self._live_host().check_health()
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        await self._live_host().add_lora(adapter)
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        await self._live_host().remove_lora(adapter)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -376,6 +393,9 @@ class EngineClient:
         # False from a broken delta stream or failed stats poll until a poll succeeds again;
         # the dispatcher routes around unhealthy replicas where it has a choice.
         self.healthy = True
+        # The LoRA adapters this engine has loaded, by name: the dispatcher prefers an
+        # engine that holds a request's adapter (another would load it first).
+        self.adapters: set[str] = set()
         self._submit_timeout_s = submit_timeout_s
         self._gate = gate or PrefillGate(None)
         self._link = link

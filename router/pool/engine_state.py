@@ -15,7 +15,7 @@ from typing import Any
 from engines.protocol import EngineStats
 from kv_transfer import KVRouterSide
 from kv_transfer.metrics import handover_seconds
-from router.observation.metrics import RouterMetrics
+from router.observation.metrics import ModelMetrics
 from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
 from router.pool.replica_state import MovingAverage
@@ -56,7 +56,7 @@ class EngineStatePoller:
     def __init__(
         self,
         pool: EnginePool,
-        metrics: RouterMetrics,
+        metrics: ModelMetrics,
         interval_s: float,
         unhealthy_after_failed_polls: int,
         kv: KVRouterSide | None = None,

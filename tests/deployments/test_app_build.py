@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from deployments.app import (
     ENGINE_REPLICA_CLASS,
@@ -16,9 +17,17 @@ from deployments.app import (
     SCALED_POOL_REQUEST_ROUTER,
     build_app,
 )
+from router.settings import ModelBinding
 from tests.support.shipped_configs import on_gpus, shipped_args
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _binding(router: Any, index: int = 0) -> ModelBinding:
+    """What the router is bound to for its ``index``-th model."""
+    return router._bound_deployment.init_args[0][index]
+
+
 HEAVY = ("vllm", "torch", "transformers", "router.http.ingress", "engines.host")
 
 
@@ -39,7 +48,7 @@ def test_the_replicas_are_named_by_import_paths_that_resolve() -> None:
     args = shipped_args("dp")
     args.setdefault("router", {})["engine_in_router"] = False
     router = build_app(args)
-    engines = router._bound_deployment.init_args[2]  # the router's engines, by replica name
+    engines = _binding(router).engines  # the router's engines, by replica name
     assert router._bound_deployment.func_or_class == ROUTER_CLASS
     assert {app._bound_deployment.func_or_class for app in engines.values()} == {
         ENGINE_REPLICA_CLASS
@@ -55,7 +64,13 @@ def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> No
     decode.pop("cpu_binds", None)
     decode["autoscaling"] = {"max_replicas": 3, "tpot_slo_s": 0.04, "drain_timeout_s": 30}
     router = build_app(args)
-    settings, roles, engines, _, pools = router._bound_deployment.init_args
+    binding = _binding(router)
+    settings, roles, engines, pools = (
+        binding.settings,
+        binding.roles,
+        binding.engines,
+        binding.pool_handles,
+    )
     assert set(roles) == {"prefill-0"} and set(engines) == {"prefill-0"}
     assert [s.deployment for s in settings.scaled_pools] == ["decode-pool"]
     assert settings.scaled_pools[0].drain_timeout_s == 30
@@ -77,7 +92,7 @@ def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> No
 
 def test_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
     router = build_app(on_gpus("pd"))
-    engines = router._bound_deployment.init_args[2]
+    engines = _binding(router).engines
     assert set(engines) == {"prefill-0", "decode-0"}
     for engine in engines.values():
         assert engine._bound_deployment.ray_actor_options["num_gpus"] == 1
@@ -86,5 +101,5 @@ def test_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
 
 def test_a_tensor_parallel_gpu_engine_gets_a_replica_with_all_its_gpus() -> None:
     router = build_app(on_gpus("tp"))
-    (engine,) = router._bound_deployment.init_args[2].values()
+    (engine,) = _binding(router).engines.values()
     assert engine._bound_deployment.ray_actor_options["num_gpus"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,9 @@ from deployments.app import engine_names, engine_process_env, engine_spec
 from deployments.config import (
     ConfigError,
     load_app_config,
+    load_application,
     parse_app_config,
+    parse_application,
     refuse_engine_overrides,
 )
 from tests.support.shipped_configs import on_gpus, shipped_args
@@ -423,7 +426,11 @@ def _bound_deployments(app: object) -> dict[str, Any]:
     while stack:
         deployment = stack.pop()
         found[deployment.name] = deployment
-        for value in [*deployment.init_args, *deployment.init_kwargs.values()]:
+        values = [*deployment.init_args, *deployment.init_kwargs.values()]
+        for value in values:
+            if isinstance(value, list):  # the router's model bindings
+                values += [{**b.engines, **b.pool_handles} for b in value]
+                continue
             children = value.values() if isinstance(value, dict) else [value]
             stack += [c._bound_deployment for c in children if hasattr(c, "_bound_deployment")]
     return found
@@ -504,3 +511,74 @@ def test_a_scaled_pools_engine_takes_its_name_and_its_ranks_cores() -> None:
     assert member.process_env["SPLITSERVE_ENGINE"] == "engine-abc"
     assert member.process_env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert member.process_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+# ---- several models in one application ---------------------------------------------------
+
+
+def _two_models(**second: Any) -> dict[str, Any]:
+    one = {"strategy": "single", "pools": [{}]}
+    return {"models": [one, {"strategy": "dp", "pools": [{"replicas": 2}], **second}]}
+
+
+def test_a_yaml_without_models_serves_its_args_as_one_model() -> None:
+    application = parse_application(shipped_args("pd"))
+    (model,) = application.models
+    assert model.strategy == "pd" and model.served_name == "splitserve-tiny-llama"
+    assert application.engine_prefix(model) == ""
+
+
+def test_models_yaml_serves_two_models_each_with_its_own_split() -> None:
+    application = load_application(DEPLOYMENTS / "models.yaml")
+    chat, split = application.models
+    assert (chat.served_name, chat.strategy) == ("tiny-chat", "single")
+    assert (split.served_name, split.strategy) == ("tiny-code", "pd")
+    assert split.model.source == "embedded:1" and chat.accelerator == split.accelerator == "cpu"
+    assert split.ingress_settings().disaggregated and not chat.ingress_settings().disaggregated
+    assert application.engine_prefix(split) == "-tiny-code"
+
+
+def test_an_embedded_variant_is_another_model_with_its_own_name() -> None:
+    application = parse_application(_two_models(model={"source": "embedded:3"}))
+    assert [m.served_name for m in application.models] == [
+        "splitserve-tiny-llama",
+        "splitserve-tiny-llama-3",
+    ]
+    with pytest.raises(ConfigError, match="embedded:<seed>"):
+        parse_application(_two_models(model={"source": "embedded:x"}))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (_two_models(), "served twice; set model.served_model_name"),
+        (
+            {**_two_models(model={"source": "embedded:1"}), "strategy": "dp"},
+            "belong inside each model's entry",
+        ),
+        (
+            _two_models(model={"source": "embedded:1"}, auth={"keys": []}),
+            "API keys guard the whole application",
+        ),
+        (
+            _two_models(model={"source": "embedded:1"}, router={"max_request_bytes": 1000}),
+            "router.max_request_bytes is the router process's own",
+        ),
+    ],
+)
+def test_several_models_are_refused_where_they_would_clash(
+    args: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_application(args)
+
+
+def test_several_models_engines_are_named_after_their_model() -> None:
+    from deployments.app import build_application
+
+    application = load_application(DEPLOYMENTS / "models.yaml")
+    bindings = build_application(application)._bound_deployment.init_args[0]
+    assert [sorted(b.local_engines) for b in bindings] == [
+        ["engine-tiny-chat-0"],
+        ["decode-tiny-code-0", "prefill-tiny-code-0"],
+    ]

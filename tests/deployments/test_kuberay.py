@@ -624,10 +624,12 @@ def _replica_options(args: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each Serve deployment the application builds (router, engines, scaled pools) and
     the Ray options its replicas are placed by."""
     router = build_app(copy.deepcopy(args))._bound_deployment
-    _, _, engines, _, pools = router.init_args
     options = {"Router": router.ray_actor_options}
-    for name, app in {**engines, **(pools or {})}.items():
-        options[name] = app._bound_deployment.ray_actor_options
+    for binding in router.init_args[0]:
+        deployments = {**binding.engines, **binding.pool_handles}
+        options.update(
+            {name: app._bound_deployment.ray_actor_options for name, app in deployments.items()}
+        )
     return options
 
 

@@ -13,9 +13,9 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from deployments.app import engine_spec
-from deployments.config import parse_app_config
+from deployments.config import parse_application
 from engines.host import build_engine_args
-from tests.support.shipped_configs import SHIPPED, on_gpus, shipped_args
+from tests.support.shipped_configs import SHIPPED, on_gpus, served_models, shipped_args
 
 MODEL = "meta-llama/Llama-3.2-1B-Instruct"
 # What an engine sets apart from `vllm serve MODEL`, and why; nothing else may differ.
@@ -28,6 +28,8 @@ SET_BY_THE_SHAPE = {
     "kv_events_config": "the router's prefix index reads the engine's KV events",
     "logits_processors": "a handed-over request continues from the prefill engine's first"
     " token (engines/continuation.py)",
+    "enable_lora": "models with lora_adapters, as vllm serve --enable-lora",
+    "max_loras": "as many adapters as model.lora_adapters names (vllm serve --max-loras)",
     "enable_prefix_caching": "on, as vLLM's own default resolves it for these models; the"
     " router's prefix index needs it on, so it is not left to vLLM's choice",
 }
@@ -39,20 +41,28 @@ def _vllm_serve_defaults() -> dict[str, Any]:
 
 
 def _engine_args(args: dict[str, Any]) -> list[dict[str, Any]]:
-    config = parse_app_config(args)
-    specs = [engine_spec(config, f"{p.role}-0", p, 0) for p in config.pools]
-    return [dataclasses.asdict(build_engine_args(spec)) for spec in specs]
+    """Every engine's vLLM arguments, of each model the args serve."""
+    engines = []
+    for config in parse_application(args).models:
+        specs = [engine_spec(config, f"{p.role}-0", p, 0) for p in config.pools]
+        engines += [dataclasses.asdict(build_engine_args(spec)) for spec in specs]
+    return engines
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_yamls_on_gpus_start_engines_as_vllm_serve_would(name: str) -> None:
     args = on_gpus(name)
-    args["model"] = {**args["model"], "source": MODEL}
+    for model in args.get("models", [args]):
+        model["model"] = {**model["model"], "source": MODEL, "served_model_name": None}
+    if "models" in args:  # two names for one checkpoint, as vllm serve would serve them
+        for index, model in enumerate(args["models"]):
+            model["model"]["served_model_name"] = f"{MODEL}-{index}"
     serve = _vllm_serve_defaults()
     # Defaults the CLI and the dataclass spell differently (None against False, ...):
     # an engine made from the dataclass may match either.
     dataclass_defaults = dataclasses.asdict(AsyncEngineArgs(model=MODEL))
-    for pool, engine in zip(args["pools"], _engine_args(args), strict=True):
+    pools = [pool for model in served_models(args) for pool in model["pools"]]
+    for pool, engine in zip(pools, _engine_args(args), strict=True):
         chosen = set(pool.get("engine_kwargs", {}))  # written in the YAML, on purpose
         different = {
             field: (engine[field], serve[field])

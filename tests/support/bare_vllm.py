@@ -23,13 +23,20 @@ FLAGS = (
 
 
 @contextmanager
-def bare_vllm(folder: Path) -> Iterator[str]:
-    """The server's base URL while it runs; its log and IPC sockets under ``folder``."""
+def bare_vllm(
+    folder: Path,
+    model_path: Path | None = None,
+    served_name: str = EMBEDDED_MODEL_NAME,
+    extra_flags: tuple[str, ...] = (),
+) -> Iterator[str]:
+    """The server's base URL while it runs; its log and IPC sockets under ``folder``.
+    ``model_path``: another model than the embedded one; ``extra_flags``: more of
+    `vllm serve`'s flags (e.g. --enable-lora --lora-modules)."""
     port = free_port()
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(embedded_model_path()), "--served-model-name", EMBEDDED_MODEL_NAME,
-        "--port", str(port), *FLAGS,
+        "--model", str(model_path or embedded_model_path()), "--served-model-name", served_name,
+        "--port", str(port), *FLAGS, *extra_flags,
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")

@@ -11,12 +11,17 @@ MODEL = "splitserve-tiny-llama"
 
 
 def greedy(
-    base_url: str, route: str, prompt: dict, max_tokens: int, stream: bool = False
+    base_url: str,
+    route: str,
+    prompt: dict,
+    max_tokens: int,
+    stream: bool = False,
+    model: str = MODEL,
 ) -> tuple[list[int], dict, httpx.Headers]:
     """Token ids, usage and response headers of one greedy request, streamed or not;
     ``prompt``: ``{"prompt": ...}`` or ``{"messages": ...}``."""
     body = {
-        "model": MODEL,
+        "model": model,
         **prompt,
         "max_tokens": max_tokens,
         "temperature": 0,

@@ -26,8 +26,10 @@ from deployments.config import AppConfig, parse_app_config
 from engines.settings import EngineBackendConfig
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
-from router.http import ingress
+from router.http import ingress, served_model
 from router.http.ingress import Router
+from router.http.served_model import ServedModel
+from router.settings import ModelBinding
 from tests.support.fake_engine import RecordingKV
 
 CHAT = "/v1/chat/completions"
@@ -38,10 +40,8 @@ REPLICA = "x-splitserve-replica"
 PREFILL = "x-splitserve-prefill"
 PREFILL_REPLICA = "x-splitserve-prefill-replica"
 
-# serve.ingress wraps the class; the class itself comes next. Its functions read a copy
-# of the module's globals, which Serve's pickling made.
+# serve.ingress wraps the class; the class itself comes next.
 ROUTER_CLASS: type = Router.__mro__[1]
-ROUTER_GLOBALS: dict[str, Any] = ROUTER_CLASS.__init__.__globals__
 
 
 def _servable_dependency() -> Callable[..., Any]:
@@ -112,6 +112,12 @@ def _config(args: dict[str, Any]) -> AppConfig:
     return config.model_copy(update={"engine": engine})
 
 
+def only_model(router: Any) -> ServedModel:
+    """The one model an in-process router serves: its pool, dispatcher and KV."""
+    (served,) = router._models.values()
+    return served
+
+
 @asynccontextmanager
 async def in_process_router(**args: Any) -> AsyncIterator[Any]:
     """A started router with synthetic engines; ``args``: YAML args beside or instead
@@ -125,9 +131,10 @@ async def in_process_router(**args: Any) -> AsyncIterator[Any]:
     names = engine_names(config)
     specs = {name: engine_spec(config, name, pool, index) for name, pool, index in names}
     roles = {name: pool.role for name, pool, _ in names}
+    binding = ModelBinding(config.ingress_settings(), roles, local_engines=specs)
     router = object.__new__(ROUTER_CLASS)
-    with mock.patch.dict(ROUTER_GLOBALS, make_kv_backend=_RecordingKVBackend):
-        await ROUTER_CLASS.__init__(router, config.ingress_settings(), roles, {}, specs)
+    with mock.patch.object(served_model, "make_kv_backend", _RecordingKVBackend):
+        await ROUTER_CLASS.__init__(router, [binding])
     try:
         yield router
     finally:
@@ -238,4 +245,4 @@ def kill_engine(router: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(
         SyntheticEngineHost, "dead", property(lambda host: getattr(host, "killed", False))
     )
-    router._pool.get(name).link._host.killed = True
+    only_model(router).pool.get(name).link._host.killed = True

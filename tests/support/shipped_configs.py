@@ -19,10 +19,19 @@ def shipped_args(name: str) -> dict[str, Any]:
     return document["applications"][0]["args"]
 
 
+def served_models(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each served model's args: the entries of ``models:``, else the args themselves."""
+    if "models" not in args:
+        return [args]
+    shared = {key: value for key, value in args.items() if key != "models"}
+    return [{**shared, **entry} for entry in args["models"]]
+
+
 def on_gpus(name: str) -> dict[str, Any]:
     """The same args with ``accelerator: gpu`` and without the CPU-only pool fields."""
     args = shipped_args(name)
-    for pool in args["pools"]:
-        pool.pop("cpu_binds", None)
-        pool.pop("kv_cache_gib", None)
+    for model in args.get("models", [args]):
+        for pool in model["pools"]:
+            pool.pop("cpu_binds", None)
+            pool.pop("kv_cache_gib", None)
     return {**args, "accelerator": "gpu"}

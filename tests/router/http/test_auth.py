@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from deployments.config import ConfigError, parse_app_config
+from engines.tiny_model import EMBEDDED_MODEL_NAME
 from router.http import ingress
 from router.http.auth import (
     KEY_QUEUE_FULL,
@@ -27,7 +28,7 @@ from router.http.auth import (
     is_loopback,
 )
 from router.http.errors import OpenAIError
-from router.observation.metrics import RouterMetrics
+from router.observation.metrics import ModelMetrics, RouterMetrics
 from router.settings import AuthConfig
 from tests.support.in_process_router import chat_body, http_request, in_process_router
 
@@ -54,7 +55,7 @@ def bearer(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def sample(metrics: RouterMetrics, name: str, **labels: str) -> float:
+def sample(metrics: RouterMetrics | ModelMetrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return value or 0.0
 
@@ -140,7 +141,7 @@ def test_keys_that_cannot_be_used_are_named_at_start(
 
 
 def test_a_priority_above_the_keys_is_capped_and_counted_not_refused() -> None:
-    metrics = RouterMetrics()
+    metrics = RouterMetrics().for_model("m")
     configured = keys()
     client = configured.authenticate(bearer(TEAM_KEY), CHAT)
 
@@ -159,7 +160,7 @@ def test_a_priority_above_the_keys_is_capped_and_counted_not_refused() -> None:
 
 
 def test_a_keys_queue_cap_is_a_429_until_a_request_gets_its_first_token() -> None:
-    metrics = RouterMetrics()
+    metrics = RouterMetrics().for_model("m")
     configured = keys()
     client = configured.authenticate(bearer(TEAM_KEY), CHAT)
 
@@ -175,7 +176,8 @@ def test_a_keys_queue_cap_is_a_429_until_a_request_gets_its_first_token() -> Non
         configured.admit(client, "normal", metrics)
 
     asyncio.run(scenario())
-    assert sample(metrics, "splitserve_rejections_total", reason=KEY_QUEUE_FULL, priority="normal")
+    rejected = {"model": "m", "reason": KEY_QUEUE_FULL, "priority": "normal"}
+    assert sample(metrics, "splitserve_rejections_total", **rejected)
 
 
 def test_a_request_that_ends_before_its_first_token_gives_its_place_back() -> None:
@@ -183,7 +185,7 @@ def test_a_request_that_ends_before_its_first_token_gives_its_place_back() -> No
     client = configured.authenticate(bearer(TEAM_KEY), CHAT)
 
     async def refused_later() -> None:
-        configured.admit(client, "normal", RouterMetrics())
+        configured.admit(client, "normal", RouterMetrics().for_model("m"))
         raise OpenAIError("refused by admission control")
 
     async def scenario() -> None:
@@ -311,7 +313,9 @@ async def test_the_router_answers_401_403_and_serves_a_good_key(
         health = await router.health(http_request("/health", method="GET"))
         assert health.status_code == 200  # open for probes
         requests = "splitserve_requests_total"
-        assert sample(router._metrics, requests, route=CHAT, status="401", priority="normal") == 2
+        # Refused before the body named a model: counted without one.
+        unnamed = {"model": "", "route": CHAT, "status": "401", "priority": "normal"}
+        assert sample(router._metrics, requests, **unnamed) == 2
 
 
 async def test_the_router_serves_a_capped_priority_and_counts_it(team_key: None) -> None:
@@ -324,6 +328,7 @@ async def test_the_router_serves_a_capped_priority_and_counts_it(team_key: None)
         assert sample(
             router._metrics,
             "splitserve_requests_total",
+            model=EMBEDDED_MODEL_NAME,
             route=CHAT,
             status="200",
             priority="normal",

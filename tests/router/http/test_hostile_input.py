@@ -27,7 +27,8 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from router.http.errors import OpenAIError
-from router.http.requests import PromptBuilder, RequestValidator, ServedByVllm
+from router.http.requests import PromptBuilder, RequestValidator, ServedByVllm, decode_json_body
+from router.policies.qos import take_priority
 from router.settings import PRIORITIES
 
 EXAMPLES = settings(
@@ -83,7 +84,7 @@ def validator() -> RequestValidator:
     path = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = PromptBuilder(tokenizer, 4096, AutoConfig.from_pretrained(path).vocab_size)
-    return RequestValidator(prompts, EMBEDDED_MODEL_NAME, "normal")
+    return RequestValidator(prompts, EMBEDDED_MODEL_NAME)
 
 
 # Fields the router sets for the engines' hand-over; a client's value is hostile
@@ -121,7 +122,8 @@ def refusal(validator: RequestValidator, model_cls: type, raw: bytes) -> OpenAIE
     own path, or through vLLM's layer, which validates it there); any other outcome
     fails."""
     try:
-        _, parsed = validator.read(raw, {})
+        parsed = decode_json_body(raw)
+        take_priority(parsed, {}, "normal")
         validator.prepare(model_cls, parsed)
     except ServedByVllm:
         return None

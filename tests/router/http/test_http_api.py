@@ -29,6 +29,7 @@ from tests.support.in_process_router import (
     in_process_router,
     kill_engine,
     metric,
+    only_model,
     openai_error,
     ready,
     sse_events,
@@ -436,7 +437,7 @@ async def test_a_request_past_request_timeout_s_is_a_504_and_aborted_in_the_engi
         assert time.monotonic() - started < 2
         message = openai_error(response, 504, "TimeoutError", None)
         assert "router.request_timeout_s (0.3 s) on engine-0; it was aborted" in message
-        engine = router._pool.get("engine-0").link._host
+        engine = only_model(router).pool.get("engine-0").link._host
         await until(lambda: engine.stats().num_running == 0, timeout_s=1)
 
 
@@ -556,7 +557,7 @@ async def test_a_priority_past_its_queue_cap_is_a_429_with_retry_after() -> None
         await ready(client)
         assert (await client.post(COMPLETIONS, json=completion(max_tokens=1))).status_code == 200
         waiting = asyncio.create_task(client.post(CHAT, json=chat()))  # for the next step
-        await until(lambda: router._dispatcher.queued_requests() == 1)
+        await until(lambda: only_model(router)._dispatcher.queued_requests() == 1)
         for priority in ("normal", "low"):
             response = await client.post(CHAT, json=chat(), headers={"x-priority": priority})
             message = openai_error(response, 429, "RateLimitError", None)
@@ -626,7 +627,7 @@ async def test_a_keys_queue_cap_is_a_429_with_auths_retry_after() -> None:
         warm = await client.post(COMPLETIONS, json=completion(max_tokens=1), headers=team)
         assert warm.status_code == 200  # its place came back with its first token
         waiting = asyncio.create_task(client.post(CHAT, json=chat(), headers=team))
-        await until(lambda: router._dispatcher.queued_requests() == 1)
+        await until(lambda: only_model(router)._dispatcher.queued_requests() == 1)
         response = await client.post(CHAT, json=chat(), headers=team)
         message = openai_error(response, 429, "RateLimitError", None)
         assert "the API key 'team' already has 1 requests waiting" in message
@@ -709,7 +710,7 @@ async def test_through_vllms_layer_a_qos_refusal_keeps_its_503_and_retry_after()
     async with in_process_router(**args) as router, http_client(router) as client:
         await ready(client)
         # Past the early check (no queue yet), refused once planned: in generate.
-        router._admit_early = lambda priority: None
+        only_model(router)._admit_early = lambda priority: None
         for stream in (False, True):
             body = chat(max_tokens=1, n=2, stream=stream)
             response = await client.post(CHAT, json=body, headers={"x-priority": "low"})
@@ -725,7 +726,7 @@ async def test_through_vllms_layer_a_timeout_is_a_504_and_aborted_in_the_engine(
         response = await client.post(COMPLETIONS, json=completion(n=2))  # one step, then 5 s
         message = openai_error(response, 504, "TimeoutError", None)
         assert "router.request_timeout_s (0.3 s)" in message
-        engine = router._pool.get("engine-0").link._host
+        engine = only_model(router).pool.get("engine-0").link._host
         await until(lambda: engine.stats().num_running == 0, timeout_s=1)
 
 
@@ -752,5 +753,5 @@ async def test_through_vllms_layer_a_client_that_leaves_frees_the_engine() -> No
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     break  # the client leaves after its first event
-        replica = router._pool.get("engine-0")
+        replica = only_model(router).pool.get("engine-0")
         await until(lambda: replica.in_flight == 0 and not replica.link._host._running)

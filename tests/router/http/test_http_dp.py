@@ -27,6 +27,7 @@ from tests.support.in_process_router import (
     in_process_router,
     kill_engine,
     metric,
+    only_model,
     openai_error,
     ready,
     sse_events,
@@ -82,7 +83,7 @@ async def test_a_busy_replica_is_passed_over_by_least_loaded_only(
         "router": {"replica_choice": policy},
     }
     async with dp(**args) as (router, client):
-        engine_0 = router._pool.get("engine-0")
+        engine_0 = only_model(router).pool.get("engine-0")
         busy = asyncio.create_task(client.post(COMPLETIONS, json=completion(max_tokens=500)))
         await until(lambda: engine_0.in_flight == 1)
         assert await replicas_of(client, [[1]] * 3) == expected
@@ -110,7 +111,9 @@ async def test_prefix_affinity_keeps_a_prompt_on_the_replica_that_cached_it(
     first, second = list(range(1, 41)), list(range(101, 141))  # two full blocks each
     args = {"router": {"replica_choice": "prefix_affinity", "stats_interval_s": 0.02}}
     async with dp(**args) as (router, client):
-        await until(lambda: all(replica.state.prefix is not None for replica in router._pool))
+        await until(
+            lambda: all(replica.state.prefix is not None for replica in only_model(router).pool)
+        )
         served = await replicas_of(client, [first, first, second, second, first])
         assert served == ["engine-0", "engine-0", "engine-1", "engine-1", "engine-0"]
         choices = "splitserve_replica_choices_total"
@@ -163,5 +166,5 @@ async def test_a_dead_engine_leaves_the_other_serving_until_it_is_restarted(
         assert health.json()["replicas"] == {"engine-0": "starting", "engine-1": "ok"}
         # A new engine starts in the router's process (after LocalEngineLink's grace).
         await ready(client, timeout_s=10)
-        await until(lambda: all(replica.healthy for replica in router._pool))
+        await until(lambda: all(replica.healthy for replica in only_model(router).pool))
         assert set(await replicas_of(client, [[1]] * 2)) == {"engine-0", "engine-1"}

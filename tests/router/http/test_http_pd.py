@@ -31,6 +31,7 @@ from tests.support.in_process_router import (
     in_process_router,
     kill_engine,
     metric,
+    only_model,
     openai_error,
     ready,
     sse_events,
@@ -135,7 +136,7 @@ async def test_an_unhealthy_prefill_pool_means_a_local_prefill(
 ) -> None:
     async with pd(router={"stats_interval_s": 0.02}) as (router, client):
         kill_engine(router, "prefill-0", monkeypatch)
-        await until(lambda: not router._pool.get("prefill-0").healthy)  # its polls fail
+        await until(lambda: not only_model(router).pool.get("prefill-0").healthy)  # its polls fail
         response = await client.post(COMPLETIONS, json=completion())
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == "aaaa"
         assert response.headers[PREFILL] == "local:prefill_unavailable"

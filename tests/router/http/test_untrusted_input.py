@@ -48,7 +48,7 @@ def validator(tokenizer: Any, **router: Any) -> RequestValidator:
     config = RouterConfig(**router)
     vocab_size = AutoConfig.from_pretrained(embedded_model_path()).vocab_size
     prompts = PromptBuilder(tokenizer, 4096, vocab_size, config.trust_request_chat_template)
-    return RequestValidator(prompts, EMBEDDED_MODEL_NAME, "normal", config)
+    return RequestValidator(prompts, EMBEDDED_MODEL_NAME, config)
 
 
 def chat(**fields: Any) -> dict[str, Any]:

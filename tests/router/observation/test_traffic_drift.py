@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from router.observation.metrics import RouterMetrics
+from router.observation.metrics import ModelMetrics, RouterMetrics
 from router.observation.traffic_drift import TrafficDrift
 from router.settings import RouterConfig, TrafficProfile
 
@@ -18,13 +18,13 @@ PROFILE = TrafficProfile(
 )
 
 
-def _drift(profile: TrafficProfile = PROFILE) -> tuple[TrafficDrift, RouterMetrics]:
-    metrics = RouterMetrics()
+def _drift(profile: TrafficProfile = PROFILE) -> tuple[TrafficDrift, ModelMetrics]:
+    metrics = RouterMetrics().for_model("m")
     return TrafficDrift(profile, metrics.traffic_drift, metrics.traffic_drifted), metrics
 
 
-def _sample(metrics: RouterMetrics, name: str, quantity: str) -> float | None:
-    return metrics.registry.get_sample_value(name, {"quantity": quantity})
+def _sample(metrics: ModelMetrics, name: str, quantity: str) -> float | None:
+    return metrics.registry.get_sample_value(name, {"model": "m", "quantity": quantity})
 
 
 def test_nothing_is_said_until_the_window_is_full() -> None:
