@@ -242,6 +242,9 @@ class AppConfig(StrictModel):
             engine_backend=self.engine.backend,
             auth=self.auth,
             http_host=http_host,
+            generating_engine_kwargs=self.pool(
+                "decode" if self.strategy == "pd" else "mixed"
+            ).engine_kwargs,
         )
 
 

@@ -433,6 +433,9 @@ class IngressSettings(StrictModel):
     # knows it: without keys, a router reachable beyond this machine says so at start.
     http_host: str | None = None
     scaled_pools: list[ScaledPoolSettings] = Field(default_factory=list)
+    # The engine_kwargs of the pool that generates (decode, or the mixed one): vLLM's
+    # serving layer in the router reads the same limits (router/http/vllm_frontend.py).
+    generating_engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def disaggregated(self) -> bool:

@@ -373,7 +373,10 @@ class ServedModel:
         router stopped meanwhile must not wait for it to exit, and it runs after the
         engines' own start, never beside it (vLLM's start-up is not made to run twice
         at once in one process)."""
-        vllm_config = await in_daemon_thread(frontend_config, self._config.model)
+        settings = self._config
+        vllm_config = await in_daemon_thread(
+            frontend_config, settings.model, settings.generating_engine_kwargs
+        )
         # What the engines reported (their rules), which the router refuses beyond.
         vllm_config.model_config.max_model_len = self._prompts.max_model_len
         loader = self if self._config.model.lora_enabled else None

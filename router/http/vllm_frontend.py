@@ -394,10 +394,30 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
-def frontend_config(model: ModelConfig) -> Any:
+# Engine arguments that shape what vLLM's serving layer checks and renders (how many
+# logprobs a request may ask for, generation defaults, the tokenizer, structured
+# outputs): taken from the generating pool's engine_kwargs, so that the router's layer
+# accepts what its engines were configured for. The others only size or run engines.
+FRONTEND_ENGINE_ARGS = (
+    "max_logprobs",
+    "logprobs_mode",
+    "generation_config",
+    "override_generation_config",
+    "tokenizer",
+    "tokenizer_mode",
+    "tokenizer_revision",
+    "revision",
+    "trust_remote_code",
+    "hf_overrides",
+    "skip_tokenizer_init",
+    "structured_outputs_config",
+)
+
+
+def frontend_config(model: ModelConfig, engine_kwargs: dict[str, Any] | None = None) -> Any:
     """The VllmConfig the engines derive for ``model`` (context, tokenizer, generation
     defaults, structured outputs), as the serving layer reads it; built once per router,
-    once its engines are up (seconds)."""
+    once its engines are up (seconds). ``engine_kwargs``: the generating pool's."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
 
@@ -410,6 +430,7 @@ def frontend_config(model: ModelConfig) -> Any:
         seed=model.seed,
         enforce_eager=True,  # nothing runs here; no graphs to plan
         reasoning_parser=model.reasoning_parser or "",
+        **{k: v for k, v in (engine_kwargs or {}).items() if k in FRONTEND_ENGINE_ARGS},
     )
     if model.lora_enabled:  # vLLM's input checks refuse adapters where LoRA is off
         args.enable_lora = True

@@ -755,3 +755,16 @@ async def test_through_vllms_layer_a_client_that_leaves_frees_the_engine() -> No
                     break  # the client leaves after its first event
         replica = only_model(router).pool.get("engine-0")
         await until(lambda: replica.in_flight == 0 and not replica.link._host._running)
+
+
+async def test_through_vllms_layer_the_pools_engine_limits_hold() -> None:
+    # A pool that lets its engines return 30 logprobs per token: vLLM's layer in the
+    # router checks requests against the same limit, not vLLM's default of 20.
+    pools = [{"engine_kwargs": {"max_logprobs": 30}}]
+    async with in_process_router(pools=pools) as router, http_client(router) as client:
+        await ready(client, timeout_s=60)
+        taken = await client.post(COMPLETIONS, json=completion(logprobs=25))
+        assert taken.status_code == 200, taken.text
+        refused = await client.post(COMPLETIONS, json=completion(logprobs=31))
+        assert refused.status_code == 400
+        assert "30" in refused.json()["error"]["message"]
