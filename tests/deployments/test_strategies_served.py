@@ -201,7 +201,8 @@ def test_replicas_share_requests_evenly(app: RunningApp) -> None:
     assert dict(served_by) == expected
     metrics = httpx.get(f"{app.base_url}/metrics").text
     for replica, count in expected.items():
-        line = f'splitserve_replica_requests_total{{replica="{replica}",role="mixed"}}'
+        labels = f'model="{MODEL}",replica="{replica}",role="mixed"'
+        line = f"splitserve_replica_requests_total{{{labels}}}"
         assert any(
             row.startswith(line) and float(row.split()[-1]) >= count for row in metrics.splitlines()
         )

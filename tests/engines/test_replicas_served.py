@@ -76,7 +76,8 @@ def _replica_pids(deployment: str) -> list[int]:
 
 def _engine_requests(url: str, replica: str, state: str = "running") -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    prefix = f'splitserve_engine_requests{{replica="{replica}",role="mixed",state="{state}"}}'
+    labels = f'model="{EMBEDDED_MODEL_NAME}",replica="{replica}",role="mixed",state="{state}"'
+    prefix = f"splitserve_engine_requests{{{labels}}}"
     for line in text.splitlines():
         if line.startswith(prefix):
             return float(line.split()[-1])

@@ -48,7 +48,7 @@ def recording_app(
 
 
 def _metric(text: str, name: str, quantity: str) -> float:
-    prefix = f'{name}{{quantity="{quantity}"}} '
+    prefix = f'{name}{{model="{EMBEDDED_MODEL_NAME}",quantity="{quantity}"}} '
     line = next(line for line in text.splitlines() if line.startswith(prefix))
     return float(line[len(prefix) :])
 
@@ -74,4 +74,8 @@ def test_answered_requests_are_recorded_and_their_drift_exported(recording_app) 
     assert _metric(metrics, "splitserve_traffic_drift_ratio", "output_tokens") == 1.0
     assert _metric(metrics, "splitserve_traffic_drifted", "prompt_tokens") == 1.0
     assert _metric(metrics, "splitserve_traffic_drifted", "output_tokens") == 0.0
-    assert 'splitserve_traffic_drift_ratio{quantity="request_rate"}' not in metrics
+    assert _metric(metrics, "splitserve_traffic_drift_ratio", "prompt_tokens")  # as it reads
+    assert (
+        f'splitserve_traffic_drift_ratio{{model="{EMBEDDED_MODEL_NAME}",quantity="request_rate"}}'
+        not in metrics
+    )
