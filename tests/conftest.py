@@ -226,6 +226,7 @@ SERVING_ORDER = (
     "tests.deployments.test_strategies_served",
     "tests.deployments.test_pd_served",
     "tests.deployments.test_auto_served",
+    "tests.deployments.test_auto_scaled_served",
     "tests.deployments.test_cold_start_served",
     "tests.deployments.test_models_served",
     "tests.router.policies.test_policies_served",
