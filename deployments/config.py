@@ -351,11 +351,7 @@ def _with_shared(entry: Any, shared: dict[str, Any]) -> Any:
         raise ValueError(
             "models[].auth: API keys guard the whole application; set auth beside models:"
         )
-    return {
-        **{k: v for k, v in shared.items() if k != "auth"},
-        **entry,
-        "auth": shared.get("auth", {}),
-    }
+    return {**shared, **entry}
 
 
 def deployment_slug(served_name: str) -> str:

@@ -60,8 +60,7 @@ class Router:
         for binding in models:
             name = served_name_of(binding.settings.model)
             self._models[name] = ServedModel(binding, self._metrics.for_model(name), start_order)
-        # The body is read before it names its model: by the router process's own
-        # limits, which every model shares (deployments/config.py ROUTER_PROCESS_FIELDS).
+        # Where a body that names no model goes, and whose limits read every body.
         self._first = next(iter(self._models.values()))
         self._register_kv_collectors()
 
@@ -170,8 +169,7 @@ class Router:
         model_label = ""  # until the body names a served model
         try:
             client = self._auth.authenticate(raw.headers, route)  # 401/403 before the body
-            raw_body = await served.requests.receive(raw.headers, raw.stream())
-            body = await served.requests.decode_off_loop(raw_body)
+            raw_body, body = await self._read_body(raw)
             served = self._model_of(body)
             model_label = served.name
             priority = served.priority_of(body, raw.headers)
@@ -183,6 +181,14 @@ class Router:
         if model_cls in (CompletionRequest, ChatCompletionRequest):
             return await served.generate(call, body, model_cls)
         return await served.serve_by_vllm(call, body, model_cls)
+
+    async def _read_body(self, raw: Request) -> tuple[bytes, Any]:
+        """The raw body and its JSON, read before the body names its model: by the router
+        process's own limits, which every model shares (deployments/config.py
+        ROUTER_PROCESS_FIELDS)."""
+        reader = self._first.requests
+        raw_body = await reader.receive(raw.headers, raw.stream())
+        return raw_body, await reader.decode_off_loop(raw_body)
 
     def _model_of(self, body: Any) -> ServedModel:
         """The served model a body names, or whose LoRA adapter it names; without a
@@ -214,8 +220,7 @@ class Router:
         where several allow them."""
         try:
             self._auth.authenticate(raw.headers, route)
-            raw_body = await self._first.requests.receive(raw.headers, raw.stream())
-            body = await self._first.requests.decode_off_loop(raw_body)
+            _, body = await self._read_body(raw)
             served = self._updatable_model(body)
         except OpenAIError as error:
             self._count(route, error.status)

@@ -219,7 +219,7 @@ class ServedModel:
         self._recorder = (
             TrafficRecorder(record, settings.router.traffic_record_block_tokens) if record else None
         )
-        self.metrics = self._metrics = metrics
+        self.metrics = metrics
         profile = settings.router.traffic_profile
         self._drift = (
             TrafficDrift(profile, metrics.traffic_drift, metrics.traffic_drifted)
@@ -305,7 +305,7 @@ class ServedModel:
             plan = self._dispatcher.plan(engine_request, priority)
             self._admit(plan)
         except OpenAIError as error:
-            self._metrics.requests.labels(route, str(int(error.status)), priority).inc()
+            self.metrics.requests.labels(route, str(int(error.status)), priority).inc()
             return error.response(headers)
         chat = model_cls is ChatCompletionRequest
         writer = ResponseWriter(
@@ -320,14 +320,14 @@ class ServedModel:
         except Exception as error:  # nothing was sent yet: the status says what happened
             logger.warning("a request failed before its first token: %s", error)
             failure = self._failure(error, " then ".join(tried), started=False)
-            self._metrics.requests.labels(route, str(int(failure.status)), priority).inc()
+            self.metrics.requests.labels(route, str(int(failure.status)), priority).inc()
             return failure.response(headers)
         waiting.release()  # the key's request has its first token: no longer queued
         self._count_choices(dispatch.plan)
         headers.update(dispatch.response_headers())
         events = self._events(dispatch, first, prepared, writer, arrival)
         if prepared.stream:
-            self._metrics.requests.labels(route, "200", priority).inc()
+            self.metrics.requests.labels(route, "200", priority).inc()
             # Closed by the response however it ends, even if it never started streaming.
             return EventStreamResponse(
                 events, headers, on_close=functools.partial(self._release, dispatch)
@@ -343,7 +343,7 @@ class ServedModel:
             self._admit_early(call.priority)
             request = parse_request(model_cls, body, self._config.router.unknown_fields)
         except OpenAIError as error:
-            self._metrics.requests.labels(call.route, str(int(error.status)), call.priority).inc()
+            self.metrics.requests.labels(call.route, str(int(error.status)), call.priority).inc()
             call.waiting.release()
             return error.response()
         vllm_call = FrontendCall(call.route, call.arrival, call.priority, call.request_id)
@@ -361,7 +361,7 @@ class ServedModel:
         finally:
             if call.on_first_token is not None:
                 call.on_first_token()  # released once, whenever it ends before a token
-        self._metrics.requests.labels(call.route, str(int(status)), call.priority).inc()
+        self.metrics.requests.labels(call.route, str(int(status)), call.priority).inc()
         return response
 
     def _deadline(self) -> float:
@@ -513,9 +513,9 @@ class ServedModel:
         self, dispatch: Dispatch, arrival: float, prompt_token_ids: list[int], generated: int
     ) -> None:
         """A finished request in the router's metrics, traffic record and drift."""
-        self._metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
-        self._metrics.tokens.labels("prompt").inc(len(prompt_token_ids))
-        self._metrics.tokens.labels("generation").inc(generated)
+        self.metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
+        self.metrics.tokens.labels("prompt").inc(len(prompt_token_ids))
+        self.metrics.tokens.labels("generation").inc(generated)
         if self._recorder is not None:
             self._recorder.record(arrival, prompt_token_ids, generated, dispatch.plan.priority)
         if self._drift is not None:
@@ -562,7 +562,7 @@ class ServedModel:
         self._track(dispatch.replicas, -1)
         await dispatch.stream.aclose()
         outcome = dispatch.outcome
-        self._metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
+        self.metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
 
     def _admit_early(self, priority: Priority) -> None:
         if not self.readiness.is_ready:
@@ -571,22 +571,22 @@ class ServedModel:
         try:
             self._admission.check(priority, self._dispatcher.queued_requests(), earliest)
         except Rejection as rejection:
-            self._metrics.rejections.labels(rejection.reason, priority).inc()
+            self.metrics.rejections.labels(rejection.reason, priority).inc()
             raise
 
     def _admit(self, plan: Plan) -> None:
         estimate = plan.ttft_estimate_s()
         if estimate is not None:
-            self._metrics.ttft_estimate.labels(plan.prefill_replica.name).set(estimate)
+            self.metrics.ttft_estimate.labels(plan.prefill_replica.name).set(estimate)
         try:
             self._admission.check(plan.priority, self._dispatcher.queued_requests(), estimate)
         except Rejection as rejection:
-            self._metrics.rejections.labels(rejection.reason, plan.priority).inc()
+            self.metrics.rejections.labels(rejection.reason, plan.priority).inc()
             raise
 
     def _queue_timer(self, arrival: float) -> Callable[[], None]:
         def accepted() -> None:
-            self._metrics.queue.labels(self._mode).observe(time.perf_counter() - arrival)
+            self.metrics.queue.labels(self._mode).observe(time.perf_counter() - arrival)
 
         return accepted
 
@@ -595,7 +595,7 @@ class ServedModel:
             if choice is not None:
                 replica = choice.replica
                 policy = self._dispatcher.policy_of(choice, prefill)
-                self._metrics.replica_choices.labels(
+                self.metrics.replica_choices.labels(
                     replica.role, policy, replica.name, choice.reason
                 ).inc()
 
@@ -613,10 +613,10 @@ class ServedModel:
                 if isinstance(item, Transcript):
                     transcript = item
         except OpenAIError as error:
-            self._metrics.requests.labels(route, str(int(error.status)), priority).inc()
+            self.metrics.requests.labels(route, str(int(error.status)), priority).inc()
             return error.response(headers)
         assert transcript is not None
-        self._metrics.requests.labels(route, "200", priority).inc()
+        self.metrics.requests.labels(route, "200", priority).inc()
         return JSONResponse(writer.final_response(transcript), headers=headers)
 
     async def _events(
@@ -698,19 +698,19 @@ class ServedModel:
         if dispatch.outcome.reason in PREFILL_FALLBACK_REASONS:
             return  # another replica computed the prompt than the one estimated for
         name = dispatch.prefill_replica.name
-        tokens = self._metrics.prefix_cache_tokens
+        tokens = self.metrics.prefix_cache_tokens
         tokens.labels(name, "estimated").inc(dispatch.expected_cached_tokens)
         tokens.labels(name, "reported").inc(chunk.num_cached_tokens)
         for signal, estimate in dispatch.plan.cached_by_signal.items():
             tokens.labels(name, signal).inc(estimate)
             error = abs(estimate - chunk.num_cached_tokens)
-            self._metrics.prefix_estimate_error.labels(signal).observe(error)
+            self.metrics.prefix_estimate_error.labels(signal).observe(error)
 
     def _observe_token_timing(
         self, arrival: float, last_token_at: float | None, now: float, outcome: PrefillOutcome
     ) -> None:
         if last_token_at is None:
-            self._metrics.ttft.labels(self._mode, outcome.where).observe(now - arrival)
+            self.metrics.ttft.labels(self._mode, outcome.where).observe(now - arrival)
         else:
             self._itl.observe(now - last_token_at)
 
@@ -718,9 +718,9 @@ class ServedModel:
         for replica in replicas:
             replica.in_flight += delta
             labels = (replica.name, replica.role)
-            self._metrics.replica_in_flight.labels(*labels).set(replica.in_flight)
+            self.metrics.replica_in_flight.labels(*labels).set(replica.in_flight)
             if delta > 0:
-                self._metrics.replica_requests.labels(*labels).inc()
+                self.metrics.replica_requests.labels(*labels).inc()
 
     # ---- the model as the ingress reports it ----------------------------------------------
 

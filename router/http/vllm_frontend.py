@@ -434,6 +434,7 @@ def frontend_config(model: ModelConfig, engine_kwargs: dict[str, Any] | None = N
     )
     if model.lora_enabled:  # vLLM's input checks refuse adapters where LoRA is off
         args.enable_lora = True
+        # Only the engines batch adapters; the router's count need not match theirs.
         args.max_loras = model.loras_per_batch("cpu")
         args.max_lora_rank = model.max_lora_rank
     return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
