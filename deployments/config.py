@@ -84,6 +84,43 @@ class AppConfig(StrictModel):
             return {**data, "split_policy": {"mode": AUTO_SPLIT_MODE, **split}}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _simulated_engines_hand_over_simulated_kv(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("strategy") not in KV_STRATEGIES:
+            return data
+        engine = data.get("engine")
+        backend = engine.get("backend") if isinstance(engine, dict) else None
+        if backend != "simulated" or "kv_transfer" in data:
+            return data
+        return {**data, "kv_transfer": {"backend": "simulated"}}
+
+    @model_validator(mode="after")
+    def _simulated_engines_pair_with_simulated_kv(self) -> AppConfig:
+        if self.strategy not in KV_STRATEGIES:
+            return self
+        simulated_engines = self.engine.backend == "simulated"
+        if simulated_engines != (self.kv_transfer.backend == "simulated"):
+            raise ValueError(
+                "engine.backend 'simulated' and kv_transfer.backend 'simulated' go together:"
+                f" got engine.backend {self.engine.backend!r} with kv_transfer.backend"
+                f" {self.kv_transfer.backend!r}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _simulated_pools_have_profiles(self) -> AppConfig:
+        if self.engine.backend != "simulated":
+            return self
+        from engines.simulated.settings import resolve_profile
+
+        assert self.engine.profile is not None
+        for pool in self.pools:
+            resolve_profile(
+                self.engine.profile, pool.tensor_parallel_size, pool.pipeline_parallel_size
+            )
+        return self
+
     @model_validator(mode="after")
     def _synthetic_engines_serve_single_and_dp(self) -> AppConfig:
         if self.engine.backend != "synthetic":

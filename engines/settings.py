@@ -402,9 +402,22 @@ class EngineBackendConfig(StrictModel):
 
     backend: str = Field(
         "vllm",
-        description="A registered engine backend (engines.backends.ENGINE_BACKENDS): vllm, or"
-        " synthetic: no model, every running request gets one token per step, to measure"
-        " the router's relay capacity (bench/relay_capacity.py).",
+        description="A registered engine backend (engines.backends.ENGINE_BACKENDS): vllm;"
+        " simulated: vLLM's scheduling on a latency profile's time, no model (a GPU fleet"
+        " on a CPU box); or synthetic: no model, every running request gets one token per"
+        " step, to measure the router's relay capacity (bench/relay_capacity.py).",
+    )
+    profile: str | None = Field(
+        None,
+        description="simulated only: a latency profile file (python -m loadgen profile), a"
+        " shipped profile's name, or a shipped family (h100-llama-3.1-8b) whose member for"
+        " each pool's TP and PP degrees is taken.",
+    )
+    time_scale: float = Field(
+        1.0,
+        gt=0,
+        description="simulated only: every simulated time is this many times longer, so that"
+        " one box's router keeps up with many engines; reports divide it back out.",
     )
     step_interval_s: float = Field(
         0.0, ge=0, description="synthetic only: pause between steps; 0 runs them back to back."
@@ -422,6 +435,20 @@ class EngineBackendConfig(StrictModel):
         from engines.backends import ENGINE_BACKENDS
 
         return ENGINE_BACKENDS.check(name)
+
+    @model_validator(mode="after")
+    def _fields_of_backend(self) -> EngineBackendConfig:
+        simulated = self.backend == "simulated"
+        if simulated and self.profile is None:
+            raise ValueError(
+                "engine.backend 'simulated' needs engine.profile: a profile file or a shipped"
+                " profile's name (python -m loadgen profile --list)"
+            )
+        set_here = self.model_fields_set
+        for name in ("profile", "time_scale"):
+            if name in set_here and not simulated:
+                raise ValueError(f"engine.{name} is for engine.backend 'simulated' only")
+        return self
 
 
 class EngineSpec(StrictModel):

@@ -67,7 +67,7 @@ class KVBackend(Protocol):
 
 
 KV_BACKENDS: Registry[type[KVBackend]] = Registry(
-    "KV backend", __name__, builtins=("kv_transfer.builtin_backends",)
+    "KV backend", __name__, builtins=("kv_transfer.builtin_backends", "kv_transfer.simulated")
 )
 
 

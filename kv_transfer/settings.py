@@ -81,3 +81,8 @@ class KVTransferConfig(StrictModel):
     def flat(self) -> dict[str, Any]:
         """As the YAML writes it: ``backend`` and its fields in one block."""
         return {"backend": self.backend, **self.settings.model_dump()}
+
+
+class SimulatedKVSettings(StrictModel):
+    """Simulated engines (engine.backend: simulated) hand over no KV: the decode engine
+    waits the time its latency profile gives for the prompt's KV instead."""

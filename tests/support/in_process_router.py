@@ -26,6 +26,7 @@ from deployments.config import AppConfig, parse_app_config
 from engines.settings import EngineBackendConfig
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from kv_transfer import make_kv_backend
 from router.http import ingress, served_model
 from router.http.ingress import Router
 from router.http.served_model import ServedModel
@@ -105,7 +106,7 @@ class _RecordingKVBackend:
 def _config(args: dict[str, Any]) -> AppConfig:
     """The application's config; for strategy pd with its synthetic engines, which the
     config refuses there (they move no KV, so a real deployment could not hand over)."""
-    if args["strategy"] != "pd":
+    if args["strategy"] != "pd" or args["engine"].get("backend") != "synthetic":
         return parse_app_config(args)
     engine = EngineBackendConfig.model_validate(args["engine"])
     config = parse_app_config({key: value for key, value in args.items() if key != "engine"})
@@ -133,7 +134,11 @@ async def in_process_router(**args: Any) -> AsyncIterator[Any]:
     roles = {name: pool.role for name, pool, _ in names}
     binding = ModelBinding(config.ingress_settings(), roles, local_engines=specs)
     router = object.__new__(ROUTER_CLASS)
-    with mock.patch.object(served_model, "make_kv_backend", _RecordingKVBackend):
+    # Simulated engines hand over with a KV backend of their own, which needs no cluster.
+    recorded = config.engine.backend == "synthetic"
+    with mock.patch.object(
+        served_model, "make_kv_backend", _RecordingKVBackend if recorded else make_kv_backend
+    ):
         await ROUTER_CLASS.__init__(router, [binding])
     try:
         yield router

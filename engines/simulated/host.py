@@ -1,0 +1,254 @@
+"""``engine.backend: simulated``: an engine that schedules as vLLM does and spends on
+each step the time its latency profile gives, without a model.
+
+It answers the router's protocol as a vLLM engine host does (engines/host.py): the same
+submit, abort, delta stream, stats, and KV events for the router's prefix index, so that
+every shape, policy, the autoscaler, the load generator and the dashboard run unchanged
+on a GPU fleet's time. Tokens are stand-ins (the prompt's last token, again and again);
+what is true is when they come. ``time_scale`` stretches every simulated time, so that
+one box's router keeps up with many engines; reports divide it back out.
+
+PD: a prefill engine's answer carries the prompt's token count as its KV handle; the
+decode engine waits the profile's hand-over time for it, then computes the prompt's last
+token only. No KV moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engines.backends import ENGINE_BACKENDS
+from engines.delta_streams import DeltaStreams
+from engines.protocol import (
+    CACHE_UPDATES,
+    CacheUpdate,
+    DeltaBatch,
+    EngineStats,
+    GenerateChunk,
+    GenerateRequest,
+    LoraAdapter,
+    TokenLogprobs,
+)
+from engines.settings import EngineSpec
+from engines.simulated.profile import LatencyProfile
+from engines.simulated.scheduler import (
+    ScheduledStep,
+    SchedulerLimits,
+    SimRequest,
+    SimScheduler,
+    prompt_block_hashes,
+)
+from engines.simulated.settings import SIMULATED_KV_TOKENS, engine_profile, scheduler_limits
+
+logger = logging.getLogger("splitserve.engines")
+
+# What every simulated token reads as: one byte, one token for the byte-level tokenizer.
+SIMULATED_TEXT = "a"
+
+
+@dataclass(slots=True)
+class _Client:
+    """What the router asked of a request beyond its timing."""
+
+    subscriber: str
+    token_id: int
+    completions: int
+    logprobs: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    handover: bool  # a PD prefill: its answer carries the KV handle
+
+
+@ENGINE_BACKENDS.register("simulated")
+class SimulatedEngineHost:
+    """engines.host.EngineHost's calls, answered by vLLM's scheduling on a profile's time."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
+        self.profile: LatencyProfile = engine_profile(spec)
+        self.limits: SchedulerLimits = scheduler_limits(spec, self.profile)
+        self._time_scale = spec.backend.time_scale
+        self._max_model_len = spec.model.max_model_len or self.profile.max_model_len
+        self._scheduler = SimScheduler(self.limits)
+        self._clients: dict[str, _Client] = {}
+        self._streams = DeltaStreams()
+        self._work = asyncio.Event()
+        self._stepper: asyncio.Task[None] | None = None
+        self._prompt_tokens = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+        self._reported_at = time.time()
+        # Decode engines of PD are named in prefill requests by their engine name.
+        self._kv_consumer = spec.name if spec.role == "decode" else None
+
+    async def submit(self, request: GenerateRequest) -> None:
+        params = request.sampling_params
+        prompt = request.prompt_token_ids
+        max_tokens = getattr(params, "max_tokens", None) or self._max_model_len - len(prompt)
+        handle = (request.kv_transfer_params or {}).get(SIMULATED_KV_TOKENS)
+        sim = SimRequest(
+            request.request_id,
+            prompt_tokens=len(prompt),
+            max_tokens=max(1, max_tokens),
+            block_hashes=prompt_block_hashes(prompt, self.limits.block_size),
+            priority=request.priority if self.limits.policy == "priority" else 0,
+            arrival=time.monotonic(),
+            kv_from_elsewhere=handle is not None,
+            kv_ready=handle is None,
+        )
+        self._scheduler.add(sim)
+        self._clients[request.request_id] = _Client(
+            request.subscriber,
+            prompt[-1] if prompt else 0,
+            completions=getattr(params, "n", 1) or 1,
+            logprobs=getattr(params, "logprobs", None) is not None,
+            prompt_logprobs=[None, *([_certain(t)] for t in prompt[1:])]
+            if getattr(params, "prompt_logprobs", None) is not None
+            else None,
+            handover=bool((request.kv_transfer_params or {}).get("do_remote_decode")),
+        )
+        self._streams.outbox(request.subscriber)
+        loop = asyncio.get_running_loop()
+        if handle is not None:
+            delay = self.profile.handover_seconds(int(handle)) * self._time_scale
+            loop.call_later(delay, self._kv_arrived, request.request_id)
+        if self._stepper is None:
+            self._stepper = loop.create_task(self._step_forever())
+        self._work.set()
+
+    def _kv_arrived(self, request_id: str) -> None:
+        self._scheduler.kv_arrived(request_id)
+        self._work.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._scheduler.abort(request_id)
+        self._clients.pop(request_id, None)
+
+    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        if self._spec.kv_events:
+            # A router's view of the cache starts whole; later changes follow it.
+            stored = list(self._scheduler.blocks.cached_hashes())
+            snapshot = CacheUpdate(stored=[(h, h) for h in stored], cleared=True)
+            self._streams.outbox(subscriber).put_nowait((CACHE_UPDATES, snapshot))
+        return self._streams.stream(subscriber, self._subscriber_gone)
+
+    def _subscriber_gone(self, subscriber: str) -> None:
+        for request_id, client in list(self._clients.items()):
+            if client.subscriber == subscriber:
+                self._scheduler.abort(request_id)
+                del self._clients[request_id]
+
+    def close_streams(self) -> None:
+        self._streams.close_all()
+
+    @property
+    def dead(self) -> bool:
+        return False
+
+    def stats(self) -> EngineStats:
+        scheduler = self._scheduler
+        return EngineStats(
+            replica=self._spec.name,
+            role=self._spec.role,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_unfinished=len(scheduler),
+            kv_cache_usage=scheduler.blocks.usage,
+            prefix_cache_queries=scheduler.prefix_queries,
+            prefix_cache_hits=scheduler.prefix_hits,
+            reported_at=time.time(),
+            block_size=self.limits.block_size,
+            kv_capacity_blocks=self.limits.num_blocks,
+            prompt_tokens=dict(self._prompt_tokens),
+            kv_consumer=self._kv_consumer,
+            max_model_len=self._max_model_len,
+        )
+
+    async def check_health(self) -> None:
+        if self._stepper is not None and self._stepper.done() and not self._stepper.cancelled():
+            error = self._stepper.exception()
+            raise RuntimeError(f"simulated engine {self._spec.name} stopped: {error!r}")
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        return None  # its times do not depend on adapters
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+
+    async def _step_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            step = self._scheduler.schedule()
+            if step is None:
+                self._work.clear()
+                await self._work.wait()
+                due = loop.time()
+                continue
+            # Steps follow each other on the profile's time, not on this loop's delays:
+            # a late wake-up shortens the next wait instead of adding up.
+            due = max(due, loop.time() - self._time_scale * self.profile.step_overhead_s)
+            due += self.profile.step_seconds(step.shape) * self._time_scale
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            self._emit(step)
+
+    def _emit(self, step: ScheduledStep) -> None:
+        if step.preempted:
+            logger.debug("preempted %s", [r.request_id for r in step.preempted])
+        result = self._scheduler.complete(step)
+        finished = {request.request_id for request in result.finished}
+        for request in result.sampled:
+            if request.output_tokens == 1:
+                self._count_prompt(request)
+            client = self._clients.get(request.request_id)
+            if client is None:
+                continue
+            done = request.request_id in finished
+            self._send(request, client, done)
+            if done:
+                del self._clients[request.request_id]
+        self._publish_cache_events()
+
+    def _count_prompt(self, request: SimRequest) -> None:
+        """Where a prompt's tokens came from, as vLLM counts them, once per request."""
+        cached = request.cached_tokens
+        source = "external_kv_transfer" if request.kv_from_elsewhere else "local_cache_hit"
+        self._prompt_tokens[source] += cached
+        self._prompt_tokens["local_compute"] += request.prompt_tokens - cached
+
+    def _send(self, request: SimRequest, client: _Client, done: bool) -> None:
+        outbox = self._streams.outbox(client.subscriber)
+        first = request.output_tokens == 1
+        kv_params = None
+        if done and client.handover:
+            kv_params = {SIMULATED_KV_TOKENS: request.prompt_tokens}
+        for index in range(client.completions):
+            chunk = GenerateChunk(
+                token_ids=[client.token_id],
+                text=SIMULATED_TEXT,
+                finish_reason="length" if done else None,
+                num_prompt_tokens=request.prompt_tokens,
+                num_cached_tokens=request.cached_tokens if first else 0,
+                kv_transfer_params=kv_params,
+                index=index,
+                logprobs=[[_certain(client.token_id)]] if client.logprobs else None,
+                prompt_logprobs=client.prompt_logprobs if first else None,
+            )
+            outbox.put_nowait((request.request_id, chunk))
+
+    def _publish_cache_events(self) -> None:
+        events = self._scheduler.blocks.take_events()
+        if not self._spec.kv_events or not (events.stored or events.removed):
+            return
+        update = CacheUpdate(stored=[(h, h) for h in events.stored], removed=list(events.removed))
+        self._streams.broadcast((CACHE_UPDATES, update))
+
+
+def _certain(token_id: int) -> tuple[int, float, int, None]:
+    """A stand-in token's logprobs: it was certain (rank 1, probability 1)."""
+    return (token_id, 0.0, 1, None)

@@ -1,0 +1,137 @@
+"""A latency profile: how long one engine step takes on one (device, model, parallel
+degree), from what the step computes, and how much KV the engine holds.
+
+One step of a continuous-batching engine runs every scheduled request's new tokens
+through the model at once. Its time has the parts a roofline names:
+
+- the linear layers: they read every weight once per step (``weights_read_s``, the
+  memory-bound floor) and do ``compute_per_token_s`` of arithmetic per new token; the
+  slower of the two is what the step pays (``max``);
+- attention: a decode token reads its whole context's KV (``per_context_token_s``), a
+  prefill chunk's tokens attend to each other and to what is cached before them
+  (``per_attention_pair_s`` per query-key pair);
+- what does not overlap the arithmetic: the step's fixed cost (scheduling, launches,
+  sampling) and TP's all-reduces and PP's hand-offs per token (``serial_per_token_s``).
+
+Profiles are fitted from measurements (``python -m loadgen profile``) or built from a
+roofline of published specs (engines/simulated/roofline.py); ``source`` says which, and
+where every number comes from.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from splitserve.config_base import StrictModel
+
+PROFILES_PACKAGE = "engines.simulated.profiles"
+
+
+class StepShape(StrictModel):
+    """What one engine step computes."""
+
+    prefill_tokens: int = 0
+    # Sum over the step's prefill chunks of chunk tokens x the keys each attends to.
+    attention_pairs: int = 0
+    decode_seqs: int = 0
+    # Sum of the decode requests' context lengths (the KV they read).
+    decode_context_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+
+class LatencyProfile(StrictModel):
+    """Step time and KV capacity of one engine: one device type, one model, one TP x PP."""
+
+    device: str = Field(description="e.g. 'H100-SXM-80GB' or 'cpu-2core'.")
+    model: str = Field(description="The model the times are for, e.g. 'Llama-3.1-8B'.")
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    source: str = Field(
+        min_length=1, description="Where the numbers come from: measurements or specs, named."
+    )
+    step_overhead_s: float = Field(ge=0, description="Fixed cost of every step.")
+    weights_read_s: float = Field(
+        ge=0, description="Reading the weights once: the linear layers' memory-bound floor."
+    )
+    compute_per_token_s: float = Field(ge=0, description="Linear layers' arithmetic per token.")
+    serial_per_token_s: float = Field(
+        0.0, ge=0, description="Per token, beside the arithmetic: TP all-reduces, PP hand-offs."
+    )
+    per_context_token_s: float = Field(
+        ge=0, description="Decode attention: reading one context token's KV."
+    )
+    per_attention_pair_s: float = Field(
+        ge=0, description="Prefill attention: one query token against one key token."
+    )
+    kv_bytes_per_token: int = Field(gt=0, description="The model's KV per token, all layers.")
+    kv_capacity_tokens: int = Field(gt=0, description="Tokens of KV the engine's cache holds.")
+    handover_bytes_per_s: float = Field(
+        gt=0, description="PD: the KV link's rate between two engines (the host path's)."
+    )
+    handover_latency_s: float = Field(0.0, ge=0, description="PD: fixed cost of one hand-over.")
+    # vLLM's defaults on this device for an OpenAI server (EngineArgs'
+    # _set_default_max_num_seqs_and_batched_tokens_args), and its KV block size.
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    block_size: int = Field(16, gt=0)
+    max_model_len: int = Field(8192, gt=0, description="The context engines are given.")
+    fit_error: dict[str, float] = Field(
+        default_factory=dict,
+        description="Fitted profiles: relative error of the fit on its measurements.",
+    )
+
+    def step_seconds(self, step: StepShape) -> float:
+        if step.tokens == 0:
+            return 0.0
+        linear = max(self.weights_read_s, self.compute_per_token_s * step.tokens)
+        return (
+            self.step_overhead_s
+            + linear
+            + self.serial_per_token_s * step.tokens
+            + self.per_context_token_s * step.decode_context_tokens
+            + self.per_attention_pair_s * step.attention_pairs
+        )
+
+    def handover_seconds(self, tokens: int) -> float:
+        """Moving ``tokens`` of KV from a prefill engine to a decode engine."""
+        return (
+            self.handover_latency_s + tokens * self.kv_bytes_per_token / self.handover_bytes_per_s
+        )
+
+    def save(self, path: Path) -> None:
+        path.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+def shipped_profiles() -> list[str]:
+    """The profiles that ship with splitserve, by name."""
+    folder = importlib.resources.files(PROFILES_PACKAGE)
+    return sorted(
+        entry.name.removesuffix(".yaml")
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    )
+
+
+def load_profile(name_or_path: str) -> LatencyProfile:
+    """A profile file, or a shipped profile by name (``h100-llama-3.1-8b-tp1``)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        if not path.exists():
+            raise FileNotFoundError(f"latency profile {name_or_path!r} does not exist")
+        text = path.read_text()
+    else:
+        resource = importlib.resources.files(PROFILES_PACKAGE) / f"{name_or_path}.yaml"
+        if not resource.is_file():
+            raise ValueError(
+                f"no shipped latency profile {name_or_path!r}; shipped:"
+                f" {', '.join(shipped_profiles()) or 'none'}; or give a profile file's path"
+            )
+        text = resource.read_text()
+    return LatencyProfile.model_validate(yaml.safe_load(text))

@@ -1,0 +1,157 @@
+"""Latency profiles from a roofline: a device's published memory bandwidth, arithmetic
+rate and link, a model's published shape, and named efficiency factors for the share of
+each peak a real engine reaches.
+
+A step's linear layers read every weight once (memory-bound at small batches) and do two
+FLOPs per weight per token (compute-bound at large ones); decode attention reads each
+context token's KV; prefill attention does four FLOPs per hidden unit per query-key pair
+per layer. TP divides weights, KV and arithmetic by its degree and adds two all-reduces
+per layer; PP divides them by its degree per stage, runs the stages one after another for
+a batch, and adds a hand-off between stages.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from engines.simulated.profile import LatencyProfile
+from splitserve.config_base import StrictModel
+
+GIB = 1024**3
+
+
+class DeviceSpec(StrictModel):
+    """One accelerator's published peaks."""
+
+    name: str
+    memory_bytes: float = Field(gt=0)
+    memory_bytes_per_s: float = Field(gt=0, description="HBM/GDDR bandwidth.")
+    flops_per_s: float = Field(gt=0, description="Dense 16-bit tensor arithmetic.")
+    # Between two devices of a TP group (NVLink, or PCIe where there is none).
+    link_bytes_per_s: float = Field(gt=0)
+    link_latency_s: float = Field(ge=0)
+    # A KV hand-over between engines on two devices (PD): the host path through pinned
+    # memory (device → host → object store → host → device) where peer-to-peer is absent.
+    handover_bytes_per_s: float = Field(gt=0)
+    sources: list[str] = Field(min_length=1)
+
+
+class ModelShape(StrictModel):
+    """A decoder-only transformer's published shape."""
+
+    name: str
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    tied_embeddings: bool = False
+    dtype_bytes: int = Field(2, gt=0)
+    sources: list[str] = Field(min_length=1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_params(self) -> int:
+        kv_width = self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (2 * self.hidden_size + 2 * kv_width)
+        mlp = 3 * self.hidden_size * self.intermediate_size  # gate, up, down (SwiGLU)
+        return attention + mlp
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every token multiplies: the layers and the LM head (the input
+        embedding is a lookup)."""
+        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
+
+
+class Efficiency(StrictModel):
+    """The share of each published peak an engine reaches: named, so that a profile
+    says what it assumed, and refined where measurements exist."""
+
+    memory: float = Field(gt=0, le=1, description="Of peak bandwidth, reading weights and KV.")
+    compute: float = Field(gt=0, le=1, description="Of peak dense FLOPs, in the linear layers.")
+    attention: float = Field(gt=0, le=1, description="Of peak FLOPs, in prefill attention.")
+    link: float = Field(gt=0, le=1, description="Of the link's peak, in all-reduces.")
+    step_overhead_s: float = Field(ge=0, description="Scheduling, launches, sampling per step.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # Activations, CUDA graphs and the allocator's share, per device.
+    reserved_bytes: float = Field(2 * GIB, ge=0)
+    sources: list[str] = Field(default_factory=list)
+
+
+def roofline_profile(
+    device: DeviceSpec,
+    model: ModelShape,
+    efficiency: Efficiency,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+) -> LatencyProfile:
+    """The profile of ``model`` on ``tensor_parallel_size x pipeline_parallel_size``
+    devices of one type."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    devices = tp * pp
+    bandwidth = device.memory_bytes_per_s * efficiency.memory
+    flops = device.flops_per_s * efficiency.compute
+    # Per stage a device holds 1/devices of the weights and KV; PP's stages run in turn,
+    # so a batch's step takes pp stage times: the sums below are over the whole model.
+    weight_bytes = model.params * model.dtype_bytes
+    weights_read_s = weight_bytes / tp / bandwidth
+    compute_per_token_s = 2 * model.matmul_params / tp / flops
+    per_context_token_s = model.kv_bytes_per_token / tp / bandwidth
+    per_attention_pair_s = (
+        4 * model.num_layers * model.hidden_size / tp / (device.flops_per_s * efficiency.attention)
+    )
+    serial_per_token_s = 0.0
+    all_reduces = 0
+    if tp > 1:
+        # Ring all-reduce of each token's hidden state, twice per layer.
+        all_reduces = 2 * model.num_layers
+        ring_bytes = 2 * (tp - 1) / tp * model.hidden_size * model.dtype_bytes
+        serial_per_token_s += all_reduces * ring_bytes / (device.link_bytes_per_s * efficiency.link)
+    if pp > 1:
+        hop_bytes = model.hidden_size * model.dtype_bytes
+        serial_per_token_s += (pp - 1) * hop_bytes / (device.link_bytes_per_s * efficiency.link)
+    fixed_s = efficiency.step_overhead_s + (all_reduces + pp - 1) * device.link_latency_s
+    free_per_device = (
+        device.memory_bytes * efficiency.gpu_memory_utilization
+        - weight_bytes / devices
+        - efficiency.reserved_bytes
+    )
+    if free_per_device <= 0:
+        raise ValueError(
+            f"{model.name} does not fit {devices} x {device.name}: its weights take"
+            f" {weight_bytes / devices / GIB:.1f} GiB of each device's"
+            f" {device.memory_bytes * efficiency.gpu_memory_utilization / GIB:.1f} GiB"
+        )
+    kv_capacity_tokens = int(free_per_device * devices / model.kv_bytes_per_token)
+    sources = [*device.sources, *model.sources, *efficiency.sources]
+    return LatencyProfile(
+        device=device.name,
+        model=model.name,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        source="roofline of published specs: " + "; ".join(sources),
+        step_overhead_s=fixed_s,
+        weights_read_s=weights_read_s,
+        compute_per_token_s=compute_per_token_s,
+        serial_per_token_s=serial_per_token_s,
+        per_context_token_s=per_context_token_s,
+        per_attention_pair_s=per_attention_pair_s,
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        kv_capacity_tokens=kv_capacity_tokens,
+        handover_bytes_per_s=device.handover_bytes_per_s,
+        handover_latency_s=device.link_latency_s,
+    )

@@ -1,0 +1,386 @@
+"""vLLM's scheduler, without the model: which requests' tokens each engine step runs.
+
+Kept to what decides time: continuous batching under a token budget
+(``max_num_batched_tokens``) and ``max_num_seqs``; chunked prefill (running requests
+first, then waiting ones, a long prompt in chunks); a paged KV cache of
+``kv_capacity_tokens`` in blocks, with a prefix cache that reuses a full block of the
+same tokens, evicts the least recently freed block first and reports what it stores
+and evicts (vLLM's KV events); preemption by recompute when blocks run out (the newest,
+or under the priority policy the least urgent, running request gives its blocks back);
+and requests whose prompt KV arrives from elsewhere (PD), which wait for it and then
+compute only their last prompt token.
+
+It keeps no clock: a caller asks for a step (``schedule``), spends the time a latency
+profile gives for its ``StepShape``, and hands it back (``complete``). The real-time
+engine (engines/simulated/host.py) and the offline simulator drive the same class.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engines.kv_events import ROOT_HASH, chain_hash
+from engines.simulated.profile import StepShape
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    # The router's chained hash of each full prompt block (engines/kv_events.py).
+    block_hashes: Sequence[int] = ()
+    priority: int = 0
+    arrival: float = 0.0
+    # PD: the prompt's KV comes from a prefill engine; schedulable once it has.
+    kv_from_elsewhere: bool = False
+    kv_ready: bool = True
+    # What the scheduler has done for it.
+    computed: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    started: bool = False
+    # Leading prompt blocks already offered to the prefix cache.
+    stored_blocks: int = 0
+
+    @property
+    def tokens_to_compute(self) -> int:
+        """Prompt and, after a preemption, the output it recomputes."""
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.output_tokens == 0 or self.computed < self.tokens_to_compute - 1
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    # (request, tokens it runs this step), in the order they were scheduled.
+    work: list[tuple[SimRequest, int]]
+    shape: StepShape
+    preempted: list[SimRequest]
+
+
+@dataclass(slots=True)
+class StepResult:
+    # Requests that got a token this step, and those of them that finished.
+    sampled: list[SimRequest]
+    finished: list[SimRequest]
+
+
+@dataclass(slots=True)
+class CacheEvents:
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+
+class BlockPool:
+    """Paged KV blocks with a prefix cache: a freed full block keeps its hash and can be
+    reused by a later request with the same prefix until it is evicted for space."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        # Free blocks, least recently freed first: the eviction order.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+        self.events = CacheEvents()
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+
+    def cached_prefix(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt the cache holds."""
+        hits = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._block_of:
+                break
+            hits += 1
+        return hits
+
+    def take_cached(self, block_hashes: Sequence[int]) -> list[int]:
+        blocks = [self._block_of[h] for h in block_hashes]
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        return blocks
+
+    def allocate(self, count: int) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            evicted = self._hash_of.pop(block, None)
+            if evicted is not None:
+                del self._block_of[evicted]
+                self.events.removed.append(evicted)
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def store(self, block: int, block_hash: int) -> None:
+        """A block now holds a full block of known tokens: later prompts may reuse it."""
+        if block in self._hash_of or block_hash in self._block_of:
+            return
+        self._hash_of[block] = block_hash
+        self._block_of[block_hash] = block
+        self.events.stored.append(block_hash)
+
+    def free(self, blocks: Sequence[int]) -> None:
+        # Last blocks first, as vLLM frees them: a prompt's tail is evicted before its head.
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._block_of)
+
+    def take_events(self) -> CacheEvents:
+        events, self.events = self.events, CacheEvents()
+        return events
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_blocks: int
+    policy: SchedulingPolicy = "fcfs"
+    enable_prefix_caching: bool = True
+
+
+class SimScheduler:
+    def __init__(self, limits: SchedulerLimits) -> None:
+        self.limits = limits
+        self.blocks = BlockPool(limits.num_blocks)
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self._by_id: dict[str, SimRequest] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def add(self, request: SimRequest) -> None:
+        if request.request_id in self._by_id:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        # The last sampled token is never fed back, so it needs no KV.
+        needed = -(-(request.prompt_tokens + request.max_tokens - 1) // self.limits.block_size)
+        if needed > self.limits.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs {needed} KV blocks, more than the"
+                f" engine's {self.limits.num_blocks}"
+            )
+        self._by_id[request.request_id] = request
+        self.waiting.append(request)
+
+    def kv_arrived(self, request_id: str) -> None:
+        request = self._by_id.get(request_id)
+        if request is not None:
+            request.kv_ready = True
+
+    def abort(self, request_id: str) -> SimRequest | None:
+        request = self._by_id.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.blocks.free(request.blocks)
+        request.blocks = []
+        return request
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step's work, or None when nothing can run."""
+        budget = self.limits.max_num_batched_tokens
+        work: list[tuple[SimRequest, int]] = []
+        preempted: list[SimRequest] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if not request.started:  # preempted for an earlier one this step
+                continue
+            tokens = min(self._tokens_left(request), budget)
+            victims = len(preempted)
+            fits = self._make_room(request, tokens, preempted)
+            if len(preempted) > victims:
+                # The priority policy may take back blocks of one scheduled already.
+                work = [(r, t) for r, t in work if r.started]
+                budget = self.limits.max_num_batched_tokens - sum(t for _, t in work)
+            if fits:
+                work.append((request, tokens))
+                budget -= tokens
+        if not preempted:
+            budget = self._admit_waiting(budget, work)
+        if not work:
+            return None
+        return ScheduledStep(work, self._shape(work), preempted)
+
+    def complete(self, step: ScheduledStep) -> StepResult:
+        """The step ran: its tokens are computed, and each request past its prompt has
+        sampled one token."""
+        sampled: list[SimRequest] = []
+        finished: list[SimRequest] = []
+        for request, tokens in step.work:
+            if request.request_id not in self._by_id:
+                continue  # aborted while the step ran
+            request.computed += tokens
+            self._store_full_blocks(request)
+            if request.computed < request.tokens_to_compute:
+                continue  # a chunk of a longer prompt: no token yet
+            request.output_tokens += 1
+            sampled.append(request)
+            if request.output_tokens >= request.max_tokens:
+                finished.append(request)
+                self._finish(request)
+        return StepResult(sampled, finished)
+
+    def _tokens_left(self, request: SimRequest) -> int:
+        return max(1, request.tokens_to_compute - request.computed)
+
+    def _admit_waiting(self, budget: int, work: list[tuple[SimRequest, int]]) -> int:
+        if self.limits.policy == "priority":
+            self.waiting.sort(key=lambda r: (r.priority, r.arrival))
+        admitted: list[SimRequest] = []
+        for request in self.waiting:
+            if budget == 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
+            if not request.kv_ready:
+                continue
+            if not request.started:
+                self._start(request)
+            tokens = min(self._tokens_left(request), budget)
+            if not self._grow(request, tokens):
+                break  # no blocks: it waits, as do those behind it
+            self.running.append(request)
+            admitted.append(request)
+            work.append((request, tokens))
+            budget -= tokens
+        for request in admitted:
+            self.waiting.remove(request)
+        return budget
+
+    def _start(self, request: SimRequest) -> None:
+        """First schedule: what of the prompt is cached, or arrived from elsewhere."""
+        request.started = True
+        if request.kv_from_elsewhere:
+            # The transferred KV fills the prompt but its last token, which the engine
+            # computes again to sample from (engines/continuation.py).
+            request.computed = request.prompt_tokens - 1
+            request.cached_tokens = request.computed
+            return
+        if not self.limits.enable_prefix_caching:
+            return
+        self.prefix_queries += request.prompt_tokens
+        hits = self.blocks.cached_prefix(request.block_hashes)
+        # At least one prompt token is computed, to sample from (vLLM drops a whole-prompt
+        # hit's last block).
+        if hits * self.limits.block_size >= request.prompt_tokens:
+            hits -= 1
+        if hits <= 0:
+            return
+        request.blocks = self.blocks.take_cached(request.block_hashes[:hits])
+        request.computed = hits * self.limits.block_size
+        request.cached_tokens = request.computed
+        self.prefix_hits += request.computed
+
+    def _grow(self, request: SimRequest, tokens: int) -> bool:
+        size = self.limits.block_size
+        needed = -(-(request.computed + tokens) // size) - len(request.blocks)
+        if needed <= 0:
+            return True
+        blocks = self.blocks.allocate(needed)
+        if blocks is None:
+            return False
+        request.blocks.extend(blocks)
+        return True
+
+    def _make_room(self, request: SimRequest, tokens: int, preempted: list[SimRequest]) -> bool:
+        """Blocks for a running request's tokens, preempting others (or itself) for them."""
+        while not self._grow(request, tokens):
+            victim = self._victim()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _victim(self) -> SimRequest:
+        if self.limits.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival))
+        return self.running[-1]
+
+    def _preempt(self, request: SimRequest) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.blocks)
+        request.blocks = []
+        request.computed = 0
+        request.started = False
+        request.stored_blocks = 0
+        request.kv_from_elsewhere = False  # its transferred KV is gone: recompute it
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.insert(0, request)
+
+    def _store_full_blocks(self, request: SimRequest) -> None:
+        if not self.limits.enable_prefix_caching:
+            return
+        full = min(request.computed // self.limits.block_size, len(request.block_hashes))
+        for index in range(request.stored_blocks, full):
+            self.blocks.store(request.blocks[index], request.block_hashes[index])
+        request.stored_blocks = max(request.stored_blocks, full)
+
+    def _finish(self, request: SimRequest) -> None:
+        del self._by_id[request.request_id]
+        self.running.remove(request)
+        self.blocks.free(request.blocks)
+        request.blocks = []
+
+    def _shape(self, work: list[tuple[SimRequest, int]]) -> StepShape:
+        prefill_tokens = attention_pairs = decode_seqs = decode_context = 0
+        for request, tokens in work:
+            if request.prefilling:
+                prefill_tokens += tokens
+                attention_pairs += tokens * request.computed + tokens * (tokens + 1) // 2
+            else:
+                decode_seqs += 1
+                decode_context += request.computed + 1
+        return StepShape(
+            prefill_tokens=prefill_tokens,
+            attention_pairs=attention_pairs,
+            decode_seqs=decode_seqs,
+            decode_context_tokens=decode_context,
+        )
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The router's chained hash of each full block of a prompt."""
+    hashes = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

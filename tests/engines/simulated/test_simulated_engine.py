@@ -1,0 +1,154 @@
+"""Simulated engines behind the router, in this process: every shape answers, the time
+each step takes is the profile's, PD's decode engine waits for the hand-over, and the
+prefix cache reaches the router's index through KV events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deployments.config import parse_app_config
+from engines.simulated.profile import LatencyProfile
+from engines.tiny_model import EMBEDDED_MODEL_NAME
+from tests.support.in_process_router import (
+    COMPLETIONS,
+    http_client,
+    in_process_router,
+    only_model,
+    ready,
+)
+
+# Steps of tens of milliseconds: long beside this loop's own delays, short for a test.
+STEP_S = 0.02
+PROMPT = "x" * 200  # 200 byte tokens (plus BOS) with the embedded tokenizer
+
+
+def _profile(tmp_path: Path, **fields: Any) -> str:
+    profile = LatencyProfile(
+        device="test",
+        model="tiny",
+        source="a test's round numbers",
+        step_overhead_s=STEP_S,
+        weights_read_s=0.0,
+        compute_per_token_s=0.0001,
+        per_context_token_s=0.0,
+        per_attention_pair_s=0.0,
+        kv_bytes_per_token=1000,
+        kv_capacity_tokens=64 * 1024,
+        handover_bytes_per_s=1000 * 1000,  # 1 ms per token of KV: 0.2 s for the prompt
+        **fields,
+    )
+    path = tmp_path / "profile.yaml"
+    profile.save(path)
+    return str(path)
+
+
+def _engine(tmp_path: Path) -> dict[str, Any]:
+    return {"backend": "simulated", "profile": _profile(tmp_path)}
+
+
+async def _complete(client: Any, max_tokens: int = 5, **fields: Any) -> tuple[float, Any]:
+    body = {"model": EMBEDDED_MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, **fields}
+    started = asyncio.get_running_loop().time()
+    response = await client.post(COMPLETIONS, content=json.dumps(body))
+    assert response.status_code == 200, response.text
+    return asyncio.get_running_loop().time() - started, response
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"strategy": "single", "pools": [{}]},
+        {"strategy": "dp", "pools": [{"replicas": 2}]},
+        {"strategy": "pd", "pools": [{"role": "prefill"}, {"role": "decode"}]},
+        {"strategy": "auto", "pools": [{"replicas": 2}]},
+    ],
+    ids=["single", "dp", "pd", "auto"],
+)
+async def test_every_shape_serves_on_simulated_engines(
+    shape: dict[str, Any], tmp_path: Path
+) -> None:
+    async with in_process_router(**shape, engine=_engine(tmp_path)) as router:
+        async with http_client(router) as client:
+            await ready(client, timeout_s=20)
+            _, response = await _complete(client, max_tokens=5)
+            body = response.json()
+            assert body["usage"]["completion_tokens"] == 5
+            assert body["choices"][0]["finish_reason"] == "length"
+        assert only_model(router).pool  # the router kept its engines
+
+
+async def test_a_request_takes_the_profiles_steps(tmp_path: Path) -> None:
+    """Prefill and 9 decode steps of STEP_S and a little per token: never faster than the
+    profile, and not much slower."""
+    engine = _engine(tmp_path)
+    async with in_process_router(engine=engine) as router, http_client(router) as client:
+        await ready(client, timeout_s=20)
+        elapsed, _ = await _complete(client, max_tokens=10)
+    expected = 10 * STEP_S + 0.0001 * (201 + 9)
+    assert expected <= elapsed < expected * 1.5 + 0.1
+
+
+async def test_time_scale_stretches_every_step(tmp_path: Path) -> None:
+    engine = {**_engine(tmp_path), "time_scale": 3.0}
+    async with in_process_router(engine=engine) as router, http_client(router) as client:
+        await ready(client, timeout_s=20)
+        elapsed, _ = await _complete(client, max_tokens=5)
+    assert elapsed >= 3 * 5 * STEP_S
+
+
+async def test_pd_decode_waits_for_the_hand_over_of_the_prompts_kv(tmp_path: Path) -> None:
+    pools = [{"role": "prefill"}, {"role": "decode"}]
+    split = {"mode": "always"}
+    engine = _engine(tmp_path)
+    async with in_process_router(
+        strategy="pd", pools=pools, engine=engine, split_policy=split
+    ) as router:
+        async with http_client(router) as client:
+            await ready(client, timeout_s=20)
+            decode = only_model(router).pool.get("decode-0").link._host
+            before = decode.stats().prompt_tokens  # the router's calibration computed some
+            elapsed, response = await _complete(client, max_tokens=3)
+            assert response.headers["x-splitserve-prefill"] == "remote:always"
+        after = decode.stats().prompt_tokens
+        added = {source: after[source] - before[source] for source in after}
+        # Every prompt token's KV arrived but the last, which the decode engine computes.
+        prompt_tokens = response.json()["usage"]["prompt_tokens"]
+        assert added == {
+            "local_compute": 1,
+            "local_cache_hit": 0,
+            "external_kv_transfer": prompt_tokens - 1,
+        }
+    # 0.2 s of hand-over for 200 tokens of KV (the last one is computed again).
+    assert elapsed >= 0.2 + 3 * STEP_S
+
+
+async def test_the_prefix_cache_reaches_the_router_through_kv_events(tmp_path: Path) -> None:
+    router_settings = {"prefix_signal": "kv_events"}
+    async with in_process_router(engine=_engine(tmp_path), router=router_settings) as router:
+        async with http_client(router) as client:
+            await ready(client, timeout_s=20)
+            await _complete(client, max_tokens=2)
+            _, response = await _complete(client, max_tokens=2)
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        host = only_model(router).pool.get("engine-0").link._host
+        assert host.stats().prefix_cache_hits > 0
+
+
+def test_a_profile_for_other_parallel_degrees_is_refused(tmp_path: Path) -> None:
+    args = {
+        "strategy": "tp",
+        "pools": [{"tensor_parallel_size": 2}],
+        "engine": _engine(tmp_path),
+    }
+    with pytest.raises(ValueError, match="is for TP 1 x PP 1, but the pool runs TP 2 x PP 1"):
+        parse_app_config(args)
+
+
+def test_simulated_engines_need_a_profile() -> None:
+    with pytest.raises(ValueError, match=r"needs engine\.profile"):
+        parse_app_config({"strategy": "single", "engine": {"backend": "simulated"}})
