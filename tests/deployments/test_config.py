@@ -195,7 +195,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "kv_transfer": {"backend": "nixl"},
             },
-            "kv_transfer: unknown KV backend 'nixl'; registered: example_disk, object_store",
+            "kv_transfer: unknown KV backend 'nixl'; registered: example_disk, object_store, simulated",
         ),
         (
             {
@@ -220,7 +220,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {"strategy": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "tgi"}},
-            "engine.backend: unknown engine backend 'tgi'; registered: synthetic, vllm",
+            "engine.backend: unknown engine backend 'tgi'; registered: simulated, synthetic, vllm",
         ),
         (
             {
@@ -256,7 +256,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {"strategy": "single", "pools": [{}], "engine": {"backend": "fake"}},
-            "engine.backend: unknown engine backend 'fake'; registered: synthetic, vllm",
+            "engine.backend: unknown engine backend 'fake'; registered: simulated, synthetic, vllm",
         ),
         (
             {
