@@ -124,6 +124,28 @@ def wait_until_bindable(port: int, timeout_s: float = TIME_WAIT_S) -> None:
         time.sleep(1.0)
 
 
+def simulated_config(path: Path, profile: str, time_scale: float = 1.0) -> Path:
+    """A copy of a Serve YAML whose engines are simulated (engine.backend: simulated) on
+    ``profile``'s time, each model's pools and policies as they are: the same shape on a
+    GPU fleet's time, on this machine."""
+    config = yaml.safe_load(path.read_text())
+    if Path(profile).exists():
+        profile = str(Path(profile).resolve())  # replicas do not start in this folder
+    engine = {"backend": "simulated", "profile": profile, "time_scale": time_scale}
+    for application in config.get("applications", []):
+        args = application.setdefault("args", {})
+        models = args.get("models")
+        for model_args in models if isinstance(models, list) else [args]:
+            model_args["engine"] = engine
+            # Simulated engines hand over simulated KV; the YAML's backend is for vLLM.
+            model_args.pop("kv_transfer", None)
+    folder = Path(tempfile.gettempdir()) / f"splitserve-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    copy = folder / f"{path.stem}.simulated.yaml"
+    copy.write_text(f"# Written from {path} by deployments.launcher.\n" + yaml.safe_dump(config))
+    return copy
+
+
 def serve_command(path: Path, port: int = DEFAULT_PORT) -> tuple[list[str], dict[str, str]]:
     """``serve run`` of a config with direct ingress on ``port``: argv and environment."""
     refuse_engine_overrides(path)

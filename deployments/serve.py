@@ -20,6 +20,7 @@ from deployments.launcher import (
     cluster_env,
     config_path,
     serve_command,
+    simulated_config,
     wait_until_bindable,
 )
 from splitserve.processes import SERVE_DEPLOY_FAILED, stop_process
@@ -35,10 +36,24 @@ def main(argv: list[str] | None = None) -> None:
         help="single, dp, tp, pp, pd, pd_always, auto, auto_scaled, models, or a YAML path",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="where the router listens")
+    parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="serve the config on simulated engines that keep this latency profile's time:"
+        " a profile file or a shipped profile (python -m loadgen profile --list)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="with --simulate: stretch every simulated time by this factor",
+    )
     args = parser.parse_args(argv)
     path = config_path(args.config)
     if not path.exists():
         parser.error(f"no such config: {path}")
+    if args.simulate:
+        path = simulated_config(path, args.simulate, args.time_scale)
     if os.environ.get("RAY_ADDRESS"):
         # Serve reads these where the cluster starts, not here.
         settings = " ".join(f"{name}={value}" for name, value in cluster_env(args.port).items())

@@ -21,6 +21,7 @@ from loadgen.burstgpt import (
     default_cache_dir,
     subset_means,
 )
+from loadgen.client import request_headers
 from loadgen.config import (
     ARRIVALS,
     DEFAULT_BASE_URL,
@@ -37,6 +38,17 @@ from loadgen.exposition import Exposition
 from loadgen.fake_server import FakeServerConfig, run_fake_server
 from loadgen.launcher import DEFAULT_DEPLOYMENTS_DIR, LaunchError
 from loadgen.panels import render_report  # its ReportError is a ValueError
+from loadgen.profiling import (
+    ProfileGrid,
+    ProfileTarget,
+    kv_capacity_tokens,
+    measure,
+    profile_from,
+    profile_table,
+    save_samples,
+    served_models,
+    without_path_cost,
+)
 from loadgen.report import (
     plot_knee,
     plot_run,
@@ -49,6 +61,7 @@ from loadgen.report import (
     write_summary_csv,
 )
 from loadgen.runner import RunError, RunResult, execute_run
+from loadgen.simulate import SimulatedTarget, simulate_run
 from loadgen.sizing import ModelShape, model_shape, read_model_config
 from loadgen.sweep import (
     SMOKE_QPS,
@@ -74,9 +87,21 @@ from loadgen.vllm_cli import (
 )
 from loadgen.vllm_result import save_vllm_result, write_vllm_result
 from loadgen.workloads import load_trace
+from splitserve.latency.profile import shipped_profiles
 from splitserve.packaging import PackageConflictError, check_top_level_packages
 
-SUBCOMMANDS = ("run", "sweep", "knee", "advise", "demo", "fake-server", "trace-stats", "report")
+SUBCOMMANDS = (
+    "run",
+    "sweep",
+    "knee",
+    "advise",
+    "demo",
+    "fake-server",
+    "trace-stats",
+    "report",
+    "profile",
+    "simulate",
+)
 RESULTS_ROOT = Path("results/loadgen")
 
 RUN_EXAMPLES = """examples:
@@ -841,6 +866,158 @@ def command_trace_stats(argv: list[str], console: Console) -> int:
     return 0
 
 
+def build_simulate_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    parser.prog = "python -m loadgen simulate"
+    parser.description = (
+        "A run's results without a server: the same workload, prompts and schedule, served"
+        " offline in virtual time by the config's router decisions over simulated engines"
+        " that keep a latency profile's time (python -m deployments.simulate)."
+    )
+    parser.add_argument("config", help="single, dp, pd, pd_always, auto, ... or a YAML path")
+    parser.add_argument(
+        "--latency-profile",
+        required=True,
+        help="a latency profile file or a shipped one (python -m loadgen profile --list);"
+        " --profile is vLLM's flag for its torch profiler",
+    )
+    return parser
+
+
+def command_simulate(argv: list[str], console: Console) -> int:
+    args = build_simulate_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    vllm = resolve(args)
+    workload = vllm.workload or workload_config(args, args.workload)
+    if workload.is_trace:
+        load_trace(workload)
+    configs = [run_config(args, workload, qps, vllm.run_fields) for qps in args.qps]
+    if workload.is_replay and len(configs) > 1:
+        configs = configs[:1]
+    target = SimulatedTarget(args.config, args.latency_profile, args.model)
+    out = _out_dir(args, "simulate")
+
+    async def all_runs() -> list[RunResult]:
+        return [await simulate_run(config, target, console) for config in configs]
+
+    results = run_event_loop(all_runs())
+    print_run_table(console, results)
+    for result in results:
+        _write_run_outputs(result, out, args, vllm, console)
+    console.print(
+        f"summary: {write_summary_csv([summary_row(r) for r in results], out / 'summary.csv')}"
+    )
+    return 0
+
+
+def build_profile_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen profile",
+        description="Measure one engine's step times over a grid (prefill lengths, decode"
+        " batches and contexts) and fit a latency profile for simulated engines"
+        " (engine.backend: simulated). Serve one engine alone while it measures.",
+    )
+    parser.add_argument("--list", action="store_true", help="list the shipped profiles")
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL)
+    parser.add_argument("--model", help="default: the first model of GET /v1/models")
+    parser.add_argument("--device", help="what the engine runs on, e.g. H100-SXM-80GB")
+    parser.add_argument("--model-name", help="the profile's model; default: --model")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--kv-bytes-per-token", type=int, help="the model's KV per token, all layers"
+    )
+    parser.add_argument(
+        "--kv-capacity-tokens", type=int, help="default: vLLM's cache_config_info on /metrics"
+    )
+    parser.add_argument("--handover-gbps", type=float, default=1.0, help="PD: KV link rate, GB/s")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    grid = ProfileGrid()
+    parser.add_argument(
+        "--prompt-lengths", type=_int_list, default=grid.prompt_lengths, help="e.g. 16,256,1024"
+    )
+    parser.add_argument("--batches", type=_int_list, default=grid.batches, help="e.g. 1,4,16")
+    parser.add_argument("--contexts", type=_int_list, default=grid.contexts, help="e.g. 64,512")
+    parser.add_argument("--repeats", type=int, default=grid.repeats)
+    parser.add_argument(
+        "--baseline-samples",
+        type=Path,
+        help="the .samples.json of a profile run against the same serving path on engines"
+        " that take no time (deployments.serve CONFIG --simulate with a zero profile): its"
+        " lone-request TTFT is taken off each prefill measurement, so that a simulated"
+        " engine behind that path does not pay it twice",
+    )
+    parser.add_argument("--out", type=Path, help="the profile's file (YAML)")
+    return parser
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
+
+
+def command_profile(argv: list[str], console: Console) -> int:
+    args = build_profile_parser().parse_args(argv)
+    _configure_logging(False)
+    if args.list:
+        for name in shipped_profiles():
+            console.print(name)
+        return 0
+    if args.device is None or args.kv_bytes_per_token is None:
+        raise ValueError("profile needs --device and --kv-bytes-per-token (or --list)")
+    return run_event_loop(_profile(args, console))
+
+
+async def _profile(args: argparse.Namespace, console: Console) -> int:
+    base_url = args.base_url.rstrip("/")
+    headers = request_headers()
+    served = await served_models(base_url, headers)
+    model = args.model or served[0][0]
+    max_model_len = dict(served).get(model) or 8192
+    target = ProfileTarget(base_url, model, headers)
+    grid = ProfileGrid(args.prompt_lengths, args.batches, args.contexts, repeats=args.repeats)
+    capacity = args.kv_capacity_tokens or await kv_capacity_tokens(target)
+    if capacity is None:
+        raise ValueError("the server's /metrics has no KV cache size: give --kv-capacity-tokens")
+    console.print(f"measuring {model} at {base_url} ...")
+    prefills, decodes = await measure(target, grid)
+    baseline_note = ""
+    if args.baseline_samples:
+        prefills, path_s = without_path_cost(prefills, args.baseline_samples)
+        baseline_note = f"; less the serving path's own TTFT ({path_s * 1e3:.2f} ms median)"
+    when = datetime.now().strftime("%Y-%m-%d")
+    profile = profile_from(
+        prefills,
+        decodes,
+        source=f"fitted from python -m loadgen profile against {model} on {args.device}"
+        f" ({when}; prompt lengths {list(grid.prompt_lengths)}, batches"
+        f" {list(grid.batches)}, contexts {list(grid.contexts)}, {grid.repeats} repeats)"
+        + baseline_note,
+        device=args.device,
+        model=args.model_name or model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_capacity_tokens=capacity,
+        handover_bytes_per_s=args.handover_gbps * 1e9,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    out = args.out or Path("results/profiles") / (
+        f"{args.device}-{profile.model}-tp{args.tensor_parallel_size}"
+        f"-pp{args.pipeline_parallel_size}.yaml".lower().replace("/", "-")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    save_samples(out.with_suffix(".samples.json"), prefills, decodes)
+    console.print(profile_table(profile, prefills, decodes))
+    console.print(f"profile: {out}")
+    return 0
+
+
 def command_report(argv: list[str], console: Console) -> int:
     args = build_report_parser().parse_args(argv)
     _configure_logging(False)
@@ -850,6 +1027,8 @@ def command_report(argv: list[str], console: Console) -> int:
 
 
 COMMANDS = {
+    "profile": command_profile,
+    "simulate": command_simulate,
     "knee": command_knee,
     "advise": command_advise,
     "run": command_run,

@@ -271,7 +271,7 @@ class Run:
     async def execute(self) -> RunResult:
         config = self.config
         endpoint = await discover_endpoint(self.control, config)
-        prepared = await self._prepare_run(endpoint)
+        prepared = await self.prepare_run(endpoint)
         warmup_metrics = await self._warm_up(prepared.warmups)
         recorder = ServerViewRecorder(
             self.control,
@@ -296,7 +296,7 @@ class Run:
             arrivals=type(prepared.arrivals).__name__,
             started_at=started_at,
             clock_origin_s=self.clock_origin,
-            summary=summarize_run(metrics, run_duration(metrics), self._service_level()),
+            summary=summarize_run(metrics, run_duration(metrics), self.service_level()),
             server=server,
             requests=warmup_metrics + metrics,
             chat_calibration=prepared.calibration,
@@ -322,14 +322,14 @@ class Run:
         await recorder.stop()
         return metrics, await recorder.view()
 
-    def _service_level(self) -> ServiceLevel:
+    def service_level(self) -> ServiceLevel:
         config = self.config
         targets = (config.slo_ttft_ms, config.slo_tpot_ms, config.slo_e2el_ms)
         return ServiceLevel(*(None if ms is None else ms / 1000 for ms in targets))
 
     # ---- preparation -----------------------------------------------------------------------
 
-    async def _prepare_run(self, endpoint: Endpoint) -> PreparedRun:
+    async def prepare_run(self, endpoint: Endpoint) -> PreparedRun:
         """Every request body, and the schedule, before the first send."""
         config = self.config
         plan = plan_workload(

@@ -34,7 +34,6 @@ from engines.protocol import (
     TokenLogprobs,
 )
 from engines.settings import EngineSpec
-from engines.simulated.profile import LatencyProfile
 from engines.simulated.scheduler import (
     ScheduledStep,
     SchedulerLimits,
@@ -43,6 +42,7 @@ from engines.simulated.scheduler import (
     prompt_block_hashes,
 )
 from engines.simulated.settings import SIMULATED_KV_TOKENS, engine_profile, scheduler_limits
+from splitserve.latency.profile import LatencyProfile
 
 logger = logging.getLogger("splitserve.engines")
 
@@ -74,6 +74,8 @@ class SimulatedEngineHost:
         self._max_model_len = spec.model.max_model_len or self.profile.max_model_len
         self._scheduler = SimScheduler(self.limits)
         self._clients: dict[str, _Client] = {}
+        # Requests still in the front end's input processing (request_overhead_s).
+        self._admissions: dict[str, asyncio.TimerHandle] = {}
         self._streams = DeltaStreams()
         self._work = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
@@ -97,7 +99,9 @@ class SimulatedEngineHost:
             kv_from_elsewhere=handle is not None,
             kv_ready=handle is None,
         )
-        self._scheduler.add(sim)
+        self._scheduler.check(sim)
+        if request.request_id in self._clients:
+            raise ValueError(f"request id {request.request_id!r} is already running")
         self._clients[request.request_id] = _Client(
             request.subscriber,
             prompt[-1] if prompt else 0,
@@ -110,11 +114,21 @@ class SimulatedEngineHost:
         )
         self._streams.outbox(request.subscriber)
         loop = asyncio.get_running_loop()
-        if handle is not None:
-            delay = self.profile.handover_seconds(int(handle)) * self._time_scale
-            loop.call_later(delay, self._kv_arrived, request.request_id)
         if self._stepper is None:
             self._stepper = loop.create_task(self._step_forever())
+        overhead = self.profile.request_overhead_s * self._time_scale
+        if overhead > 0:
+            # The front end's input processing, before the scheduler sees the request.
+            self._admissions[sim.request_id] = loop.call_later(overhead, self._admit, sim)
+        else:
+            self._admit(sim)
+        if handle is not None:
+            delay = overhead + self.profile.handover_seconds(int(handle)) * self._time_scale
+            loop.call_later(delay, self._kv_arrived, request.request_id)
+
+    def _admit(self, request: SimRequest) -> None:
+        self._admissions.pop(request.request_id, None)
+        self._scheduler.add(request)
         self._work.set()
 
     def _kv_arrived(self, request_id: str) -> None:
@@ -122,6 +136,9 @@ class SimulatedEngineHost:
         self._work.set()
 
     async def abort(self, request_id: str) -> None:
+        admission = self._admissions.pop(request_id, None)
+        if admission is not None:
+            admission.cancel()
         self._scheduler.abort(request_id)
         self._clients.pop(request_id, None)
 
@@ -136,6 +153,9 @@ class SimulatedEngineHost:
     def _subscriber_gone(self, subscriber: str) -> None:
         for request_id, client in list(self._clients.items()):
             if client.subscriber == subscriber:
+                admission = self._admissions.pop(request_id, None)
+                if admission is not None:
+                    admission.cancel()
                 self._scheduler.abort(request_id)
                 del self._clients[request_id]
 

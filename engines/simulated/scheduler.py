@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engines.kv_events import ROOT_HASH, chain_hash
-from engines.simulated.profile import StepShape
+from splitserve.latency.profile import StepShape
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -183,7 +183,8 @@ class SimScheduler:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id
 
-    def add(self, request: SimRequest) -> None:
+    def check(self, request: SimRequest) -> None:
+        """Raise ValueError for a request this engine can never run."""
         if request.request_id in self._by_id:
             raise ValueError(f"request id {request.request_id!r} is already running")
         # The last sampled token is never fed back, so it needs no KV.
@@ -193,6 +194,9 @@ class SimScheduler:
                 f"request {request.request_id!r} needs {needed} KV blocks, more than the"
                 f" engine's {self.limits.num_blocks}"
             )
+
+    def add(self, request: SimRequest) -> None:
+        self.check(request)
         self._by_id[request.request_id] = request
         self.waiting.append(request)
 
@@ -252,6 +256,43 @@ class SimScheduler:
             if request.computed < request.tokens_to_compute:
                 continue  # a chunk of a longer prompt: no token yet
             request.output_tokens += 1
+            sampled.append(request)
+            if request.output_tokens >= request.max_tokens:
+                finished.append(request)
+                self._finish(request)
+        return StepResult(sampled, finished)
+
+    def decode_run_length(self, step: ScheduledStep) -> int:
+        """How many steps exactly like ``step`` follow each other if nothing arrives: a
+        batch of decodes only, with nothing waiting that could join it, runs unchanged
+        until its first request finishes or its blocks run out. 1 for any other step."""
+        if step.shape.prefill_tokens or step.preempted or len(step.work) != len(self.running):
+            return 1
+        if len(self.running) < self.limits.max_num_seqs and any(r.kv_ready for r in self.waiting):
+            return 1
+        steps = min(r.max_tokens - r.output_tokens for r, _ in step.work)
+        size = self.limits.block_size
+        while steps > 1:
+            needed = sum(-(-(r.computed + steps) // size) - len(r.blocks) for r, _ in step.work)
+            if needed <= self.blocks.free_blocks:
+                break
+            steps //= 2
+        return max(steps, 1)
+
+    def complete_run(self, step: ScheduledStep, steps: int) -> StepResult:
+        """``steps`` decode steps of ``step``'s batch ran (decode_run_length allows it):
+        each request computed and sampled that many tokens."""
+        if steps == 1:
+            return self.complete(step)
+        sampled: list[SimRequest] = []
+        finished: list[SimRequest] = []
+        for request, _ in step.work:
+            if request.request_id not in self._by_id:
+                continue
+            if not self._grow(request, steps):
+                raise RuntimeError("a decode run outgrew the blocks decode_run_length allowed")
+            request.computed += steps
+            request.output_tokens += steps
             sampled.append(request)
             if request.output_tokens >= request.max_tokens:
                 finished.append(request)

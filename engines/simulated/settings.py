@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engines.settings import EngineSpec
-from engines.simulated.profile import LatencyProfile, load_profile, shipped_profiles
 from engines.simulated.scheduler import SchedulerLimits
+from splitserve.latency.profile import LatencyProfile, load_profile, shipped_profiles
 
 # kv_transfer_params key of a simulated prefill's answer: the prompt tokens whose KV the
 # decode engine waits for (the hand-over's size).

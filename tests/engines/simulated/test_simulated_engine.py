@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from deployments.config import parse_app_config
-from engines.simulated.profile import LatencyProfile
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from splitserve.latency.profile import LatencyProfile
 from tests.support.in_process_router import (
     COMPLETIONS,
     http_client,

@@ -14,13 +14,14 @@ through the model at once. Its time has the parts a roofline names:
   sampling) and TP's all-reduces and PP's hand-offs per token (``serial_per_token_s``).
 
 Profiles are fitted from measurements (``python -m loadgen profile``) or built from a
-roofline of published specs (engines/simulated/roofline.py); ``source`` says which, and
+roofline of published specs (splitserve/latency/roofline.py); ``source`` says which, and
 where every number comes from.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -28,11 +29,12 @@ from pydantic import Field
 
 from splitserve.config_base import StrictModel
 
-PROFILES_PACKAGE = "engines.simulated.profiles"
+PROFILES_PACKAGE = "splitserve.latency.profiles"
 
 
-class StepShape(StrictModel):
-    """What one engine step computes."""
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one engine step computes (a plain class: a simulation builds one per step)."""
 
     prefill_tokens: int = 0
     # Sum over the step's prefill chunks of chunk tokens x the keys each attends to.
@@ -57,6 +59,12 @@ class LatencyProfile(StrictModel):
         min_length=1, description="Where the numbers come from: measurements or specs, named."
     )
     step_overhead_s: float = Field(ge=0, description="Fixed cost of every step.")
+    request_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="Per request, before it is scheduled: the engine's front end (input"
+        " processing), which an engine behind the router still pays.",
+    )
     weights_read_s: float = Field(
         ge=0, description="Reading the weights once: the linear layers' memory-bound floor."
     )
@@ -98,6 +106,19 @@ class LatencyProfile(StrictModel):
             + self.per_context_token_s * step.decode_context_tokens
             + self.per_attention_pair_s * step.attention_pairs
         )
+
+    def decode_run_ends(self, batch: int, context_tokens: int, steps: int) -> list[float]:
+        """When each of ``steps`` decode-only steps of a fixed batch ends, from the first's
+        start: every step reads one more token of context per request than the last."""
+        fixed = (
+            self.step_overhead_s
+            + max(self.weights_read_s, self.compute_per_token_s * batch)
+            + self.serial_per_token_s * batch
+        )
+        growth = self.per_context_token_s * batch
+        first = fixed + self.per_context_token_s * context_tokens
+        # The i-th step (from 0) takes first + i * growth; its end is the sum up to it.
+        return [(i + 1) * first + growth * i * (i + 1) / 2 for i in range(steps)]
 
     def handover_seconds(self, tokens: int) -> float:
         """Moving ``tokens`` of KV from a prefill engine to a decode engine."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from engines.simulated.profile import LatencyProfile
 from splitserve.config_base import StrictModel
+from splitserve.latency.profile import LatencyProfile
 
 GIB = 1024**3
 
@@ -33,6 +33,9 @@ class DeviceSpec(StrictModel):
     # A KV hand-over between engines on two devices (PD): the host path through pinned
     # memory (device → host → object store → host → device) where peer-to-peer is absent.
     handover_bytes_per_s: float = Field(gt=0)
+    # The hand-over's fixed cost: the prefill rank's put, the directory's push, the
+    # decode rank's get, each a round trip of Ray's control path.
+    handover_latency_s: float = Field(1e-3, ge=0)
     sources: list[str] = Field(min_length=1)
 
 
@@ -108,7 +111,8 @@ def roofline_profile(
     # Per stage a device holds 1/devices of the weights and KV; PP's stages run in turn,
     # so a batch's step takes pp stage times: the sums below are over the whole model.
     weight_bytes = model.params * model.dtype_bytes
-    weights_read_s = weight_bytes / tp / bandwidth
+    # A step reads the weights it multiplies; the input embedding is only looked up.
+    weights_read_s = model.matmul_params * model.dtype_bytes / tp / bandwidth
     compute_per_token_s = 2 * model.matmul_params / tp / flops
     per_context_token_s = model.kv_bytes_per_token / tp / bandwidth
     per_attention_pair_s = (
@@ -153,5 +157,5 @@ def roofline_profile(
         kv_bytes_per_token=model.kv_bytes_per_token,
         kv_capacity_tokens=kv_capacity_tokens,
         handover_bytes_per_s=device.handover_bytes_per_s,
-        handover_latency_s=device.link_latency_s,
+        handover_latency_s=device.handover_latency_s,
     )

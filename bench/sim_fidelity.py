@@ -1,0 +1,252 @@
+"""Does a simulated engine keep the real engine's time? (benchmark, not a test)
+
+A latency profile is fitted from the CPU engine on its own grid (python -m loadgen
+profile: lone prefills, lockstep decode batches), then each config is served twice, on
+its real vLLM engines and on simulated engines that keep that profile's time
+(deployments.serve --simulate), under the same workloads, rates and seeds. Real and
+simulated runs alternate within each round; the table gives each metric's median over
+the rounds and the simulated/real ratio. The runs compared are never the runs the
+profile was fitted on.
+
+    python bench/sim_fidelity.py [--configs single,dp,pd_always,auto]
+        [--workloads general,prefill-heavy,decode-heavy] [--rates 1,2,4]
+        [--rounds 2] [--num-requests 40] [--profile FILE] [--out results/sim_fidelity]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
+from rich.console import Console
+from rich.table import Table
+
+from deployments.launcher import (
+    REPO_ROOT,
+    RunningApp,
+    config_path,
+    niced_like_ray_workers,
+    serve_run,
+    simulated_config,
+)
+from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.runner import execute_run
+from splitserve.latency.profile import LatencyProfile
+
+console = Console()
+METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "output_tok_s")
+# The embedded model's KV per token: K and V, 2 layers, 2 KV heads of 32, float32.
+EMBEDDED_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
+# single.yaml's cache: 1 GiB (kv_cache_gib) of blocks of 128 tokens.
+EMBEDDED_KV_CAPACITY_TOKENS = (1 << 30) // EMBEDDED_KV_BYTES_PER_TOKEN
+CPU_BLOCK_SIZE = 128  # vLLM's CPU platform default
+CPU_MAX_NUM_SEQS = 128  # vLLM's CPU default for an OpenAI server, one rank
+
+
+def zero_profile(out: Path) -> Path:
+    """An engine that takes no time, on the embedded model's cache: the path alone."""
+    path = out / "zero-tp1-pp1.yaml"
+    LatencyProfile(
+        device="none",
+        model="embedded",
+        source="an engine that takes no time: what the serving path costs alone",
+        step_overhead_s=0.0,
+        weights_read_s=0.0,
+        compute_per_token_s=0.0,
+        per_context_token_s=0.0,
+        per_attention_pair_s=0.0,
+        kv_bytes_per_token=EMBEDDED_KV_BYTES_PER_TOKEN,
+        kv_capacity_tokens=EMBEDDED_KV_CAPACITY_TOKENS,
+        handover_bytes_per_s=1e15,
+        block_size=CPU_BLOCK_SIZE,
+        max_num_seqs=CPU_MAX_NUM_SEQS,
+    ).save(path)
+    return path
+
+
+def profile_command(base_url: str, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "loadgen",
+        "profile",
+        "--base-url",
+        base_url,
+        "--device",
+        "cpu-2core",
+        "--model-name",
+        "embedded",
+        "--kv-bytes-per-token",
+        str(EMBEDDED_KV_BYTES_PER_TOKEN),
+        "--kv-capacity-tokens",
+        str(EMBEDDED_KV_CAPACITY_TOKENS),
+        "--block-size",
+        str(CPU_BLOCK_SIZE),
+        "--max-num-seqs",
+        str(CPU_MAX_NUM_SEQS),
+        "--repeats",
+        "5",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def fit_profile(out: Path) -> Path:
+    """Fit the CPU engine's profile on single.yaml (its own grid, not the runs below),
+    less what single.yaml's router costs alone (measured on zero-time engines)."""
+    baseline = out / "path-alone.yaml"
+    simulated = simulated_config(config_path("single"), str(zero_profile(out)))
+    with serve_run(str(simulated)) as app, niced_like_ray_workers():
+        subprocess.run(profile_command(app.base_url, baseline), check=True, cwd=REPO_ROOT)
+    path = out / "cpu-embedded-tp1-pp1.yaml"
+    samples = ("--baseline-samples", str(baseline.with_suffix(".samples.json")))
+    with serve_run("single") as app, niced_like_ray_workers():
+        subprocess.run(profile_command(app.base_url, path, *samples), check=True, cwd=REPO_ROOT)
+    return path
+
+
+def served(config: str, kind: str, profile: Path) -> AbstractContextManager[RunningApp]:
+    path = config_path(config)
+    if kind == "simulated":
+        path = simulated_config(path, str(profile))
+    return serve_run(str(path))
+
+
+def measure(
+    app: RunningApp, workload: str, rate: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    run = RunConfig(
+        base_url=app.base_url,
+        workload=WorkloadConfig(name=workload),
+        qps=rate,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        show_progress=False,
+    )
+    with niced_like_ray_workers():
+        result = asyncio.run(execute_run(run, Console(quiet=True)))
+    summary = result.summary
+    return {
+        "ttft_p50_ms": summary.ttft.p50 * 1000,
+        "ttft_p90_ms": summary.ttft.p90 * 1000,
+        "itl_p50_ms": summary.itl.p50 * 1000,
+        "itl_p90_ms": summary.itl.p90 * 1000,
+        "output_tok_s": summary.output_token_throughput,
+        "errors": summary.errors + summary.rejected,
+    }
+
+
+def run_rounds(args: argparse.Namespace, profile: Path) -> list[dict[str, Any]]:
+    rows = []
+    for round_index in range(args.rounds):
+        for config in args.configs:
+            # Alternate which goes first, so neither always runs on a fresher box.
+            kinds = ("real", "simulated") if round_index % 2 == 0 else ("simulated", "real")
+            for kind in kinds:
+                with served(config, kind, profile) as app:
+                    for workload in args.workloads:
+                        for rate in args.rates:
+                            row = measure(app, workload, rate, args)
+                            row.update(
+                                round=round_index,
+                                config=config,
+                                kind=kind,
+                                workload=workload,
+                                rate=rate,
+                            )
+                            rows.append(row)
+                            console.print(
+                                f"round {round_index} {config} {kind} {workload} @ {rate:g}:"
+                                f" TTFT p50 {row['ttft_p50_ms']:.1f} ms,"
+                                f" ITL p50 {row['itl_p50_ms']:.2f} ms,"
+                                f" {row['output_tok_s']:.0f} tok/s"
+                            )
+    return rows
+
+
+def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], dict[str, float]]:
+    cells: dict[tuple[str, str, float, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["config"], row["workload"], row["rate"], row["kind"])
+        cells.setdefault(key, []).append(row)
+    return {
+        key: {metric: statistics.median(r[metric] for r in group) for metric in METRICS}
+        for key, group in cells.items()
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    table = Table(title="simulated / real, medians over rounds (this box: 2 cores, no GPU)")
+    for column in ("config", "workload", "req/s", *METRICS):
+        table.add_column(column, justify="right")
+    cells = medians(rows)
+    ratios = []
+    for config, workload, rate, kind in sorted(cells):
+        if kind != "real":
+            continue
+        real = cells[(config, workload, rate, "real")]
+        sim = cells.get((config, workload, rate, "simulated"))
+        if sim is None:
+            continue
+        ratio = {metric: sim[metric] / real[metric] for metric in METRICS if real[metric]}
+        ratios.append(
+            {
+                "config": config,
+                "workload": workload,
+                "rate": rate,
+                "real": real,
+                "sim": sim,
+                "ratio": ratio,
+            }
+        )
+        table.add_row(
+            config,
+            workload,
+            f"{rate:g}",
+            *(f"{real[m]:.1f} / {sim[m]:.1f} ({ratio.get(m, float('nan')):.2f})" for m in METRICS),
+        )
+    console.print(table)
+    return ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="single")
+    parser.add_argument("--workloads", default="general,prefill-heavy,decode-heavy")
+    parser.add_argument("--rates", default="1,2,4")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path, help="a fitted profile; default: fit one first")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "sim_fidelity")
+    args = parser.parse_args()
+    args.configs = args.configs.split(",")
+    args.workloads = args.workloads.split(",")
+    args.rates = [float(rate) for rate in args.rates.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile = args.profile or fit_profile(args.out)
+    console.print(f"profile: {profile}")
+    rows = run_rounds(args, profile)
+    ratios = print_table(rows)
+    result = {
+        "profile": str(profile),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "runs": rows,
+        "cells": ratios,
+    }
+    path = args.out / "sim_fidelity.json"
+    path.write_text(json.dumps(result, indent=1))
+    console.print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

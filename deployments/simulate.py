@@ -1,0 +1,488 @@
+"""``python -m deployments.simulate``: an application's YAML on simulated engines, in
+virtual time, as fast as the machine computes it.
+
+The engines are the simulated backend's scheduler (engines/simulated/scheduler.py) on a
+latency profile's time; the router is the router's own decision-making: its
+``Dispatcher`` (replica choice, split policy, role-free peers), ``AdmissionControl``
+(QoS), and one ``ReplicaState`` per engine, fed as the router feeds them (prefill tickets,
+first-token and step times, the engines' stats every ``router.stats_interval_s``, their
+KV events). Only HTTP, tokenization and the relay of tokens are left out: they cost the
+router, not the engines, and are the part a real-time run (deployments.serve --simulate)
+measures.
+
+Input: the requests as JSON lines (index, arrival offset, prompt token ids, max_tokens,
+priority), as ``python -m loadgen simulate`` writes them; output: each request's outcome
+and token times as JSON lines, which loadgen turns into a run's results.
+
+    python -m deployments.simulate describe CONFIG --profile P
+    python -m deployments.simulate run CONFIG --profile P --requests IN --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from deployments.app import engine_names, engine_spec
+from deployments.config import AppConfig, load_application
+from deployments.launcher import config_path, simulated_config
+from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
+from engines.settings import EngineSpec
+from engines.simulated.scheduler import (
+    ScheduledStep,
+    SimRequest,
+    SimScheduler,
+    prompt_block_hashes,
+)
+from engines.simulated.settings import engine_profile, scheduler_limits
+from router.dispatch import Dispatcher, Plan
+from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Rejection
+from router.pool.engine_client import EngineClient
+from router.pool.engine_pool import EnginePool
+from router.pool.replica_state import ReplicaState
+from router.settings import IngressSettings
+from splitserve.latency.profile import LatencyProfile, StepShape
+
+
+class EventQueue:
+    """Virtual time: callbacks by due time, ties in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._order = itertools.count()
+        self.events = 0
+
+    def at(self, due: float, callback: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (due, next(self._order), callback, args))
+
+    def run(self, until: Callable[[], bool]) -> None:
+        while self._heap and not until():
+            due, _, callback, args = heapq.heappop(self._heap)
+            self.now = due
+            self.events += 1
+            callback(*args)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a client saw of one request."""
+
+    index: int
+    arrival_s: float
+    status: int = 200
+    outcome: str = "ok"
+    error: str | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    prefill: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "arrival_s": self.arrival_s,
+            "status": self.status,
+            "outcome": self.outcome,
+            "error": self.error,
+            "token_times": self.token_times,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill": self.prefill,
+        }
+
+
+class _NoLink:
+    """The engine link of a simulated router's EngineClient: the simulation calls the
+    engine itself, so nothing may go through here."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the offline simulation never calls an engine link ({name})")
+
+
+class VirtualEngine:
+    """One simulated engine in virtual time, and the router's view of it.
+
+    A batch of decodes that nothing can join runs as one event for all its steps, until
+    its first request finishes (``SimScheduler.decode_run_length``); a request that
+    arrives meanwhile cuts the run short after the step in progress, where a real
+    engine would take it in."""
+
+    def __init__(self, spec: EngineSpec, client: EngineClient, queue: EventQueue) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.client = client
+        self.profile: LatencyProfile = engine_profile(spec)
+        self.limits = scheduler_limits(spec, self.profile)
+        self.scheduler = SimScheduler(self.limits)
+        self._queue = queue
+        self._step: ScheduledStep | None = None
+        self._started = 0.0
+        self._ends: list[float] = []  # each step's end, from _started
+        self._generation = 0  # an end event of an earlier generation was superseded
+        # request id -> what to call with its new tokens' times (times, finished)
+        self._listeners: dict[str, Callable[[list[float], bool], None]] = {}
+        self._kv_events = spec.kv_events
+
+    def submit(self, request: SimRequest, on_tokens: Callable[[list[float], bool], None]) -> None:
+        self._listeners[request.request_id] = on_tokens
+        delay = self.profile.request_overhead_s
+        self._queue.at(self._queue.now + delay, self._admit, request)
+
+    def kv_arrives(self, request_id: str, delay_s: float) -> None:
+        self._queue.at(self._queue.now + delay_s, self._kv_arrived, request_id)
+
+    def _kv_arrived(self, request_id: str) -> None:
+        self.scheduler.kv_arrived(request_id)
+        self._cut_run()
+        self._kick()
+
+    def _admit(self, request: SimRequest) -> None:
+        self.scheduler.add(request)
+        self._cut_run()
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._step is not None:
+            return
+        step = self.scheduler.schedule()
+        if step is None:
+            return
+        steps = self.scheduler.decode_run_length(step)
+        if steps > 1:
+            shape = step.shape
+            ends = self.profile.decode_run_ends(
+                shape.decode_seqs, shape.decode_context_tokens, steps
+            )
+        else:
+            ends = [self.profile.step_seconds(step.shape)]
+        self._step, self._started, self._ends = step, self._queue.now, ends
+        self._generation += 1
+        self._queue.at(self._started + ends[-1], self._done, self._generation)
+
+    def _cut_run(self) -> None:
+        """Something may join the batch: end the run after the step in progress."""
+        ends = self._ends
+        if self._step is None or len(ends) == 1:
+            return
+        in_progress = bisect.bisect_right(ends, self._queue.now - self._started) + 1
+        if in_progress >= len(ends):
+            return
+        self._ends = ends[:in_progress]
+        self._generation += 1
+        self._queue.at(self._started + self._ends[-1], self._done, self._generation)
+
+    def _done(self, generation: int) -> None:
+        if generation != self._generation:
+            return  # the run was cut short; its new end is another event
+        step, ends = self._step, self._ends
+        assert step is not None
+        self._step = None
+        result = self.scheduler.complete_run(step, len(ends))
+        finished = {request.request_id for request in result.finished}
+        started = self._started
+        times = [started + end for end in ends]
+        for request in result.sampled:
+            done = request.request_id in finished
+            listener = self._listeners.get(request.request_id)
+            if done:
+                self._listeners.pop(request.request_id, None)
+            if listener is not None:
+                listener(times, done)
+        events = self.scheduler.blocks.take_events()
+        if self._kv_events and (events.stored or events.removed):
+            update = CacheUpdate(
+                stored=[(h, h) for h in events.stored], removed=list(events.removed)
+            )
+            self.client.state.apply_cache_update(update)
+        self._kick()
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            replica=self.name,
+            role=self.spec.role,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_unfinished=len(scheduler),
+            kv_cache_usage=scheduler.blocks.usage,
+            prefix_cache_queries=scheduler.prefix_queries,
+            prefix_cache_hits=scheduler.prefix_hits,
+            block_size=self.limits.block_size,
+            kv_capacity_blocks=self.limits.num_blocks,
+            kv_consumer=self.name if self.spec.role == "decode" else None,
+            max_model_len=self.spec.model.max_model_len or self.profile.max_model_len,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    index: int
+    at: float
+    prompt: list[int]
+    max_tokens: int
+    priority: str | None = None
+
+
+class OfflineCluster:
+    """One model's router decisions over its simulated engines, in virtual time."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self.settings: IngressSettings = config.ingress_settings()
+        self.queue = EventQueue()
+        self.engines: dict[str, VirtualEngine] = {}
+        for name, pool, index in engine_names(config):
+            spec = engine_spec(config, name, pool, index)
+            client = EngineClient(name, pool.role, _NoLink(), 1.0, self._replica_state())
+            self.engines[name] = VirtualEngine(spec, client, self.queue)
+        self.pool = EnginePool([engine.client for engine in self.engines.values()])
+        self.kv = None
+        if config.strategy in ("pd", "auto"):
+            from kv_transfer import make_kv_backend
+
+            self.kv = make_kv_backend(config.kv_transfer).router_side()
+        self.dispatcher = Dispatcher(self.settings, self.pool, self.kv)
+        self.admission = AdmissionControl(self.settings.qos)
+        self.outcomes: list[Outcome] = []
+        self._open = 0
+        self._calibrate()
+        self._poll()
+
+    def _replica_state(self) -> ReplicaState:
+        qos, router = self.settings.qos, self.settings.router
+        return ReplicaState(
+            qos.ema_weight,
+            qos.min_prefill_tokens_per_sample,
+            kv_events_pending_s=router.kv_events_pending_s,
+        )
+
+    def _calibrate(self) -> None:
+        """What the router's calibration measures before it admits anything: one lone
+        prefill of calibration_prompt_tokens on each engine (router/pool/calibration.py)."""
+        tokens = self.settings.qos.calibration_prompt_tokens
+        for engine in self.engines.values():
+            pairs = tokens * (tokens + 1) // 2
+            alone = engine.profile.request_overhead_s + engine.profile.step_seconds(
+                StepShape(prefill_tokens=tokens, attention_pairs=pairs)
+            )
+            engine.client.state.prefill_s_per_token.add(alone / tokens)
+
+    def _poll(self) -> None:
+        for engine in self.engines.values():
+            engine.client.state.update_engine(engine.stats())
+        if self._open or self.queue.now == 0.0:
+            interval = self.settings.router.stats_interval_s
+            self.queue.at(self.queue.now + interval, self._poll)
+
+    def run(self, arrivals: list[Arrival]) -> list[Outcome]:
+        for arrival in arrivals:
+            self.queue.at(arrival.at, self._arrive, arrival)
+        total = len(arrivals)
+        self.queue.run(until=lambda: len(self.outcomes) == total and self._open == 0)
+        return sorted(self.outcomes, key=lambda outcome: outcome.index)
+
+    def _arrive(self, arrival: Arrival) -> None:
+        now = self.queue.now
+        outcome = Outcome(arrival.index, now, prompt_tokens=len(arrival.prompt))
+        self.outcomes.append(outcome)
+        priority = arrival.priority or self.settings.qos.default_priority
+        request = GenerateRequest(
+            request_id=str(arrival.index),
+            subscriber="",
+            prompt_token_ids=arrival.prompt,
+            sampling_params=SimpleNamespace(max_tokens=arrival.max_tokens, n=1),
+            priority=ENGINE_PRIORITY[priority],
+        )
+        try:
+            earliest = self.dispatcher.earliest_ttft_s(priority)
+            self.admission.check(priority, self.dispatcher.queued_requests(), earliest)
+            plan = self.dispatcher.plan(request, priority)
+            self.admission.check(
+                plan.priority, self.dispatcher.queued_requests(), plan.ttft_estimate_s()
+            )
+        except Rejection as rejection:
+            outcome.status, outcome.outcome = int(rejection.status), "rejected"
+            outcome.error = rejection.reason
+            return
+        outcome.prefill = f"{plan.decision.where}:{plan.decision.reason}"
+        self._open += 1
+        if self._open == 1:
+            self._poll()
+        self._start(plan, arrival, outcome)
+
+    def _start(self, plan: Plan, arrival: Arrival, outcome: Outcome) -> None:
+        main = plan.main.replica
+        main.state.record_prompt(plan.prompt)
+        if plan.prefill is None:
+            self._generate(main, arrival, plan.prefill_tokens, outcome, on_end=self._closed)
+            return
+        prefill = plan.prefill.replica
+        prefill.state.record_prompt(plan.prompt)
+
+        def handed_over(now: float) -> None:
+            if arrival.max_tokens <= 1:
+                self._closed(now)
+                return
+            decode = self.engines[main.name]
+            transfer = decode.profile.handover_seconds(len(arrival.prompt))
+            self._generate(
+                main, arrival, 0, outcome, self._closed, kv_in_s=transfer, drop_first=True
+            )
+
+        self._generate(prefill, arrival, plan.prefill_tokens, outcome, handed_over, prefill=True)
+
+    def _generate(
+        self,
+        replica: EngineClient,
+        arrival: Arrival,
+        prefill_tokens: int,
+        outcome: Outcome,
+        on_end: Callable[[float], None],
+        prefill: bool = False,
+        kv_in_s: float | None = None,
+        drop_first: bool = False,
+    ) -> None:
+        """EngineClient.generate's bookkeeping around one engine's part of a request."""
+        engine = self.engines[replica.name]
+        state = replica.state
+        now = self.queue.now
+        replica.in_flight += 1
+        ticket = state.enqueue_prefill(prefill_tokens, now, self._engine_priority(arrival))
+        state.enter_engine(ticket)
+        block_size = engine.limits.block_size
+        request = SimRequest(
+            f"{arrival.index}-{replica.name}",
+            prompt_tokens=len(arrival.prompt),
+            max_tokens=1 if prefill else arrival.max_tokens,
+            block_hashes=prompt_block_hashes(arrival.prompt, block_size),
+            priority=ticket.priority,
+            arrival=now,
+            kv_from_elsewhere=kv_in_s is not None,
+            kv_ready=kv_in_s is None,
+        )
+        last: list[float | None] = [None]
+
+        def on_tokens(times: list[float], done: bool) -> None:
+            previous = last[0]
+            if previous is None:
+                state.finish_prefill(ticket, times[0], first_token=True)
+                outcome.token_times.extend(times[1:] if drop_first else times)
+            else:
+                outcome.token_times.extend(times)
+            if previous is not None or len(times) > 1:
+                # The router's moving average of the step, from the latest gap.
+                state.step_s.add(times[-1] - (times[-2] if len(times) > 1 else previous))
+            last[0] = times[-1]
+            if done:
+                state.finish_prefill(ticket, times[-1], first_token=False)
+                replica.in_flight -= 1
+                on_end(times[-1])
+
+        try:
+            engine.scheduler.check(request)
+        except ValueError as error:
+            replica.in_flight -= 1
+            state.finish_prefill(ticket, now, first_token=False)
+            outcome.status, outcome.outcome, outcome.error = 400, "error", str(error)
+            self._closed(now)
+            return
+        engine.submit(request, on_tokens)
+        if kv_in_s is not None:
+            engine.kv_arrives(request.request_id, engine.profile.request_overhead_s + kv_in_s)
+
+    def _closed(self, now: float) -> None:
+        self._open -= 1
+
+    def _engine_priority(self, arrival: Arrival) -> int:
+        return ENGINE_PRIORITY[arrival.priority or self.settings.qos.default_priority]
+
+
+def simulated_application(config: str, profile: str, model: str | None = None) -> AppConfig:
+    """The YAML's model (``model``: by served name; default the first) on simulated
+    engines that keep ``profile``'s time."""
+    application = load_application(simulated_config(config_path(config), profile))
+    models = {entry.served_name: entry for entry in application.models}
+    if model is None:
+        return application.models[0]
+    if model not in models:
+        raise ValueError(f"{config} serves {sorted(models)}, not {model!r}")
+    return models[model]
+
+
+def describe(config: AppConfig) -> dict[str, Any]:
+    """What a client would learn from GET /v1/models and the router's mode."""
+    cluster_engine = next(iter(OfflineCluster(config).engines.values()))
+    return {
+        "model": config.served_name,
+        "max_model_len": cluster_engine.stats().max_model_len,
+        "mode": config.strategy,
+    }
+
+
+def read_arrivals(path: Path) -> list[Arrival]:
+    arrivals = []
+    with path.open() as lines:
+        for line in lines:
+            item = json.loads(line)
+            arrivals.append(
+                Arrival(
+                    int(item["index"]),
+                    float(item["at"]),
+                    [int(token) for token in item["prompt"]],
+                    int(item["max_tokens"]),
+                    item.get("priority"),
+                )
+            )
+    return arrivals
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deployments.simulate", description=__doc__)
+    parser.add_argument("command", choices=("describe", "run"))
+    parser.add_argument("config", help="single, dp, pd, ... or a YAML path")
+    parser.add_argument("--profile", required=True, help="a latency profile file or name")
+    parser.add_argument("--model", help="the served model to simulate (default: the first)")
+    parser.add_argument("--requests", type=Path, help="run: the requests, JSON lines")
+    parser.add_argument("--out", type=Path, help="run: where the outcomes go, JSON lines")
+    args = parser.parse_args(argv)
+    try:
+        config = simulated_application(args.config, args.profile, args.model)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if args.command == "describe":
+        print(json.dumps(describe(config)))
+        return 0
+    if args.requests is None or args.out is None:
+        parser.error("run needs --requests and --out")
+    arrivals = read_arrivals(args.requests)
+    started = time.perf_counter()
+    cluster = OfflineCluster(config)
+    outcomes = cluster.run(arrivals)
+    elapsed = time.perf_counter() - started
+    with args.out.open("w") as out:
+        for outcome in outcomes:
+            out.write(json.dumps(outcome.to_json()) + "\n")
+    virtual = cluster.queue.now
+    summary = {
+        "requests": len(arrivals),
+        "engines": len(cluster.engines),
+        "virtual_s": virtual,
+        "wall_s": elapsed,
+        "speedup": virtual / elapsed if elapsed else None,
+        "events": cluster.queue.events,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The offline simulation: the router's decisions over simulated engines in virtual time,
+its results as a load generator run's, and decode runs that change nothing but speed."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deployments.simulate import Arrival, OfflineCluster, simulated_application
+from engines.simulated.scheduler import SimScheduler
+
+PROFILE = "h100-llama-3.1-8b"
+
+
+def _arrivals(count: int, rate: float, prompt: int = 1024, output: int = 64) -> list[Arrival]:
+    rng = random.Random(0)
+    at, arrivals = 0.0, []
+    for index in range(count):
+        at += rng.expovariate(rate)
+        tokens = [rng.randint(10, 250) for _ in range(prompt)]
+        arrivals.append(Arrival(index, at, tokens, output))
+    return arrivals
+
+
+def _run(config: str, arrivals: list[Arrival]) -> OfflineCluster:
+    cluster = OfflineCluster(simulated_application(config, PROFILE))
+    cluster.run(arrivals)
+    return cluster
+
+
+def test_decode_runs_give_the_same_token_times_as_single_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    arrivals = _arrivals(120, rate=8.0)
+    batched = _run("dp", arrivals)
+    monkeypatch.setattr(SimScheduler, "decode_run_length", lambda self, step: 1)
+    stepped = _run("dp", arrivals)
+    assert batched.queue.events < 0.7 * stepped.queue.events
+    for fast, slow in zip(batched.outcomes, stepped.outcomes, strict=True):
+        assert fast.token_times == pytest.approx(slow.token_times, abs=1e-9)
+
+
+def test_every_request_gets_its_tokens_and_dp_spreads_them() -> None:
+    cluster = _run("dp", _arrivals(60, rate=10.0, output=32))
+    assert all(len(o.token_times) == 32 and o.outcome == "ok" for o in cluster.outcomes)
+    served = [e.scheduler.prefix_queries for e in cluster.engines.values()]
+    assert min(served) > 0.3 * sum(served)  # round robin: neither engine took it all
+    assert all(len(engine.scheduler) == 0 for engine in cluster.engines.values())
+
+
+def test_pd_always_prefills_remotely_and_the_decode_waits_for_the_hand_over() -> None:
+    cluster = _run("pd_always", _arrivals(20, rate=2.0, output=16))
+    decode = cluster.engines["decode-0"]
+    profile = decode.profile
+    for outcome in cluster.outcomes:
+        assert outcome.prefill == "remote:always"
+        assert len(outcome.token_times) == 16
+        # The second token comes after the KV's hand-over (alone, nothing queues here).
+        gap = outcome.token_times[1] - outcome.token_times[0]
+        assert gap >= profile.handover_seconds(1024)
+    assert decode.scheduler.prefix_queries == 0  # its prompts' KV arrived; none computed
+
+
+def test_qos_refuses_what_would_break_the_ttft_objective() -> None:
+    cluster = _run("pd", _arrivals(400, rate=2000.0, prompt=2048, output=8))
+    outcomes = [o.outcome for o in cluster.outcomes]
+    assert "rejected" in outcomes and "ok" in outcomes
+    assert {o.status for o in cluster.outcomes if o.outcome == "rejected"} <= {429, 503}
+
+
+def test_loadgen_simulate_writes_a_runs_results(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "loadgen",
+        "simulate",
+        "dp",
+        "--latency-profile",
+        PROFILE,
+        "--workload",
+        "general",
+        "--qps",
+        "20",
+        "--num-requests",
+        "50",
+        "--no-plots",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = json.loads((tmp_path / "dp-general-qps20.json").read_text())
+    assert run["summary"]["completed"] == 50
+    vllm = json.loads((tmp_path / "dp-general-qps20.vllm.json").read_text())
+    assert vllm["completed"] == 50
+    assert 0 < vllm["median_ttft_ms"] < 1000

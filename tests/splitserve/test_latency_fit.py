@@ -1,0 +1,90 @@
+"""The profile fit recovers the step terms that made its measurements, and says how far
+off it is."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.latency.fit import (
+    DecodeSample,
+    PrefillSample,
+    fit_steps,
+    fitted_profile,
+    nonnegative_least_squares,
+)
+from splitserve.latency.profile import LatencyProfile, StepShape
+
+TRUE = LatencyProfile(
+    device="made-up",
+    model="made-up",
+    source="the test",
+    step_overhead_s=0.004,
+    request_overhead_s=0.010,
+    weights_read_s=0.008,  # four tokens' arithmetic: steps stop getting cheaper below 4
+    compute_per_token_s=0.002,
+    per_context_token_s=1e-6,
+    per_attention_pair_s=1e-8,
+    kv_bytes_per_token=1024,
+    kv_capacity_tokens=100_000,
+    handover_bytes_per_s=1e9,
+)
+
+
+def _measured() -> tuple[list[PrefillSample], list[DecodeSample]]:
+    prefills = []
+    for tokens in (16, 64, 256, 1024):
+        pairs = tokens * (tokens + 1) // 2
+        seconds = TRUE.request_overhead_s + TRUE.step_seconds(
+            StepShape(prefill_tokens=tokens, attention_pairs=pairs)
+        )
+        prefills.append(PrefillSample(tokens, seconds))
+    decodes = []
+    for batch in (1, 2, 4, 8, 16, 32):
+        for context in (64, 512):
+            shape = StepShape(decode_seqs=batch, decode_context_tokens=batch * context)
+            decodes.append(DecodeSample(batch, batch * context, TRUE.step_seconds(shape)))
+    return prefills, decodes
+
+
+def test_the_fit_recovers_the_terms_that_made_the_measurements() -> None:
+    fit = fit_steps(*_measured())
+    assert fit.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=1e-3)
+    assert fit.request_overhead_s == pytest.approx(TRUE.request_overhead_s, rel=1e-3)
+    assert fit.weights_read_s == pytest.approx(TRUE.weights_read_s, rel=1e-3)
+    assert fit.compute_per_token_s == pytest.approx(TRUE.compute_per_token_s, rel=1e-3)
+    assert fit.per_context_token_s == pytest.approx(TRUE.per_context_token_s, rel=1e-3)
+    assert fit.per_attention_pair_s == pytest.approx(TRUE.per_attention_pair_s, rel=1e-3)
+    assert fit.errors["decode_max"] < 1e-6
+
+
+def test_a_fitted_profile_records_its_error_and_source() -> None:
+    prefills, decodes = _measured()
+    noisy = [DecodeSample(s.batch, s.context_tokens, s.seconds * 1.1) for s in decodes[:3]]
+    fit = fit_steps(prefills, noisy + decodes[3:])
+    profile = fitted_profile(
+        fit,
+        source="measured",
+        device="d",
+        model="m",
+        kv_bytes_per_token=1,
+        kv_capacity_tokens=1,
+        handover_bytes_per_s=1.0,
+    )
+    assert profile.fit_error["decode_max"] > 0.01
+    assert profile.source == "measured"
+
+
+def test_coefficients_are_never_negative() -> None:
+    import numpy as np
+
+    features = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    falling = np.array([3.0, 2.0, 1.0])  # a negative slope would fit best
+    coefficients = nonnegative_least_squares(features, falling)
+    assert (coefficients >= 0).all()
+    assert coefficients[1] == 0.0
+
+
+def test_a_fit_needs_both_kinds_of_measurement() -> None:
+    prefills, _ = _measured()
+    with pytest.raises(ValueError, match="two prefill and two decode"):
+        fit_steps(prefills, [])
