@@ -266,6 +266,13 @@ def _add_load_options(parser: argparse.ArgumentParser, qps_default: str) -> None
     )
     group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     group.add_argument(
+        "--engine-time-scale",
+        type=float,
+        default=1.0,
+        help="the server's simulated engines run this much slower (engine.time_scale):"
+        " arrivals are spread and latencies divided by it",
+    )
+    group.add_argument(
         "--num-requests",
         "--num-prompts",
         type=int,
@@ -519,6 +526,7 @@ def run_config(
         arrival_process=arrival_process(args),
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
+        engine_time_scale=args.engine_time_scale,
         num_requests=args.num_requests,
         warmup_requests=args.warmup_requests,
         seed=args.seed,

@@ -173,6 +173,13 @@ class RunConfig(StrictModel):
         1.0, gt=0, description="gamma arrivals: the gaps' shape; 1 is Poisson, below 1 burstier"
     )
     max_concurrency: int | None = Field(None, gt=0)
+    engine_time_scale: float = Field(
+        1.0,
+        gt=0,
+        description="the server's simulated engines run this many times slower"
+        " (engine.time_scale): arrivals are spread by it and every latency divided by it,"
+        " so the run reports the simulated fleet's own time",
+    )
     num_requests: int = Field(STUDY_REQUESTS_PER_CELL, gt=0)
     warmup_requests: int = Field(DEFAULT_WARMUP_REQUESTS, ge=0)
     seed: int = 0

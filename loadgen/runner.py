@@ -464,12 +464,16 @@ class Run:
                 live.request_sent(progress.sent, progress.in_flight)
 
         def on_done(record: RequestRecord) -> None:
+            if scale != 1.0:
+                unscale(record, run_start, scale)
             metrics = request_metrics(record, run_start)
             done.append(metrics)
             progress.request_done(metrics.outcome, metrics.ttft_s)
             if live is not None:
                 live.request_done(metrics, progress.in_flight)
 
+        scale = self.config.engine_time_scale
+        schedule = [at * scale for at in schedule]
         sender = ScheduledSender(self.client, self.config.max_concurrency, on_sent, on_done)
         run_start = self.clock_origin = time.perf_counter() + START_LEAD_S
         self.wall_origin = time.time() + START_LEAD_S
@@ -480,6 +484,20 @@ class Run:
             finally:
                 ticker.cancel()
         return sorted(done, key=lambda m: m.index)
+
+
+def unscale(record: RequestRecord, run_start: float, scale: float) -> None:
+    """A record of a run against engines ``scale`` times slower, in their own time: every
+    instant's distance from the run's start divided by ``scale``."""
+
+    def own(at: float) -> float:
+        return run_start + (at - run_start) / scale
+
+    record.scheduled_at = own(record.scheduled_at)
+    record.sent_at = own(record.sent_at)
+    record.done_at = own(record.done_at)
+    record.chunk_times = [own(at) for at in record.chunk_times]
+    record.event_times = [own(at) for at in record.event_times]
 
 
 def _prompt(prompts: PromptSource, shape: RequestShape) -> list[int] | str:
