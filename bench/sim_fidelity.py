@@ -38,7 +38,8 @@ from deployments.launcher import (
     simulated_config,
 )
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.runner import execute_run
+from loadgen.runner import RunResult, execute_run
+from loadgen.simulate import SimulatedTarget, simulate_run
 from splitserve.latency.profile import LatencyProfile
 
 console = Console()
@@ -94,6 +95,13 @@ def profile_command(base_url: str, out: Path, *extra: str) -> list[str]:
         str(CPU_MAX_NUM_SEQS),
         "--repeats",
         "5",
+        # Up to the batches and prompts the workloads reach at their highest rate.
+        "--prompt-lengths",
+        "16,64,256,512,1024,2048",
+        "--batches",
+        "1,2,4,8,16,32,64",
+        "--contexts",
+        "64,512,1536",
         "--out",
         str(out),
         *extra,
@@ -121,19 +129,22 @@ def served(config: str, kind: str, profile: Path) -> AbstractContextManager[Runn
     return serve_run(str(path))
 
 
-def measure(
-    app: RunningApp, workload: str, rate: float, args: argparse.Namespace
-) -> dict[str, Any]:
-    run = RunConfig(
-        base_url=app.base_url,
+def run_config(
+    base_url: str, workload: str, rate: float, cell: int, args: argparse.Namespace
+) -> RunConfig:
+    return RunConfig(
+        base_url=base_url,
         workload=WorkloadConfig(name=workload),
         qps=rate,
         num_requests=args.num_requests,
-        seed=args.seed,
+        # Fresh prompts in every cell: a cell that resent the last one's prompts would
+        # find them in the prefix cache.
+        seed=args.seed + cell,
         show_progress=False,
     )
-    with niced_like_ray_workers():
-        result = asyncio.run(execute_run(run, Console(quiet=True)))
+
+
+def row_of(result: RunResult) -> dict[str, Any]:
     summary = result.summary
     return {
         "ttft_p50_ms": summary.ttft.p50 * 1000,
@@ -145,6 +156,58 @@ def measure(
     }
 
 
+def cells(args: argparse.Namespace) -> list[tuple[int, str, float]]:
+    pairs = [(w, r) for w in args.workloads for r in args.rates]
+    return [(index, workload, rate) for index, (workload, rate) in enumerate(pairs)]
+
+
+def served_rows(
+    app: RunningApp, config: str, kind: str, round_index: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    rows = []
+    for cell, workload, rate in cells(args):
+        run = run_config(app.base_url, workload, rate, cell, args)
+        with niced_like_ray_workers():
+            result = asyncio.run(execute_run(run, Console(quiet=True)))
+        rows.append(_labelled(row_of(result), round_index, config, kind, workload, rate))
+    return rows
+
+
+def path_ms(out: Path) -> float:
+    """What single.yaml's router costs a request alone (its TTFT on zero-time engines,
+    median over prompt lengths), which virtual time leaves out; 0 if unmeasured."""
+    samples = out / "path-alone.samples.json"
+    if not samples.exists():
+        return 0.0
+    prefills = json.loads(samples.read_text())["prefill"]
+    return 1000 * statistics.median(float(sample["seconds"]) for sample in prefills)
+
+
+def offline_rows(
+    config: str, profile: Path, round_index: int, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The same cells in virtual time (python -m loadgen simulate's path)."""
+    rows = []
+    target = SimulatedTarget(config, str(profile), path_ms=path_ms(args.out))
+    for cell, workload, rate in cells(args):
+        run = run_config("http://offline", workload, rate, cell, args)
+        result = asyncio.run(simulate_run(run, target, Console(quiet=True)))
+        rows.append(_labelled(row_of(result), round_index, config, "offline", workload, rate))
+    return rows
+
+
+def _labelled(
+    row: dict[str, Any], round_index: int, config: str, kind: str, workload: str, rate: float
+) -> dict[str, Any]:
+    row.update(round=round_index, config=config, kind=kind, workload=workload, rate=rate)
+    console.print(
+        f"round {round_index} {config} {kind} {workload} @ {rate:g}:"
+        f" TTFT p50 {row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms']:.2f} ms,"
+        f" {row['output_tok_s']:.0f} tok/s"
+    )
+    return row
+
+
 def run_rounds(args: argparse.Namespace, profile: Path) -> list[dict[str, Any]]:
     rows = []
     for round_index in range(args.rounds):
@@ -153,23 +216,9 @@ def run_rounds(args: argparse.Namespace, profile: Path) -> list[dict[str, Any]]:
             kinds = ("real", "simulated") if round_index % 2 == 0 else ("simulated", "real")
             for kind in kinds:
                 with served(config, kind, profile) as app:
-                    for workload in args.workloads:
-                        for rate in args.rates:
-                            row = measure(app, workload, rate, args)
-                            row.update(
-                                round=round_index,
-                                config=config,
-                                kind=kind,
-                                workload=workload,
-                                rate=rate,
-                            )
-                            rows.append(row)
-                            console.print(
-                                f"round {round_index} {config} {kind} {workload} @ {rate:g}:"
-                                f" TTFT p50 {row['ttft_p50_ms']:.1f} ms,"
-                                f" ITL p50 {row['itl_p50_ms']:.2f} ms,"
-                                f" {row['output_tok_s']:.0f} tok/s"
-                            )
+                    rows += served_rows(app, config, kind, round_index, args)
+            if round_index == 0:  # virtual time: the same every round
+                rows += offline_rows(config, profile, round_index, args)
     return rows
 
 
@@ -185,37 +234,48 @@ def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], dic
 
 
 def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    table = Table(title="simulated / real, medians over rounds (this box: 2 cores, no GPU)")
+    table = Table(
+        title="real / simulated (ratio) / offline (ratio to simulated); medians over rounds;"
+        " this box: 2 cores, no GPU"
+    )
     for column in ("config", "workload", "req/s", *METRICS):
         table.add_column(column, justify="right")
-    cells = medians(rows)
-    ratios = []
-    for config, workload, rate, kind in sorted(cells):
+    by_cell = medians(rows)
+    compared = []
+    for config, workload, rate, kind in sorted(by_cell):
         if kind != "real":
             continue
-        real = cells[(config, workload, rate, "real")]
-        sim = cells.get((config, workload, rate, "simulated"))
+        real = by_cell[(config, workload, rate, "real")]
+        sim = by_cell.get((config, workload, rate, "simulated"))
+        offline = by_cell.get((config, workload, rate, "offline"))
         if sim is None:
             continue
-        ratio = {metric: sim[metric] / real[metric] for metric in METRICS if real[metric]}
-        ratios.append(
+        ratio = {m: sim[m] / real[m] for m in METRICS if real[m]}
+        agreement = {m: offline[m] / sim[m] for m in METRICS if offline and sim[m]}
+        compared.append(
             {
                 "config": config,
                 "workload": workload,
                 "rate": rate,
                 "real": real,
-                "sim": sim,
-                "ratio": ratio,
+                "simulated": sim,
+                "offline": offline,
+                "simulated_over_real": ratio,
+                "offline_over_simulated": agreement,
             }
         )
         table.add_row(
             config,
             workload,
             f"{rate:g}",
-            *(f"{real[m]:.1f} / {sim[m]:.1f} ({ratio.get(m, float('nan')):.2f})" for m in METRICS),
+            *(
+                f"{real[m]:.1f} / {sim[m]:.1f} ({ratio.get(m, float('nan')):.2f})"
+                + (f" / {offline[m]:.1f} ({agreement[m]:.2f})" if offline else "")
+                for m in METRICS
+            ),
         )
     console.print(table)
-    return ratios
+    return compared
 
 
 def main() -> None:
@@ -227,6 +287,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="a fitted profile; default: fit one first")
+    parser.add_argument(
+        "--offline-only",
+        action="store_true",
+        help="keep --out's served runs, run the offline cells again",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "sim_fidelity")
     args = parser.parse_args()
     args.configs = args.configs.split(",")
@@ -235,7 +300,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     profile = args.profile or fit_profile(args.out)
     console.print(f"profile: {profile}")
-    rows = run_rounds(args, profile)
+    if args.offline_only:
+        # The served rows of an earlier run, the offline ones computed again.
+        earlier = json.loads((args.out / "sim_fidelity.json").read_text())["runs"]
+        rows = [row for row in earlier if row["kind"] != "offline"]
+        for config in args.configs:
+            rows += offline_rows(config, profile, 0, args)
+    else:
+        rows = run_rounds(args, profile)
     ratios = print_table(rows)
     result = {
         "profile": str(profile),

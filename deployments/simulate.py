@@ -128,6 +128,7 @@ class VirtualEngine:
         self._started = 0.0
         self._ends: list[float] = []  # each step's end, from _started
         self._generation = 0  # an end event of an earlier generation was superseded
+        self.busy_s = 0.0  # time spent in steps: the device's utilization, over the run
         # request id -> what to call with its new tokens' times (times, finished)
         self._listeners: dict[str, Callable[[list[float], bool], None]] = {}
         self._kv_events = spec.kv_events
@@ -186,6 +187,7 @@ class VirtualEngine:
         step, ends = self._step, self._ends
         assert step is not None
         self._step = None
+        self.busy_s += ends[-1]
         result = self.scheduler.complete_run(step, len(ends))
         finished = {request.request_id for request in result.finished}
         started = self._started
@@ -235,8 +237,11 @@ class Arrival:
 class OfflineCluster:
     """One model's router decisions over its simulated engines, in virtual time."""
 
-    def __init__(self, config: AppConfig) -> None:
+    def __init__(self, config: AppConfig, path_s: float = 0.0) -> None:
+        """``path_s``: what the serving path costs a request before the router plans it
+        (HTTP, parsing, tokenization), which virtual time leaves out unless given."""
         self.settings: IngressSettings = config.ingress_settings()
+        self.path_s = path_s
         self.queue = EventQueue()
         self.engines: dict[str, VirtualEngine] = {}
         for name, pool, index in engine_names(config):
@@ -284,14 +289,13 @@ class OfflineCluster:
 
     def run(self, arrivals: list[Arrival]) -> list[Outcome]:
         for arrival in arrivals:
-            self.queue.at(arrival.at, self._arrive, arrival)
+            self.queue.at(arrival.at + self.path_s, self._arrive, arrival)
         total = len(arrivals)
         self.queue.run(until=lambda: len(self.outcomes) == total and self._open == 0)
         return sorted(self.outcomes, key=lambda outcome: outcome.index)
 
     def _arrive(self, arrival: Arrival) -> None:
-        now = self.queue.now
-        outcome = Outcome(arrival.index, now, prompt_tokens=len(arrival.prompt))
+        outcome = Outcome(arrival.index, arrival.at, prompt_tokens=len(arrival.prompt))
         self.outcomes.append(outcome)
         priority = arrival.priority or self.settings.qos.default_priority
         request = GenerateRequest(
@@ -452,6 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="the served model to simulate (default: the first)")
     parser.add_argument("--requests", type=Path, help="run: the requests, JSON lines")
     parser.add_argument("--out", type=Path, help="run: where the outcomes go, JSON lines")
+    parser.add_argument(
+        "--path-ms",
+        type=float,
+        default=0.0,
+        help="run: what the serving path costs a request before it is planned (e.g. the"
+        " TTFT of python -m loadgen profile against zero-time engines)",
+    )
     args = parser.parse_args(argv)
     try:
         config = simulated_application(args.config, args.profile, args.model)
@@ -465,14 +476,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("run needs --requests and --out")
     arrivals = read_arrivals(args.requests)
     started = time.perf_counter()
-    cluster = OfflineCluster(config)
+    cluster = OfflineCluster(config, path_s=args.path_ms / 1000)
     outcomes = cluster.run(arrivals)
     elapsed = time.perf_counter() - started
     with args.out.open("w") as out:
         for outcome in outcomes:
             out.write(json.dumps(outcome.to_json()) + "\n")
     virtual = cluster.queue.now
+    span = virtual - min((a.at for a in arrivals), default=0.0)
     summary = {
+        "utilization_pct": {
+            name: 100.0 * engine.busy_s / span if span > 0 else 0.0
+            for name, engine in cluster.engines.items()
+        },
         "requests": len(arrivals),
         "engines": len(cluster.engines),
         "virtual_s": virtual,

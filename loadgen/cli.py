@@ -673,6 +673,13 @@ def build_advise_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--sweep", type=Path, help="a sweep's folder (with runs/*.json)")
     source.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="measure nothing: run the --modes' cells offline on simulated engines that keep"
+        " this latency profile's time (a file, or a shipped family such as"
+        " h100-llama-3.1-8b: each pool takes its TP x PP member); seconds, not minutes",
+    )
+    source.add_argument(
         "--smoke",
         action="store_true",
         help=f"run a small sweep first: {','.join(ADVISE_MODES)}, QPS {ADVISE_SMOKE_QPS},"
@@ -727,6 +734,9 @@ def command_advise(argv: list[str], console: Console) -> int:
         raise ValueError("advice needs objectives: give --slo-ttft-ms and/or --slo-tpot-ms")
     out = _out_dir(args, "advice")
     sweep_dir = args.sweep
+    if args.simulate:
+        sweep_dir = out / "sweep"
+        _simulated_sweep(args, sweep_dir / "runs", console)
     if args.smoke:
         sweep_dir = out / "sweep"
         for repeat in range(1, args.repeats + 1):
@@ -760,6 +770,37 @@ def command_advise(argv: list[str], console: Console) -> int:
     console.print(markdown.read_text())
     console.print(f"YAML: {yaml_path}\nreport: {markdown}\nplot: {png}")
     return 0
+
+
+def _simulated_sweep(args: argparse.Namespace, runs_dir: Path, console: Console) -> None:
+    """The smoke sweep's cells, each run offline on the profile (python -m loadgen
+    simulate), written where a sweep writes its runs."""
+    workload = WorkloadConfig(name=args.workload, trace=args.trace or "burstgpt")
+    rates = [_rate(text) for text in str(args.qps).split(",")]
+
+    async def cells() -> None:
+        for mode in args.modes:
+            target = SimulatedTarget(str(args.deployments_dir / f"{mode}.yaml"), args.simulate)
+            for qps in rates:
+                config = RunConfig(
+                    workload=workload,
+                    qps=qps,
+                    num_requests=args.num_requests,
+                    warmup_requests=0,
+                    mode=mode,
+                    show_progress=False,
+                    slo_ttft_ms=args.slo_ttft_ms,
+                    slo_tpot_ms=args.slo_tpot_ms,
+                )
+                result = await simulate_run(config, target, console)
+                console.print(f"{result.run_id}: {result.notes[0]}")
+                write_run_json(result, runs_dir)
+
+    run_event_loop(cells())
+
+
+def _rate(text: str) -> float:
+    return math.inf if text.strip() == "inf" else float(text)
 
 
 def _advise_sweep_argv(args: argparse.Namespace, folder: Path) -> list[str]:
@@ -889,6 +930,14 @@ def build_simulate_parser() -> argparse.ArgumentParser:
         help="a latency profile file or a shipped one (python -m loadgen profile --list);"
         " --profile is vLLM's flag for its torch profiler",
     )
+    parser.add_argument(
+        "--path-ms",
+        type=float,
+        default=0.0,
+        help="what the serving path (HTTP, parsing, tokenization) costs each request before"
+        " it is planned; virtual time has none of it (measure it with python -m loadgen"
+        " profile against the path on zero-time engines)",
+    )
     return parser
 
 
@@ -902,7 +951,7 @@ def command_simulate(argv: list[str], console: Console) -> int:
     configs = [run_config(args, workload, qps, vllm.run_fields) for qps in args.qps]
     if workload.is_replay and len(configs) > 1:
         configs = configs[:1]
-    target = SimulatedTarget(args.config, args.latency_profile, args.model)
+    target = SimulatedTarget(args.config, args.latency_profile, args.model, args.path_ms)
     out = _out_dir(args, "simulate")
 
     async def all_runs() -> list[RunResult]:

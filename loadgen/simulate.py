@@ -11,6 +11,7 @@ a command, as the sweep runs ``python -m deployments.serve``.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -40,6 +41,9 @@ class SimulatedTarget:
     config: str
     profile: str
     model: str | None = None
+    # What the serving path costs a request before the router plans it (HTTP, parsing,
+    # tokenization): virtual time has none of it unless given.
+    path_ms: float = 0.0
 
     def command(self, *args: str) -> list[str]:
         model = ["--model", self.model] if self.model else []
@@ -63,8 +67,10 @@ def _simulator(target: SimulatedTarget, *args: str, extra: tuple[str, ...] = ())
     return done.stdout.strip().splitlines()[-1]
 
 
+@functools.cache
 def describe(target: SimulatedTarget) -> dict[str, Any]:
-    """The served model, its context and the shape, as a client would discover them."""
+    """The served model, its context and the shape, as a client would discover them
+    (once per target: a sweep asks for every cell)."""
     return dict(json.loads(_simulator(target, "describe")))
 
 
@@ -91,6 +97,7 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
                 }
                 out.write(json.dumps(line) + "\n")
         extra = ("--requests", str(requests), "--out", str(outcomes))
+        extra += ("--path-ms", str(target.path_ms))
         speed = json.loads(_simulator(target, "run", extra=extra))
         records = [record for record, _ in prepared.items]
         _record_outcomes(records, outcomes)
@@ -101,6 +108,8 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
         f" {speed['wall_s']:.2f} s ({speed['speedup']:.0f}x real time), {speed['engines']}"
         " engines"
     )
+    server = ServerView(source="simulation", notes=[note])
+    server.set_gpu_utilization(dict(speed.get("utilization_pct", {})))
     return RunResult(
         run_id=run_identifier(config, mode),
         config=config,
@@ -115,7 +124,7 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
         started_at=datetime.now(UTC).isoformat(timespec="seconds"),
         clock_origin_s=0.0,
         summary=summarize_run(metrics, run_duration(metrics), run.service_level()),
-        server=ServerView(source="simulation", notes=[note]),
+        server=server,
         requests=metrics,
         notes=[note],
         wall_origin_s=time.time(),

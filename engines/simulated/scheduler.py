@@ -87,20 +87,24 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        # Free blocks, least recently freed first: the eviction order.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._refs = [0] * num_blocks
+        # vLLM's free queue starts with every block in order and hands out its head; a
+        # freed block joins its tail. So blocks never used go first, in order (counted,
+        # not listed: an H100's cache has hundreds of thousands), then freed ones, least
+        # recently freed first: the eviction order.
+        self._never_used = 0  # blocks [_never_used, num_blocks) have never been handed out
+        self._freed: OrderedDict[int, None] = OrderedDict()
+        self._refs: dict[int, int] = {}  # blocks in use, by how many requests use them
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
         self.events = CacheEvents()
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._never_used + len(self._freed)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks if self.num_blocks else 0.0
+        return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def cached_prefix(self, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of a prompt the cache holds."""
@@ -113,24 +117,29 @@ class BlockPool:
 
     def take_cached(self, block_hashes: Sequence[int]) -> list[int]:
         blocks = [self._block_of[h] for h in block_hashes]
+        refs = self._refs
         for block in blocks:
-            if self._refs[block] == 0:
-                del self._free[block]
-            self._refs[block] += 1
+            if block not in refs:
+                del self._freed[block]
+                refs[block] = 0
+            refs[block] += 1
         return blocks
 
     def allocate(self, count: int) -> list[int] | None:
-        if count > len(self._free):
+        if count > self.free_blocks:
             return None
-        blocks = []
-        for _ in range(count):
-            block, _ = self._free.popitem(last=False)
+        fresh = min(count, self.num_blocks - self._never_used)
+        blocks = list(range(self._never_used, self._never_used + fresh))
+        self._never_used += fresh
+        for _ in range(count - fresh):
+            block, _ = self._freed.popitem(last=False)
             evicted = self._hash_of.pop(block, None)
             if evicted is not None:
                 del self._block_of[evicted]
                 self.events.removed.append(evicted)
-            self._refs[block] = 1
             blocks.append(block)
+        for block in blocks:
+            self._refs[block] = 1
         return blocks
 
     def store(self, block: int, block_hash: int) -> None:
@@ -143,10 +152,12 @@ class BlockPool:
 
     def free(self, blocks: Sequence[int]) -> None:
         # Last blocks first, as vLLM frees them: a prompt's tail is evicted before its head.
+        refs = self._refs
         for block in reversed(blocks):
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self._free[block] = None
+            refs[block] -= 1
+            if refs[block] == 0:
+                del refs[block]
+                self._freed[block] = None
 
     def cached_hashes(self) -> list[int]:
         return list(self._block_of)
