@@ -195,7 +195,8 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "kv_transfer": {"backend": "nixl"},
             },
-            "kv_transfer: unknown KV backend 'nixl'; registered: example_disk, object_store, simulated",
+            "kv_transfer: unknown KV backend 'nixl'; registered: example_disk,"
+            " object_store, simulated",
         ),
         (
             {
