@@ -99,3 +99,40 @@ def test_loadgen_simulate_writes_a_runs_results(tmp_path: Path) -> None:
     vllm = json.loads((tmp_path / "dp-general-qps20.vllm.json").read_text())
     assert vllm["completed"] == 50
     assert 0 < vllm["median_ttft_ms"] < 1000
+
+
+def test_advise_simulate_chooses_a_split_from_offline_cells(tmp_path: Path) -> None:
+    advised = tmp_path / "advised.yaml"
+    command = [
+        sys.executable,
+        "-m",
+        "loadgen",
+        "advise",
+        "--simulate",
+        PROFILE,
+        "--modes",
+        "single,dp",
+        "--qps",
+        "8,64",
+        "--num-requests",
+        "40",
+        "--slo-ttft-ms",
+        "500",
+        "--target",
+        "gpu",
+        "--out",
+        str(tmp_path / "advice"),
+        "--yaml",
+        str(advised),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = sorted(p.name for p in (tmp_path / "advice" / "sweep" / "runs").glob("*.json"))
+    assert runs == [
+        "dp-general-qps64.json",
+        "dp-general-qps8.json",
+        "single-general-qps64.json",
+        "single-general-qps8.json",
+    ]
+    assert advised.exists()
+    assert "| dp | 2 |" in (tmp_path / "advice" / "advice.md").read_text()
