@@ -38,6 +38,7 @@ from deployments.config import AppConfig, load_application
 from deployments.launcher import config_path, simulated_config
 from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
 from engines.settings import EngineSpec
+from engines.simulated.host import simulated_stats
 from engines.simulated.scheduler import (
     ScheduledStep,
     SimRequest,
@@ -208,21 +209,8 @@ class VirtualEngine:
         self._kick()
 
     def stats(self) -> EngineStats:
-        scheduler = self.scheduler
-        return EngineStats(
-            replica=self.name,
-            role=self.spec.role,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_unfinished=len(scheduler),
-            kv_cache_usage=scheduler.blocks.usage,
-            prefix_cache_queries=scheduler.prefix_queries,
-            prefix_cache_hits=scheduler.prefix_hits,
-            block_size=self.limits.block_size,
-            kv_capacity_blocks=self.limits.num_blocks,
-            kv_consumer=self.name if self.spec.role == "decode" else None,
-            max_model_len=self.spec.model.max_model_len or self.profile.max_model_len,
-        )
+        max_model_len = self.spec.model.max_model_len or self.profile.max_model_len
+        return simulated_stats(self.spec, self.scheduler, max_model_len)
 
 
 @dataclass(frozen=True, slots=True)

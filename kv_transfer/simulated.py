@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from kv_transfer.backend_registry import KV_BACKENDS
+from kv_transfer.builtin_backends import PassiveEngineSide
 from kv_transfer.handle import remote_decode_params, remote_prefill_params
 from kv_transfer.settings import KVRole, SimulatedKVSettings
 from splitserve.config_base import StrictModel
@@ -30,14 +31,6 @@ class SimulatedRouterSide:
         return None
 
 
-class SimulatedEngineSide:
-    def consumer_name(self, vllm_config: Any) -> str | None:
-        return None
-
-    def check_request(self, kv_transfer_params: dict[str, Any], vllm_config: Any) -> None:
-        return None
-
-
 @KV_BACKENDS.register("simulated")
 class SimulatedKVBackend:
     settings_model: ClassVar[type[StrictModel]] = SimulatedKVSettings
@@ -51,8 +44,8 @@ class SimulatedKVBackend:
     def router_side(self) -> SimulatedRouterSide:
         return SimulatedRouterSide()
 
-    def engine_side(self) -> SimulatedEngineSide:
-        return SimulatedEngineSide()
+    def engine_side(self) -> PassiveEngineSide:
+        return PassiveEngineSide()  # simulated engines name no consumer and read no handle
 
     def check_parallelism(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
         return None

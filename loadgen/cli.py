@@ -593,14 +593,23 @@ def command_run(argv: list[str], console: Console) -> int:
     async def all_runs() -> list[RunResult]:
         return [await execute_run(config, console, exposition) for config in configs]
 
-    results = run_event_loop(all_runs())
+    _report_runs(run_event_loop(all_runs()), out, args, vllm, console)
+    return 0
+
+
+def _report_runs(
+    results: list[RunResult],
+    out: Path,
+    args: argparse.Namespace,
+    vllm: VllmInvocation,
+    console: Console,
+) -> None:
     print_run_table(console, results)
     for result in results:
         _write_run_outputs(result, out, args, vllm, console)
     console.print(
         f"summary: {write_summary_csv([summary_row(r) for r in results], out / 'summary.csv')}"
     )
-    return 0
 
 
 def _write_run_outputs(
@@ -957,13 +966,7 @@ def command_simulate(argv: list[str], console: Console) -> int:
     async def all_runs() -> list[RunResult]:
         return [await simulate_run(config, target, console) for config in configs]
 
-    results = run_event_loop(all_runs())
-    print_run_table(console, results)
-    for result in results:
-        _write_run_outputs(result, out, args, vllm, console)
-    console.print(
-        f"summary: {write_summary_csv([summary_row(r) for r in results], out / 'summary.csv')}"
-    )
+    _report_runs(run_event_loop(all_runs()), out, args, vllm, console)
     return 0
 
 

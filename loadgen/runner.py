@@ -283,8 +283,24 @@ class Run:
         run_id = run_identifier(config, mode)
         started_at = datetime.now(UTC).isoformat(timespec="seconds")
         metrics, server = await self._measure(prepared, recorder, run_id, mode)
+        return self.result(
+            mode, endpoint, prepared, metrics, server, started_at, warmups=warmup_metrics
+        )
+
+    def result(
+        self,
+        mode: str,
+        endpoint: Endpoint,
+        prepared: PreparedRun,
+        metrics: list[RequestMetrics],
+        server: ServerView,
+        started_at: str,
+        warmups: list[RequestMetrics] | None = None,
+    ) -> RunResult:
+        """The run's result from its measured requests (``warmups`` are kept apart)."""
+        config = self.config
         return RunResult(
-            run_id=run_id,
+            run_id=run_identifier(config, mode),
             config=config,
             mode=mode,
             model=endpoint.model,
@@ -298,7 +314,7 @@ class Run:
             clock_origin_s=self.clock_origin,
             summary=summarize_run(metrics, run_duration(metrics), self.service_level()),
             server=server,
-            requests=warmup_metrics + metrics,
+            requests=(warmups or []) + metrics,
             chat_calibration=prepared.calibration,
             notes=self.notes,
             wall_origin_s=self.wall_origin,

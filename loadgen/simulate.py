@@ -24,12 +24,11 @@ from typing import Any
 
 from rich.console import Console
 
-from loadgen.arrivals import format_qps
 from loadgen.client import RequestRecord
 from loadgen.config import RunConfig
-from loadgen.runner import Endpoint, Run, RunError, RunResult, run_identifier
+from loadgen.runner import Endpoint, PreparedRun, Run, RunError, RunResult
 from loadgen.server_view import ServerView
-from loadgen.stats import request_metrics, run_duration, summarize_run
+from loadgen.stats import request_metrics
 
 SIMULATOR = "deployments.simulate"
 
@@ -86,23 +85,12 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
         await run.close()
     with tempfile.TemporaryDirectory(prefix="splitserve-simulate-") as folder:
         requests, outcomes = Path(folder) / "requests.jsonl", Path(folder) / "outcomes.jsonl"
-        with requests.open("w") as out:
-            for (record, payload), at in zip(prepared.items, prepared.schedule, strict=True):
-                body = json.loads(payload)
-                line = {
-                    "index": record.index,
-                    "at": at,
-                    "prompt": body["prompt"],
-                    "max_tokens": body["max_tokens"],
-                }
-                out.write(json.dumps(line) + "\n")
+        _write_requests(prepared, requests)
         extra = ("--requests", str(requests), "--out", str(outcomes))
         extra += ("--path-ms", str(target.path_ms))
         speed = json.loads(_simulator(target, "run", extra=extra))
         records = [record for record, _ in prepared.items]
         _record_outcomes(records, outcomes)
-    metrics = [request_metrics(record, 0.0) for record in records]
-    mode = config.mode or str(card["mode"])
     note = (
         f"simulated offline on {target.profile}: {speed['virtual_s']:.1f} s of serving in"
         f" {speed['wall_s']:.2f} s ({speed['speedup']:.0f}x real time), {speed['engines']}"
@@ -110,25 +98,28 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
     )
     server = ServerView(source="simulation", notes=[note])
     server.set_gpu_utilization(dict(speed.get("utilization_pct", {})))
-    return RunResult(
-        run_id=run_identifier(config, mode),
-        config=config,
-        mode=mode,
-        model=endpoint.model,
-        max_model_len=endpoint.max_model_len,
-        workload=prepared.plan,
-        qps_label=prepared.arrivals.label
-        if prepared.plan.trace_arrivals is not None or config.ramp_up is not None
-        else format_qps(config.qps),
-        arrivals=type(prepared.arrivals).__name__,
-        started_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        clock_origin_s=0.0,
-        summary=summarize_run(metrics, run_duration(metrics), run.service_level()),
-        server=server,
-        requests=metrics,
-        notes=[note],
-        wall_origin_s=time.time(),
+    # Virtual time starts at 0; the wall clock of a run that took no time is now.
+    run.clock_origin, run.wall_origin = 0.0, time.time()
+    run.notes.append(note)
+    metrics = [request_metrics(record, 0.0) for record in records]
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    return run.result(
+        config.mode or str(card["mode"]), endpoint, prepared, metrics, server, started_at
     )
+
+
+def _write_requests(prepared: PreparedRun, path: Path) -> None:
+    """What the simulation serves: each request's arrival, prompt and length."""
+    with path.open("w") as out:
+        for (record, payload), at in zip(prepared.items, prepared.schedule, strict=True):
+            body = json.loads(payload)
+            line = {
+                "index": record.index,
+                "at": at,
+                "prompt": body["prompt"],
+                "max_tokens": body["max_tokens"],
+            }
+            out.write(json.dumps(line) + "\n")
 
 
 def _record_outcomes(records: list[RequestRecord], outcomes: Path) -> None:

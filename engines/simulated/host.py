@@ -80,9 +80,6 @@ class SimulatedEngineHost:
         self._work = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
         self._prompt_tokens = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
-        self._reported_at = time.time()
-        # Decode engines of PD are named in prefill requests by their engine name.
-        self._kv_consumer = spec.name if spec.role == "decode" else None
 
     async def submit(self, request: GenerateRequest) -> None:
         params = request.sampling_params
@@ -167,22 +164,8 @@ class SimulatedEngineHost:
         return False
 
     def stats(self) -> EngineStats:
-        scheduler = self._scheduler
-        return EngineStats(
-            replica=self._spec.name,
-            role=self._spec.role,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_unfinished=len(scheduler),
-            kv_cache_usage=scheduler.blocks.usage,
-            prefix_cache_queries=scheduler.prefix_queries,
-            prefix_cache_hits=scheduler.prefix_hits,
-            reported_at=time.time(),
-            block_size=self.limits.block_size,
-            kv_capacity_blocks=self.limits.num_blocks,
-            prompt_tokens=dict(self._prompt_tokens),
-            kv_consumer=self._kv_consumer,
-            max_model_len=self._max_model_len,
+        return simulated_stats(
+            self._spec, self._scheduler, self._max_model_len, dict(self._prompt_tokens)
         )
 
     async def check_health(self) -> None:
@@ -267,6 +250,32 @@ class SimulatedEngineHost:
             return
         update = CacheUpdate(stored=[(h, h) for h in events.stored], removed=list(events.removed))
         self._streams.broadcast((CACHE_UPDATES, update))
+
+
+def simulated_stats(
+    spec: EngineSpec,
+    scheduler: SimScheduler,
+    max_model_len: int,
+    prompt_tokens: dict[str, int] | None = None,
+) -> EngineStats:
+    """A simulated engine's load, as a vLLM engine host reports it to routers; decode
+    engines of PD are named in prefill requests by their engine name."""
+    return EngineStats(
+        replica=spec.name,
+        role=spec.role,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_unfinished=len(scheduler),
+        kv_cache_usage=scheduler.blocks.usage,
+        prefix_cache_queries=scheduler.prefix_queries,
+        prefix_cache_hits=scheduler.prefix_hits,
+        reported_at=time.time(),
+        block_size=scheduler.limits.block_size,
+        kv_capacity_blocks=scheduler.limits.num_blocks,
+        prompt_tokens=prompt_tokens or {},
+        kv_consumer=spec.name if spec.role == "decode" else None,
+        max_model_len=max_model_len,
+    )
 
 
 def _certain(token_id: int) -> tuple[int, float, int, None]:
