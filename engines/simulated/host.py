@@ -34,6 +34,7 @@ from engines.protocol import (
     TokenLogprobs,
 )
 from engines.settings import EngineSpec
+from engines.simulated.metrics import SimulatedEngineMetrics
 from engines.simulated.scheduler import (
     ScheduledStep,
     SchedulerLimits,
@@ -80,6 +81,8 @@ class SimulatedEngineHost:
         self._work = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
         self._prompt_tokens = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+        # vLLM's metric names through Ray's metrics, where there is a Ray worker to export.
+        self._metrics = SimulatedEngineMetrics(spec) if _in_ray() else None
 
     async def submit(self, request: GenerateRequest) -> None:
         params = request.sampling_params
@@ -110,6 +113,8 @@ class SimulatedEngineHost:
             handover=bool((request.kv_transfer_params or {}).get("do_remote_decode")),
         )
         self._streams.outbox(request.subscriber)
+        if self._metrics is not None:
+            self._metrics.arrived(request.request_id)
         loop = asyncio.get_running_loop()
         if self._stepper is None:
             self._stepper = loop.create_task(self._step_forever())
@@ -133,11 +138,16 @@ class SimulatedEngineHost:
         self._work.set()
 
     async def abort(self, request_id: str) -> None:
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
         admission = self._admissions.pop(request_id, None)
         if admission is not None:
             admission.cancel()
         self._scheduler.abort(request_id)
         self._clients.pop(request_id, None)
+        if self._metrics is not None:
+            self._metrics.forget(request_id)
 
     def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
         if self._spec.kv_events:
@@ -150,11 +160,7 @@ class SimulatedEngineHost:
     def _subscriber_gone(self, subscriber: str) -> None:
         for request_id, client in list(self._clients.items()):
             if client.subscriber == subscriber:
-                admission = self._admissions.pop(request_id, None)
-                if admission is not None:
-                    admission.cancel()
-                self._scheduler.abort(request_id)
-                del self._clients[request_id]
+                self._drop(request_id)
 
     def close_streams(self) -> None:
         self._streams.close_all()
@@ -205,9 +211,10 @@ class SimulatedEngineHost:
             logger.debug("preempted %s", [r.request_id for r in step.preempted])
         result = self._scheduler.complete(step)
         finished = {request.request_id for request in result.finished}
+        prompt_sources: dict[str, int] = {}
         for request in result.sampled:
             if request.output_tokens == 1:
-                self._count_prompt(request)
+                self._count_prompt(request, prompt_sources)
             client = self._clients.get(request.request_id)
             if client is None:
                 continue
@@ -215,14 +222,17 @@ class SimulatedEngineHost:
             self._send(request, client, done)
             if done:
                 del self._clients[request.request_id]
+        if self._metrics is not None:
+            self._metrics.step(self._scheduler, result.sampled, result.finished, prompt_sources)
         self._publish_cache_events()
 
-    def _count_prompt(self, request: SimRequest) -> None:
+    def _count_prompt(self, request: SimRequest, this_step: dict[str, int]) -> None:
         """Where a prompt's tokens came from, as vLLM counts them, once per request."""
         cached = request.cached_tokens
         source = "external_kv_transfer" if request.kv_from_elsewhere else "local_cache_hit"
-        self._prompt_tokens[source] += cached
-        self._prompt_tokens["local_compute"] += request.prompt_tokens - cached
+        for name, tokens in ((source, cached), ("local_compute", request.prompt_tokens - cached)):
+            self._prompt_tokens[name] += tokens
+            this_step[name] = this_step.get(name, 0) + tokens
 
     def _send(self, request: SimRequest, client: _Client, done: bool) -> None:
         outbox = self._streams.outbox(client.subscriber)
@@ -250,6 +260,12 @@ class SimulatedEngineHost:
             return
         update = CacheUpdate(stored=[(h, h) for h in events.stored], removed=list(events.removed))
         self._streams.broadcast((CACHE_UPDATES, update))
+
+
+def _in_ray() -> bool:
+    import ray
+
+    return bool(ray.is_initialized())
 
 
 def simulated_stats(

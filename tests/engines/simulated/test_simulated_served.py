@@ -5,11 +5,15 @@ H100's time for Llama 3.1 8B (deployments.serve --simulate)."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import time
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from dashboards.prometheus import ray_discovery_file
 from deployments.launcher import config_path, simulated_config
 from tests.support.served_apps import ServedApps
 
@@ -45,3 +49,46 @@ def test_a_simulated_pool_serves_splits_and_reports_its_engines(served_apps: Ser
     # The same prompt again: the engine that computed it holds its blocks, and says so.
     again = _complete(app.base_url, model, 2)
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def _ray_metrics(ray_address: str) -> str:
+    """Every node's Ray metrics page, as Prometheus would scrape them."""
+    groups = json.loads(ray_discovery_file(ray_address).read_text())
+    pages = [
+        httpx.get(f"http://{target}/metrics", timeout=10).text
+        for group in groups
+        for target in group["targets"]
+    ]
+    return "\n".join(pages)
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """``name``'s value by replica label, summed over its other labels."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                replica = sample.labels.get("replica", "")
+                values[replica] = values.get(replica, 0.0) + sample.value
+    return values
+
+
+def test_simulated_engines_export_vllms_metrics_through_ray(
+    served_apps: ServedApps, ray_address: str
+) -> None:
+    app = served_apps.get(str(simulated_config(config_path("auto_scaled"), PROFILE)))
+    model = httpx.get(f"{app.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    for _ in range(4):
+        assert _complete(app.base_url, model, 8).status_code == 200
+    deadline = time.monotonic() + 60  # Ray exports what its workers record every few seconds
+    while True:
+        text = _ray_metrics(ray_address)
+        ttft = _samples(text, "ray_vllm_time_to_first_token_seconds_count")
+        tokens = _samples(text, "ray_vllm_generation_tokens_total")
+        if sum(ttft.values()) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert sum(ttft.values()) >= 4, sorted(ttft)
+    assert all(name.startswith("engine-") for name in ttft), sorted(ttft)
+    assert sum(tokens.values()) >= 4 * 8
+    assert _samples(text, "ray_vllm_kv_cache_usage_perc"), "no KV cache gauge"
