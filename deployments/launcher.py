@@ -184,6 +184,21 @@ def app_engine_pids(app_name: str = APP_NAME) -> set[int]:
     return set().union(*(descendant_engine_pids(pid) for pid in replicas))
 
 
+def app_replica_pids(app_name: str = APP_NAME) -> set[int]:
+    """The Serve replica processes of one application on this machine."""
+    prefix = f"ray::ServeReplica:{app_name}:"
+    return {pid for pid, cmdline in command_lines().items() if cmdline.startswith(prefix)}
+
+
+def wait_replicas_gone(app_name: str = APP_NAME, timeout_s: float = 90.0) -> set[int]:
+    """Wait until the application's replicas on this machine have exited, as they do a
+    moment after ``serve run`` stops on a cluster it did not start; the ones left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := app_replica_pids(app_name)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 def replica_engine_pids(replica: str) -> set[int]:
     """The processes of one engine replica (``prefill-0``), wherever it is hosted: each
     carries its replica's name in its environment (ENGINE_NAME_ENV)."""

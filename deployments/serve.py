@@ -21,6 +21,7 @@ from deployments.launcher import (
     config_path,
     serve_command,
     simulated_config,
+    wait_replicas_gone,
     wait_until_bindable,
 )
 from splitserve.processes import SERVE_DEPLOY_FAILED, stop_process
@@ -98,6 +99,12 @@ def run_until_failed(command: list[str], env: dict[str, str]) -> int:
     print(f"\nerror: the application cannot come up: {failures[0]}", file=sys.stderr)
     stop_process(process, STOP_TIMEOUT_S)
     reader.join(timeout=5)
+    # On a cluster `serve run` did not start, its stop deletes the application and
+    # returns while the replicas still exit; one that lingers would hold the port the
+    # next application needs.
+    left = wait_replicas_gone(timeout_s=STOP_TIMEOUT_S)
+    if left:
+        print(f"error: replicas {sorted(left)} outlived the application's stop", file=sys.stderr)
     return 1
 
 

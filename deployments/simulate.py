@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from deployments.app import engine_names, engine_spec
-from deployments.config import AppConfig, load_application
+from deployments.config import KV_STRATEGIES, AppConfig, load_application
 from deployments.launcher import config_path, simulated_config
 from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
 from engines.settings import EngineSpec
@@ -46,6 +46,7 @@ from engines.simulated.scheduler import (
     prompt_block_hashes,
 )
 from engines.simulated.settings import engine_profile, scheduler_limits
+from kv_transfer import make_kv_backend
 from router.dispatch import Dispatcher, Plan
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Rejection
 from router.pool.engine_client import EngineClient
@@ -238,14 +239,13 @@ class OfflineCluster:
             self.engines[name] = VirtualEngine(spec, client, self.queue)
         self.pool = EnginePool([engine.client for engine in self.engines.values()])
         self.kv = None
-        if config.strategy in ("pd", "auto"):
-            from kv_transfer import make_kv_backend
-
+        if config.strategy in KV_STRATEGIES:
             self.kv = make_kv_backend(config.kv_transfer).router_side()
         self.dispatcher = Dispatcher(self.settings, self.pool, self.kv)
         self.admission = AdmissionControl(self.settings.qos)
         self.outcomes: list[Outcome] = []
         self._open = 0
+        self._polling = False
         self._calibrate()
         self._poll()
 
@@ -269,11 +269,13 @@ class OfflineCluster:
             engine.client.state.prefill_s_per_token.add(alone / tokens)
 
     def _poll(self) -> None:
+        """The router's stats poll, every stats_interval_s while requests are open (one
+        chain of polls at a time; an idle cluster stops it, the next request restarts it)."""
         for engine in self.engines.values():
             engine.client.state.update_engine(engine.stats())
-        if self._open or self.queue.now == 0.0:
-            interval = self.settings.router.stats_interval_s
-            self.queue.at(self.queue.now + interval, self._poll)
+        self._polling = bool(self._open)
+        if self._polling:
+            self.queue.at(self.queue.now + self.settings.router.stats_interval_s, self._poll)
 
     def run(self, arrivals: list[Arrival]) -> list[Outcome]:
         for arrival in arrivals:
@@ -306,7 +308,7 @@ class OfflineCluster:
             return
         outcome.prefill = f"{plan.decision.where}:{plan.decision.reason}"
         self._open += 1
-        if self._open == 1:
+        if not self._polling:
             self._poll()
         self._start(plan, arrival, outcome)
 
