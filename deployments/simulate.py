@@ -43,7 +43,6 @@ from engines.simulated.scheduler import (
     ScheduledStep,
     SimRequest,
     SimScheduler,
-    prompt_block_hashes,
 )
 from engines.simulated.settings import engine_profile, scheduler_limits
 from kv_transfer import make_kv_backend
@@ -51,6 +50,7 @@ from router.dispatch import Dispatcher, Plan
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Rejection
 from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from router.pool.prefix_index import PromptBlocks
 from router.pool.replica_state import ReplicaState
 from router.settings import IngressSettings
 from splitserve.latency.profile import LatencyProfile, StepShape
@@ -316,7 +316,7 @@ class OfflineCluster:
         main = plan.main.replica
         main.state.record_prompt(plan.prompt)
         if plan.prefill is None:
-            self._generate(main, arrival, plan.prefill_tokens, outcome, on_end=self._closed)
+            self._generate(main, arrival, plan.prompt, plan.prefill_tokens, outcome, self._closed)
             return
         prefill = plan.prefill.replica
         prefill.state.record_prompt(plan.prompt)
@@ -328,15 +328,25 @@ class OfflineCluster:
             decode = self.engines[main.name]
             transfer = decode.profile.handover_seconds(len(arrival.prompt))
             self._generate(
-                main, arrival, 0, outcome, self._closed, kv_in_s=transfer, drop_first=True
+                main,
+                arrival,
+                plan.prompt,
+                0,
+                outcome,
+                self._closed,
+                kv_in_s=transfer,
+                drop_first=True,
             )
 
-        self._generate(prefill, arrival, plan.prefill_tokens, outcome, handed_over, prefill=True)
+        self._generate(
+            prefill, arrival, plan.prompt, plan.prefill_tokens, outcome, handed_over, prefill=True
+        )
 
     def _generate(
         self,
         replica: EngineClient,
         arrival: Arrival,
+        prompt: PromptBlocks,
         prefill_tokens: int,
         outcome: Outcome,
         on_end: Callable[[float], None],
@@ -356,7 +366,8 @@ class OfflineCluster:
             f"{arrival.index}-{replica.name}",
             prompt_tokens=len(arrival.prompt),
             max_tokens=1 if prefill else arrival.max_tokens,
-            block_hashes=prompt_block_hashes(arrival.prompt, block_size),
+            # The router's plan hashed the prompt already, once per block size.
+            block_hashes=prompt.hashes(block_size),
             priority=ticket.priority,
             arrival=now,
             kv_from_elsewhere=kv_in_s is not None,

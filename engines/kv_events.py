@@ -38,6 +38,15 @@ def chain_hash(parent: int, block_token_ids: Sequence[int]) -> int:
     return hash((parent, tuple(block_token_ids)))
 
 
+def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The router's chained hash of each full block of a prompt, in order."""
+    chain, parent = [], ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start : start + block_size])
+        chain.append(parent)
+    return chain
+
+
 class BlockNames:
     """vLLM's hash of each cached block → the router's chained hash of the same block."""
 

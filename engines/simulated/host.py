@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from engines.backends import ENGINE_BACKENDS
 from engines.delta_streams import DeltaStreams
+from engines.kv_events import chain_hashes
 from engines.protocol import (
     CACHE_UPDATES,
     CacheUpdate,
@@ -40,7 +41,6 @@ from engines.simulated.scheduler import (
     SchedulerLimits,
     SimRequest,
     SimScheduler,
-    prompt_block_hashes,
 )
 from engines.simulated.settings import SIMULATED_KV_TOKENS, engine_profile, scheduler_limits
 from splitserve.latency.profile import LatencyProfile
@@ -93,7 +93,7 @@ class SimulatedEngineHost:
             request.request_id,
             prompt_tokens=len(prompt),
             max_tokens=max(1, max_tokens),
-            block_hashes=prompt_block_hashes(prompt, self.limits.block_size),
+            block_hashes=chain_hashes(prompt, self.limits.block_size),
             priority=request.priority if self.limits.policy == "priority" else 0,
             arrival=time.monotonic(),
             kv_from_elsewhere=handle is not None,

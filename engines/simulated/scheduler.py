@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engines.kv_events import ROOT_HASH, chain_hash
 from splitserve.latency.profile import StepShape
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -426,13 +425,3 @@ class SimScheduler:
             decode_seqs=decode_seqs,
             decode_context_tokens=decode_context,
         )
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The router's chained hash of each full block of a prompt."""
-    hashes = []
-    parent = ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes

@@ -19,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Container, Sequence
 from typing import Any
 
-from engines.kv_events import ROOT_HASH, chain_hash
+from engines.kv_events import chain_hashes
 from engines.protocol import CacheUpdate
 
 # Pending blocks beyond the held ones that trigger a sweep of the expired: they pile up
@@ -40,11 +40,7 @@ class PromptBlocks:
 
     def hashes(self, block_size: int) -> list[int]:
         if block_size not in self._hashes:
-            chain, parent = [], ROOT_HASH
-            for start in range(0, len(self.token_ids) - block_size + 1, block_size):
-                parent = chain_hash(parent, self.token_ids[start : start + block_size])
-                chain.append(parent)
-            self._hashes[block_size] = chain
+            self._hashes[block_size] = chain_hashes(self.token_ids, block_size)
         return self._hashes[block_size]
 
     def cacheable_tokens(self, block_size: int, hit_blocks: int) -> int:

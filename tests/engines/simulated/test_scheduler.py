@@ -3,11 +3,11 @@ events, preemption, priority and handed-over KV."""
 
 from __future__ import annotations
 
+from engines.kv_events import chain_hashes
 from engines.simulated.scheduler import (
     SchedulerLimits,
     SimRequest,
     SimScheduler,
-    prompt_block_hashes,
 )
 
 BLOCK = 4
@@ -25,7 +25,7 @@ def _scheduler(**limits: object) -> SimScheduler:
 
 def _request(name: str, prompt: int, out: int = 4, **fields: object) -> SimRequest:
     tokens = list(range(prompt))
-    return SimRequest(name, prompt, out, block_hashes=prompt_block_hashes(tokens, BLOCK), **fields)  # type: ignore[arg-type]
+    return SimRequest(name, prompt, out, block_hashes=chain_hashes(tokens, BLOCK), **fields)  # type: ignore[arg-type]
 
 
 def _run(scheduler: SimScheduler, steps: int = 1000) -> list[list[tuple[str, int]]]:
@@ -77,7 +77,7 @@ def test_a_repeated_prompt_hits_the_prefix_cache_and_its_blocks_are_published() 
     scheduler.add(_request("a", 17, out=1))
     _run(scheduler)
     events = scheduler.blocks.take_events()
-    assert events.stored == prompt_block_hashes(list(range(17)), BLOCK)
+    assert events.stored == chain_hashes(list(range(17)), BLOCK)
     scheduler.add(_request("b", 17, out=1))
     trace = _run(scheduler)
     assert trace == [[("b", 1)]]  # 16 of 17 tokens were cached
@@ -99,7 +99,7 @@ def test_freed_blocks_are_evicted_oldest_first_and_evictions_are_published() -> 
     _run(scheduler)
     first = scheduler.blocks.take_events().stored
     other = list(range(100, 132))  # 8 blocks of other tokens: every cached one must go
-    scheduler.add(SimRequest("b", 32, 1, block_hashes=prompt_block_hashes(other, BLOCK)))
+    scheduler.add(SimRequest("b", 32, 1, block_hashes=chain_hashes(other, BLOCK)))
     _run(scheduler)
     events = scheduler.blocks.take_events()
     assert sorted(events.removed) == sorted(first)
