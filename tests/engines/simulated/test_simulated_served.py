@@ -20,6 +20,7 @@ from tests.support.served_apps import ServedApps
 pytestmark = pytest.mark.serving
 
 PROFILE = "h100-llama-3.1-8b"
+TTFT_COUNT = "ray_vllm_time_to_first_token_seconds_count"
 PROMPT = [10 + (index * 7) % 240 for index in range(600)]
 
 
@@ -62,15 +63,23 @@ def _ray_metrics(ray_address: str) -> str:
     return "\n".join(pages)
 
 
-def _samples(text: str, name: str) -> dict[str, float]:
-    """``name``'s value by replica label, summed over its other labels."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                replica = sample.labels.get("replica", "")
-                values[replica] = values.get(replica, 0.0) + sample.value
-    return values
+Labels = frozenset[tuple[str, str]]
+
+
+def _samples(text: str, name: str) -> dict[Labels, float]:
+    """``name``'s value by label set (one series per engine process)."""
+    return {
+        frozenset(sample.labels.items()): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def _added(before: dict[Labels, float], after: dict[Labels, float]) -> dict[Labels, float]:
+    """The series that grew, by how much."""
+    grown = {labels: value - before.get(labels, 0.0) for labels, value in after.items()}
+    return {labels: value for labels, value in grown.items() if value > 0}
 
 
 def test_simulated_engines_export_vllms_metrics_through_ray(
@@ -78,17 +87,22 @@ def test_simulated_engines_export_vllms_metrics_through_ray(
 ) -> None:
     app = served_apps.get(str(simulated_config(config_path("auto_scaled"), PROFILE)))
     model = httpx.get(f"{app.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    # The cluster is shared: earlier applications' engines export the same names, so
+    # only what these requests add counts.
+    before = _samples(_ray_metrics(ray_address), TTFT_COUNT)
     for _ in range(4):
         assert _complete(app.base_url, model, 8).status_code == 200
     deadline = time.monotonic() + 60  # Ray exports what its workers record every few seconds
     while True:
         text = _ray_metrics(ray_address)
-        ttft = _samples(text, "ray_vllm_time_to_first_token_seconds_count")
-        tokens = _samples(text, "ray_vllm_generation_tokens_total")
+        ttft = _added(before, _samples(text, TTFT_COUNT))
         if sum(ttft.values()) >= 4 or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert sum(ttft.values()) >= 4, sorted(ttft)
-    assert all(name.startswith("engine-") for name in ttft), sorted(ttft)
-    assert sum(tokens.values()) >= 4 * 8
-    assert _samples(text, "ray_vllm_kv_cache_usage_perc"), "no KV cache gauge"
+    assert sum(ttft.values()) >= 4, ttft
+    assert all(dict(labels)["replica"].startswith("engine-") for labels in ttft), ttft
+    assert all(dict(labels)["model_name"] == model for labels in ttft), ttft
+    tokens = _samples(text, "ray_vllm_generation_tokens_total")
+    assert sum(tokens.get(labels, 0.0) for labels in ttft) >= 4 * 8
+    gauges = _samples(text, "ray_vllm_kv_cache_usage_perc")
+    assert any(labels in gauges for labels in ttft), "no KV cache gauge for these engines"
