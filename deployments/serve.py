@@ -1,4 +1,5 @@
-"""``python -m deployments.serve pd``: serve an application the fast way, until Ctrl-C.
+"""``python -m deployments.serve pd``: serve an application the fast way, until Ctrl-C
+or SIGTERM.
 
 It is ``serve run deployments/pd.yaml`` on a Ray cluster started with Serve's direct
 ingress (deployments.launcher.cluster_env): the router replica itself answers on the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -61,7 +63,29 @@ def main(argv: list[str] | None = None) -> None:
         print(f"using the cluster at RAY_ADDRESS; it must have been started with {settings}")
     wait_until_bindable(args.port)
     command, env = serve_command(path, args.port)
+    stop_on_signals()
     sys.exit(run_until_failed(command, env))
+
+
+class Stopped(Exception):
+    """A signal asked us to stop: Ctrl-C, or SIGTERM from a service manager or kill."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise Stopped(signum)
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop the application with us. A shell starts a background job
+    with SIGINT ignored, and `serve run` would inherit that: its own clean stop could
+    not be asked for, and it would outlive us, serving. A handler set here reaches
+    the child as the default, which `serve run` takes over."""
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
 
 
 def run_until_failed(command: list[str], env: dict[str, str]) -> int:
@@ -90,13 +114,21 @@ def run_until_failed(command: list[str], env: dict[str, str]) -> int:
     reader.start()
     try:
         ended.wait()
-    except KeyboardInterrupt:
-        # The terminal's Ctrl-C reached `serve run` too; it stops the application.
-        stop_process(process, STOP_TIMEOUT_S)
-        return 130
+    except (KeyboardInterrupt, Stopped) as stop:
+        # A terminal's Ctrl-C reached `serve run` too; otherwise it is asked here.
+        _stop_serve_run(process, reader)
+        return 128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT)
     if not failures:
         return process.wait()
     print(f"\nerror: the application cannot come up: {failures[0]}", file=sys.stderr)
+    _stop_serve_run(process, reader)
+    return 1
+
+
+def _stop_serve_run(process: subprocess.Popen[str], reader: threading.Thread) -> None:
+    # Further signals must not cut this stop short: it is what they asked for.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stop_process(process, STOP_TIMEOUT_S)
     reader.join(timeout=5)
     # On a cluster `serve run` did not start, its stop deletes the application and
@@ -105,7 +137,6 @@ def run_until_failed(command: list[str], env: dict[str, str]) -> int:
     left = wait_replicas_gone(timeout_s=STOP_TIMEOUT_S)
     if left:
         print(f"error: replicas {sorted(left)} outlived the application's stop", file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

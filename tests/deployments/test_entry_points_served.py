@@ -1,9 +1,10 @@
 """The README's commands that start an application themselves: ``make demo`` (``python -m
 loadgen demo``) and ``python -m loadgen sweep`` each run a real ``serve run``, measure
 it, stop it, and leave no engine behind; ``python -m deployments.serve`` stops, with
-vLLM's reason, an application whose engine can never start.
+vLLM's reason, an application whose engine can never start, and stops its application
+when it is stopped.
 
-Both run on the session's cluster (``RAY_ADDRESS``), which serves port 8000 only, so
+All run on the session's cluster (``RAY_ADDRESS``), which serves port 8000 only, so
 no other application may run meanwhile (conftest closes the shared one first). Each
 serves a copy of a YAML with synthetic engines in a folder of its own
 (``--deployments-dir``): what is checked is the launch, not the model.
@@ -14,20 +15,23 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deployments.launcher import DEPLOYMENTS_DIR, REPO_ROOT
-from splitserve.processes import ENGINE_CANNOT_START, command_lines
+from deployments.launcher import DEFAULT_PORT, DEPLOYMENTS_DIR, REPO_ROOT
+from splitserve.processes import ENGINE_CANNOT_START, command_lines, http_ok, stop_process
 
 pytestmark = pytest.mark.serving
 
 COMMAND_TIMEOUT_S = 600
 REQUESTS = 4
+BASE_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
 
 
 def _loadgen(arguments: list[str], ray_address: str) -> subprocess.CompletedProcess[str]:
@@ -117,3 +121,32 @@ def test_serve_stops_with_vllms_reason_when_an_engine_cannot_start(
     assert ENGINE_CANNOT_START in result.stdout, _output(result)
     assert "max seq len (4096)" in result.stdout, _output(result)  # vLLM's own reason
     assert not _replicas_left(), "the application outlived its failed launch"
+
+
+def test_serve_stops_its_application_on_sigterm_even_started_in_the_background(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """A shell's background job starts with SIGINT ignored, and a service manager stops
+    with SIGTERM: either way the application must stop with ``deployments.serve``, not
+    go on serving from an orphaned ``serve run``."""
+    config = _synthetic_copy("single", tmp_path / "deployments") / "single.yaml"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "deployments.serve", str(config)],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, RAY_ADDRESS=ray_address),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        deadline = time.monotonic() + COMMAND_TIMEOUT_S
+        while not http_ok(f"{BASE_URL}/health") and time.monotonic() < deadline:
+            assert process.poll() is None, "deployments.serve ended before serving"
+            time.sleep(1)
+        assert http_ok(f"{BASE_URL}/health"), "never served"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(COMMAND_TIMEOUT_S) == 128 + signal.SIGTERM
+    finally:
+        stop_process(process, 60)
+    assert not _replicas_left(), "the application outlived deployments.serve"
+    assert not http_ok(f"{BASE_URL}/health"), "something still serves the port"
