@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -251,6 +252,22 @@ def serve_run(
         argv, env = [_serve_cli(), "run", str(path)], dict(os.environ)
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
+    with sigterm_unwinds():
+        yield from _serve_until_done(
+            path, argv, env, log_path, port, direct_ingress, ready_timeout_s, stop_timeout_s
+        )
+
+
+def _serve_until_done(
+    path: Path,
+    argv: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    port: int,
+    direct_ingress: bool,
+    ready_timeout_s: float,
+    stop_timeout_s: float,
+) -> Iterator[RunningApp]:
     process = start_process(argv, log_path, cwd=REPO_ROOT, env=env)
     replicas = router_replicas(path) if direct_ingress else 1
     router_urls = tuple(f"http://127.0.0.1:{port + index}" for index in range(replicas))
@@ -273,6 +290,30 @@ def serve_run(
             raise LaunchError(
                 f"engine processes {sorted(leftovers)} outlived {path.name}; killed them"
             )
+        # On a cluster `serve run` did not start, its stop returns while the replicas
+        # still exit; the next application must not find them on its port.
+        if replicas_left := wait_replicas_gone(timeout_s=stop_timeout_s):
+            raise LaunchError(f"replicas {sorted(replicas_left)} outlived {path.name}")
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within the block, SIGTERM (kill, a service manager, CI's timeout) unwinds the
+    main thread as Ctrl-C does, so an application started in it stops with the process
+    rather than outliving it, serving. Elsewhere than the main thread, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the stop short
+    raise SystemExit(128 + signum)
 
 
 def _routers_ready(router_urls: tuple[str, ...], proxy_url: str | None) -> bool:

@@ -150,3 +150,38 @@ def test_serve_stops_its_application_on_sigterm_even_started_in_the_background(
         stop_process(process, 60)
     assert not _replicas_left(), "the application outlived deployments.serve"
     assert not http_ok(f"{BASE_URL}/health"), "something still serves the port"
+
+
+SERVE_RUN_UNTIL_KILLED = """
+import sys, time
+from deployments.launcher import serve_run
+with serve_run(sys.argv[1]):
+    print("serving", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_process_serving_through_the_launcher_stops_its_application_on_sigterm(
+    ray_address: str, tmp_path: Path
+) -> None:
+    """The benches and loadgen's demo and sweep serve through deployments.launcher's
+    serve_run: killed, they must not leave `serve run` serving behind them."""
+    config = _synthetic_copy("single", tmp_path / "deployments") / "single.yaml"
+    process = subprocess.Popen(
+        [sys.executable, "-c", SERVE_RUN_UNTIL_KILLED, str(config)],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, RAY_ADDRESS=ray_address),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "serving"
+        assert http_ok(f"{BASE_URL}/health")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(COMMAND_TIMEOUT_S) == 128 + signal.SIGTERM
+    finally:
+        stop_process(process, 60)
+    assert not _replicas_left(), "the application outlived the process that served it"
+    assert not http_ok(f"{BASE_URL}/health"), "something still serves the port"
