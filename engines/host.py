@@ -501,7 +501,8 @@ class EngineReplica:
         # at every engine step, and nothing else reads it.
         self._metered: MeteredHost | None = None
         if self._scaling is not None:
-            self._metered = MeteredHost(self._host, SloMeter(self._scaling.window_s))
+            meter = SloMeter(self._scaling.window_s, time_scale=spec.backend.time_scale)
+            self._metered = MeteredHost(self._host, meter)
         self._transport = EngineTransportServer(self._metered or self._host)
         await self._transport.start(ray.util.get_node_ip_address())
 

@@ -37,9 +37,17 @@ class SloMeter:
     """TTFT and TPOT of the requests an engine served over the last ``window_s``, and
     the same for requests it served alone (its floors, over the last FLOOR_SAMPLES)."""
 
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        time_scale: float = 1.0,
+    ) -> None:
         self._window_s = window_s
         self._clock = clock
+        # A simulated engine's times are stretched by its time_scale; the pool's SLOs
+        # are in the fleet's own time, so the signals are reported divided back.
+        self._time_scale = time_scale
         self._in_flight: dict[str, _InFlight] = {}
         self._first_tokens: deque[tuple[float, float]] = deque()  # (when, seconds)
         self._gaps: deque[tuple[float, float, int]] = deque()  # (when, seconds, tokens)
@@ -95,13 +103,14 @@ class SloMeter:
         ttft = _quantile([s for _, s in self._first_tokens], TTFT_QUANTILE)
         if waits:
             ttft = max(ttft, now - min(waits))
-        return {
+        times = {
             TTFT_METRIC: ttft,
             TPOT_METRIC: _per_token([(s, n) for _, s, n in self._gaps]),
             TTFT_FLOOR_METRIC: _quantile(list(self._alone_first_tokens), TTFT_QUANTILE),
             TPOT_FLOOR_METRIC: _per_token(list(self._alone_gaps)),
-            "in_flight": float(self.in_flight),
         }
+        in_fleet_time = {name: value / self._time_scale for name, value in times.items()}
+        return in_fleet_time | {"in_flight": float(self.in_flight)}
 
     def _forget_before(self, cutoff: float) -> None:
         while self._first_tokens and self._first_tokens[0][0] < cutoff:

@@ -147,6 +147,26 @@ def test_requests_that_share_the_engine_do_not_count_for_its_floors() -> None:
     assert meter.signals()[TPOT_FLOOR_METRIC] == pytest.approx(0.05)
 
 
+def test_a_time_scaled_engine_reports_in_the_fleets_time() -> None:
+    """A simulated engine stretched 10x takes 10x the wall time; the pool's SLOs are in
+    the simulated fleet's time, and so are the signals."""
+    clock = _Clock()
+    meter = SloMeter(window_s=100.0, clock=clock, time_scale=10.0)
+    meter.submitted("a", "router")
+    clock.now += 5.0
+    meter.delivered("a", 1, finished=False)
+    clock.now += 1.0
+    meter.delivered("a", 2, finished=True)
+    signals = meter.signals()
+    assert signals[TTFT_METRIC] == pytest.approx(0.5)
+    assert signals[TPOT_METRIC] == pytest.approx(0.05)
+    assert signals[TTFT_FLOOR_METRIC] == pytest.approx(0.5)
+    assert signals[TPOT_FLOOR_METRIC] == pytest.approx(0.05)
+    meter.submitted("b", "router")
+    clock.now += 30.0
+    assert meter.signals()[TTFT_METRIC] == pytest.approx(3.0)  # a wait counts the same
+
+
 class _Host:
     """An engine host that answers each request with two one-token chunks."""
 
