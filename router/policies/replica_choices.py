@@ -47,8 +47,9 @@ class LeastLoaded:
         return Choice(self.pick(replicas), "least_loaded")
 
     def pick(self, replicas: list[EngineClient]) -> EngineClient:
-        lightest = min(_load(r) for r in replicas)
-        tied = [r for r in replicas if _load(r) == lightest]
+        loads = [_load(r) for r in replicas]  # each read once: it is per request, per engine
+        lightest = min(loads)
+        tied = [r for r, load in zip(replicas, loads, strict=True) if load == lightest]
         return tied[next(self._counter) % len(tied)]
 
 

@@ -20,6 +20,7 @@ where every number comes from.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,4 +156,11 @@ def load_profile(name_or_path: str) -> LatencyProfile:
                 f" {', '.join(shipped_profiles()) or 'none'}; or give a profile file's path"
             )
         text = resource.read_text()
+    return _parsed(text).model_copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> LatencyProfile:
+    # An offline cluster of 64 engines reads the same file 64 times; YAML parsing is
+    # the slow part (15 ms each).
     return LatencyProfile.model_validate(yaml.safe_load(text))
