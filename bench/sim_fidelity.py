@@ -10,7 +10,11 @@ profile was fitted on.
 
     python bench/sim_fidelity.py [--configs single,dp,pd_always,auto]
         [--workloads general,prefill-heavy,decode-heavy] [--rates 1,2,4]
-        [--rounds 2] [--num-requests 40] [--profile FILE] [--out results/sim_fidelity]
+        [--rounds 2] [--num-requests 40] [--profile FILE | --fit-cores 1]
+        [--out results/sim_fidelity]
+
+The profile fits one engine: on both cores for single.yaml, on one (``--fit-cores 1``)
+for the configs that pin each engine to a core of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -108,16 +113,29 @@ def profile_command(base_url: str, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def fit_profile(out: Path) -> Path:
-    """Fit the CPU engine's profile on single.yaml (its own grid, not the runs below),
+def fit_config(out: Path, cores: int) -> Path:
+    """The engine a profile is fitted on: single.yaml's, on both cores (as single.yaml
+    runs it) or pinned to one (as dp, pd_always and auto pin each of their engines: one
+    core is this box's "one GPU")."""
+    if cores == 2:
+        return config_path("single")
+    document = yaml.safe_load(config_path("single").read_text())
+    document["applications"][0]["args"]["pools"][0]["cpu_binds"] = ["0"]
+    path = out / "single-one-core.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def fit_profile(out: Path, cores: int) -> Path:
+    """Fit the CPU engine's profile on ``fit_config`` (its own grid, not the runs below),
     less what single.yaml's router costs alone (measured on zero-time engines)."""
     baseline = out / "path-alone.yaml"
     simulated = simulated_config(config_path("single"), str(zero_profile(out)))
     with serve_run(str(simulated)) as app, niced_like_ray_workers():
         subprocess.run(profile_command(app.base_url, baseline), check=True, cwd=REPO_ROOT)
-    path = out / "cpu-embedded-tp1-pp1.yaml"
+    path = out / f"cpu{cores}-embedded-tp1-pp1.yaml"
     samples = ("--baseline-samples", str(baseline.with_suffix(".samples.json")))
-    with serve_run("single") as app, niced_like_ray_workers():
+    with serve_run(str(fit_config(out, cores))) as app, niced_like_ray_workers():
         subprocess.run(profile_command(app.base_url, path, *samples), check=True, cwd=REPO_ROOT)
     return path
 
@@ -288,6 +306,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="a fitted profile; default: fit one first")
     parser.add_argument(
+        "--fit-cores",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="fit on an engine with both cores (single.yaml) or one (dp, pd_always, auto)",
+    )
+    parser.add_argument(
         "--offline-only",
         action="store_true",
         help="keep --out's served runs, run the offline cells again",
@@ -298,7 +323,7 @@ def main() -> None:
     args.workloads = args.workloads.split(",")
     args.rates = [float(rate) for rate in args.rates.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    profile = args.profile or fit_profile(args.out)
+    profile = args.profile or fit_profile(args.out, args.fit_cores)
     console.print(f"profile: {profile}")
     if args.offline_only:
         # The served rows of an earlier run, the offline ones computed again.
