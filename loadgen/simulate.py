@@ -26,6 +26,7 @@ from rich.console import Console
 
 from loadgen.client import RequestRecord
 from loadgen.config import RunConfig
+from loadgen.launcher import REPO_ROOT
 from loadgen.runner import Endpoint, PreparedRun, Run, RunError, RunResult
 from loadgen.server_view import ServerView
 from loadgen.stats import request_metrics
@@ -51,16 +52,22 @@ class SimulatedTarget:
             "-m",
             SIMULATOR,
             *args,
-            self.config,
+            _absolute(self.config),
             "--profile",
-            self.profile,
+            _absolute(self.profile),
             *model,
         ]
 
 
+def _absolute(name_or_path: str) -> str:
+    """A path the caller gave relative to its folder, made absolute: the simulator runs
+    in the repository (not in the caller's folder, whose modules could shadow ours)."""
+    return str(Path(name_or_path).resolve()) if Path(name_or_path).exists() else name_or_path
+
+
 def _simulator(target: SimulatedTarget, *args: str, extra: tuple[str, ...] = ()) -> str:
     command = [*target.command(*args), *extra]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=REPO_ROOT)
     if done.returncode != 0:
         raise RunError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
     return done.stdout.strip().splitlines()[-1]

@@ -13,6 +13,8 @@ import pytest
 
 from deployments.simulate import Arrival, OfflineCluster, simulated_application
 from engines.simulated.scheduler import SimScheduler
+from loadgen.simulate import SimulatedTarget, describe
+from splitserve.latency.profile import load_profile
 
 PROFILE = "h100-llama-3.1-8b"
 
@@ -99,6 +101,18 @@ def test_loadgen_simulate_writes_a_runs_results(tmp_path: Path) -> None:
     vllm = json.loads((tmp_path / "dp-general-qps20.vllm.json").read_text())
     assert vllm["completed"] == 50
     assert 0 < vllm["median_ttft_ms"] < 1000
+
+
+def test_the_simulator_runs_in_the_repository_whatever_the_callers_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Called from a folder that holds a module named like one of ours (bench/ holds
+    kv_transfer.py) with a profile path relative to that folder: the simulator finds
+    our package and the caller's profile."""
+    (tmp_path / "kv_transfer.py").write_text("raise ImportError('the caller's module')\n")
+    load_profile(f"{PROFILE}-tp1-pp1").save(tmp_path / "mine.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert describe(SimulatedTarget("dp", "mine.yaml"))["mode"] == "dp"
 
 
 def test_advise_simulate_chooses_a_split_from_offline_cells(tmp_path: Path) -> None:
