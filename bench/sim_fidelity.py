@@ -322,6 +322,7 @@ def main() -> None:
     args.configs = args.configs.split(",")
     args.workloads = args.workloads.split(",")
     args.rates = [float(rate) for rate in args.rates.split(",")]
+    args.out = args.out.resolve()  # the profile command runs in the repository
     args.out.mkdir(parents=True, exist_ok=True)
     profile = args.profile or fit_profile(args.out, args.fit_cores)
     console.print(f"profile: {profile}")
