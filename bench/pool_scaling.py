@@ -96,12 +96,15 @@ class EngineCounter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                replicas = httpx.get(f"{self._url}/health", timeout=5).json()["replicas"]
-                self.samples.append((time.monotonic(), len(replicas)))
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
+            self.sample()
             self._stop.wait(1.0)
+
+    def sample(self) -> None:
+        try:
+            replicas = httpx.get(f"{self._url}/health", timeout=5).json()["replicas"]
+            self.samples.append((time.monotonic(), len(replicas)))
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
 
     def engine_seconds(self, start: float, end: float) -> float:
         inside = [(t, n) for t, n in self.samples if start <= t <= end]

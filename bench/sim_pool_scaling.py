@@ -28,14 +28,13 @@ import argparse
 import asyncio
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
+from pool_scaling import EngineCounter
 from rich.console import Console
 from rich.table import Table
 
@@ -72,38 +71,21 @@ def pool_config(args: argparse.Namespace, folder: Path) -> Path:
     return path
 
 
-class PoolWatcher:
-    """Once a second: how many engines the router routes to, and the resident memory
-    of every engine replica process of the application."""
+class PoolWatcher(EngineCounter):
+    """Once a second: how many engines the router routes to (``samples``), and the
+    resident memory of the application's engine replica processes."""
 
     def __init__(self, url: str) -> None:
-        self._url = url
-        self.engines: list[tuple[float, int]] = []
-        self.memory: list[tuple[int, float]] = []  # (engine processes, MiB each, mean)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PoolWatcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        super().__init__(url)
+        self.memory: list[tuple[int, float]] = []  # (engine processes, mean MiB)
 
     @property
     def count(self) -> int:
-        return self.engines[-1][1] if self.engines else 0
+        return self.samples[-1][1] if self.samples else 0
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                replicas = httpx.get(f"{self._url}/health", timeout=5).json()["replicas"]
-                self.engines.append((time.monotonic(), len(replicas)))
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            self.memory.append(_engine_memory())
-            self._stop.wait(1.0)
+    def sample(self) -> None:
+        super().sample()
+        self.memory.append(_engine_memory())
 
 
 def _engine_memory() -> tuple[int, float]:
@@ -149,7 +131,7 @@ def run(args: argparse.Namespace, url: str, watcher: PoolWatcher) -> list[dict[s
     phases: list[dict[str, Any]] = []
 
     def record(phase: str, started: float, rows: list[dict[str, Any]]) -> None:
-        reached = [n for t, n in watcher.engines if t >= started]
+        reached = [n for t, n in watcher.samples if t >= started]
         phases.append(
             {
                 "phase": phase,
@@ -219,7 +201,7 @@ def main() -> None:
     with serve_run(str(path), log_dir=args.out) as app, PoolWatcher(app.base_url) as watcher:
         began = time.monotonic()
         phases = run(args, app.base_url, watcher)
-    timeline = [(round(t - began, 1), n) for t, n in watcher.engines if t >= began]
+    timeline = [(round(t - began, 1), n) for t, n in watcher.samples if t >= began]
     changes = [p for i, p in enumerate(timeline) if i == 0 or p[1] != timeline[i - 1][1]]
     console.print(f"engines over time (s, count): {changes}")
     print_tables(phases, watcher.memory)

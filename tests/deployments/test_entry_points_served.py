@@ -19,7 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -130,26 +132,20 @@ def test_serve_stops_its_application_on_sigterm_even_started_in_the_background(
     with SIGTERM: either way the application must stop with ``deployments.serve``, not
     go on serving from an orphaned ``serve run``."""
     config = _synthetic_copy("single", tmp_path / "deployments") / "single.yaml"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "deployments.serve", str(config)],
-        cwd=REPO_ROOT,
-        env=dict(os.environ, RAY_ADDRESS=ray_address),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
-    try:
+
+    def serving(process: subprocess.Popen[str]) -> None:
         deadline = time.monotonic() + COMMAND_TIMEOUT_S
         while not http_ok(f"{BASE_URL}/health") and time.monotonic() < deadline:
             assert process.poll() is None, "deployments.serve ended before serving"
             time.sleep(1)
-        assert http_ok(f"{BASE_URL}/health"), "never served"
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(COMMAND_TIMEOUT_S) == 128 + signal.SIGTERM
-    finally:
-        stop_process(process, 60)
-    assert not _replicas_left(), "the application outlived deployments.serve"
-    assert not http_ok(f"{BASE_URL}/health"), "something still serves the port"
+
+    _sigterm_stops_everything(
+        [sys.executable, "-m", "deployments.serve", str(config)],
+        ray_address,
+        serving,
+        stdout=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
 
 
 SERVE_RUN_UNTIL_KILLED = """
@@ -167,18 +163,38 @@ def test_a_process_serving_through_the_launcher_stops_its_application_on_sigterm
     """The benches and loadgen's demo and sweep serve through deployments.launcher's
     serve_run: killed, they must not leave `serve run` serving behind them."""
     config = _synthetic_copy("single", tmp_path / "deployments") / "single.yaml"
-    process = subprocess.Popen(
-        [sys.executable, "-c", SERVE_RUN_UNTIL_KILLED, str(config)],
-        cwd=REPO_ROOT,
-        env=dict(os.environ, RAY_ADDRESS=ray_address),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
+
+    def serving(process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "serving"
-        assert http_ok(f"{BASE_URL}/health")
+
+    _sigterm_stops_everything(
+        [sys.executable, "-c", SERVE_RUN_UNTIL_KILLED, str(config)],
+        ray_address,
+        serving,
+        stdout=subprocess.PIPE,
+    )
+
+
+def _sigterm_stops_everything(
+    command: list[str],
+    ray_address: str,
+    serving: Callable[[subprocess.Popen[str]], None],
+    **popen: Any,
+) -> None:
+    """Start ``command``, wait until it serves (``serving``), SIGTERM it: it exits 128 +
+    SIGTERM and leaves neither a replica nor anything answering on the port."""
+    process = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, RAY_ADDRESS=ray_address),
+        stderr=subprocess.DEVNULL,
+        text=True,
+        **popen,
+    )
+    try:
+        serving(process)
+        assert http_ok(f"{BASE_URL}/health"), "never served"
         process.send_signal(signal.SIGTERM)
         assert process.wait(COMMAND_TIMEOUT_S) == 128 + signal.SIGTERM
     finally:
