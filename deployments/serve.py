@@ -22,11 +22,12 @@ from deployments.launcher import (
     cluster_env,
     config_path,
     serve_command,
+    sigterm_unwinds,
     simulated_config,
     wait_replicas_gone,
     wait_until_bindable,
 )
-from splitserve.processes import SERVE_DEPLOY_FAILED, stop_process
+from splitserve.processes import SERVE_DEPLOY_FAILED, ChildSettings, stop_process
 
 # How long `serve run` may take to stop the application after a failure or Ctrl-C.
 STOP_TIMEOUT_S = 90.0
@@ -63,29 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"using the cluster at RAY_ADDRESS; it must have been started with {settings}")
     wait_until_bindable(args.port)
     command, env = serve_command(path, args.port)
-    stop_on_signals()
-    sys.exit(run_until_failed(command, env))
-
-
-class Stopped(Exception):
-    """A signal asked us to stop: Ctrl-C, or SIGTERM from a service manager or kill."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _stop(signum: int, _frame: object) -> None:
-    raise Stopped(signum)
-
-
-def stop_on_signals() -> None:
-    """SIGINT and SIGTERM stop the application with us. A shell starts a background job
-    with SIGINT ignored, and `serve run` would inherit that: its own clean stop could
-    not be asked for, and it would outlive us, serving. A handler set here reaches
-    the child as the default, which `serve run` takes over."""
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    with sigterm_unwinds():
+        sys.exit(run_until_failed(command, env))
 
 
 def run_until_failed(command: list[str], env: dict[str, str]) -> int:
@@ -94,8 +74,15 @@ def run_until_failed(command: list[str], env: dict[str, str]) -> int:
     an engine that cannot start, with vLLM's reason). ``serve run`` itself keeps
     running after those, while Serve restarts the same failure for ever; here the
     application is stopped and the exit status is 1."""
+    # ChildSettings restores SIGINT, which a shell's background job starts ignored:
+    # `serve run` must take the clean stop asked of it.
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=ChildSettings(),
     )
     failures: list[str] = []
     ended = threading.Event()
@@ -114,10 +101,13 @@ def run_until_failed(command: list[str], env: dict[str, str]) -> int:
     reader.start()
     try:
         ended.wait()
-    except (KeyboardInterrupt, Stopped) as stop:
-        # A terminal's Ctrl-C reached `serve run` too; otherwise it is asked here.
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reached `serve run` too; it stops the application.
         _stop_serve_run(process, reader)
-        return 128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT)
+        return 128 + signal.SIGINT
+    except SystemExit as stopped:  # SIGTERM (sigterm_unwinds): asked here
+        _stop_serve_run(process, reader)
+        raise stopped
     if not failures:
         return process.wait()
     print(f"\nerror: the application cannot come up: {failures[0]}", file=sys.stderr)
