@@ -34,6 +34,7 @@ logger = logging.getLogger("splitserve.deployments")
 # start, during which Serve's proxy answers 404 (docs/DECISIONS.md).
 ROUTER_CLASS = "router.http.ingress.Router"
 ENGINE_REPLICA_CLASS = "engines.host.EngineReplica"
+ENGINE_GROUP_CLASS = "engines.host.EngineGroupReplica"
 # Serve's default (5) would queue requests in Serve's handles, away from our policies.
 MAX_ONGOING_REQUESTS = 4096
 # How often Serve asks whatever process hosts an engine whether that engine is alive.
@@ -180,6 +181,51 @@ def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: 
     return engine.bind(spec)
 
 
+def engine_groups(
+    config: AppConfig, suffix: str = ""
+) -> list[tuple[str, list[tuple[str, PoolConfig, int]]]]:
+    """The engines of fixed-size pools by the process that hosts them: a deployment name
+    and its engines. One engine per process is named after its engine (``engine-0``); a
+    pool's ``engines_per_process`` engines share ``engine-group-0``, ``engine-group-1``."""
+    groups: list[tuple[str, list[tuple[str, PoolConfig, int]]]] = []
+    for pool in config.pools:
+        members = [item for item in engine_names(config, suffix) if item[1] is pool]
+        size = pool.engines_per_process
+        if size == 1:
+            groups.extend((item[0], [item]) for item in members)
+            continue
+        prefix = pool_name(pool, suffix)
+        for start in range(0, len(members), size):
+            groups.append((f"{prefix}-group-{start // size}", members[start : start + size]))
+    return groups
+
+
+def build_engine_group(
+    config: AppConfig, name: str, members: list[tuple[str, PoolConfig, int]]
+) -> Application:
+    """One process for several engines of one pool, each with its own transport."""
+    pool = members[0][1]
+    specs = [
+        engine_spec(config, engine, pool, index, position * pool.ranks_per_replica)
+        for position, (engine, pool, index) in enumerate(members)
+    ]
+    actor_options = engine_actor_options(
+        config.resources.engine_num_cpus * len(members),
+        pool.ranks_per_replica * len(members),
+        config.accelerator == "gpu",
+    )
+    place(actor_options, pool.placement)
+    group = deployment_by_path(
+        ENGINE_GROUP_CLASS,
+        name,
+        num_replicas=1,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
+        ray_actor_options=actor_options,
+    )
+    return group.bind(specs)
+
+
 def build_scaled_pool(config: AppConfig, settings: ScaledPoolSettings) -> Application:
     """One Serve deployment for the whole pool, grown and shrunk by Serve's autoscaling
     from the SLOs its engines measure (engines/pool_scaling.py)."""
@@ -289,9 +335,15 @@ def _bind_model(
         hosted.gpu = hosted.gpu or config.accelerator == "gpu"
         return ModelBinding(settings=settings, roles=roles, local_engines=specs)
     engines: dict[str, Application] = {}
-    for name, pool, index in engine_names(config, suffix):
-        engines[name] = build_engine(config, name, pool, index)
-        roles[name] = pool.role
+    for deployment, members in engine_groups(config, suffix):
+        if len(members) == 1 and members[0][1].engines_per_process == 1:
+            name, pool, index = members[0]
+            bound = build_engine(config, name, pool, index)
+        else:
+            bound = build_engine_group(config, deployment, members)
+        for name, pool, _ in members:
+            engines[name] = bound  # one deployment, one handle, for the group's engines
+            roles[name] = pool.role
     scaled = scaled_pool_settings(config, suffix)
     pools = {item.deployment: build_scaled_pool(config, item) for item in scaled}
     settings = settings.model_copy(update={"scaled_pools": scaled})

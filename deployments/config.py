@@ -219,13 +219,18 @@ class AppConfig(StrictModel):
         setting = self.router.engine_in_router
         if isinstance(setting, bool):
             return setting
-        if self.placed or self.scaled:
+        if self.placed or self.scaled or self.grouped:
             return False
         return self.accelerator == "cpu"
 
     @property
     def placed(self) -> bool:
         return any(pool.placement is not None for pool in self.pools)
+
+    @property
+    def grouped(self) -> bool:
+        """Some pool puts several engines in one process of their own."""
+        return any(pool.engines_per_process > 1 for pool in self.pools)
 
     @property
     def scaled(self) -> bool:
@@ -243,6 +248,11 @@ class AppConfig(StrictModel):
             raise ValueError(
                 "pools with autoscaling run as engine replicas of their own, which Serve adds"
                 " and removes: set router.engine_in_router to auto or false, not true"
+            )
+        if self.grouped and self.router.engine_in_router is True:
+            raise ValueError(
+                "pools with engines_per_process > 1 run in engine processes of their own:"
+                " set router.engine_in_router to auto or false, not true"
             )
         return self
 

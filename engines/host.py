@@ -24,7 +24,7 @@ import psutil
 import ray
 from ray import serve
 
-from engines.backends import ENGINE_BACKENDS
+from engines.backends import ENGINE_BACKENDS, EngineBackend
 from engines.delta_streams import DeltaStreams, Outbox
 from engines.kv_events import KVEventRelay
 from engines.metrics import replica_stat_logger
@@ -506,11 +506,14 @@ class EngineReplica:
         self._transport = EngineTransportServer(self._metered or self._host)
         await self._transport.start(ray.util.get_node_ip_address())
 
-    def transport_address(self, replica: str | None = None) -> TransportAddress:
+    def transport_address(
+        self, replica: str | None = None, engine: str | None = None
+    ) -> TransportAddress:
         """Where routers connect, and the secret they say first (asked once per connect).
 
         ``replica``: the Serve replica id a router means, for a scaled pool; the pool's
-        request router (router/pool/membership.py) sends the call there."""
+        request router (router/pool/membership.py) sends the call there. ``engine``: the
+        engine a router means, which is this replica's one engine."""
         assert self._transport.address is not None
         return self._transport.address
 
@@ -532,6 +535,46 @@ class EngineReplica:
             await transport.stop()
         host = getattr(self, "_host", None)
         if host is not None:
+            host.shutdown()
+
+
+class EngineGroupReplica:
+    """A Serve replica that hosts several engines of one pool in its process (the pool's
+    ``engines_per_process``), each under its own name, with a transport of its own:
+    routers reach each engine as if it had a replica to itself. Serve places,
+    health-checks and restarts the group as one."""
+
+    async def __init__(self, specs: list[EngineSpec]) -> None:
+        import vllm.sampling_params  # noqa: F401  (as EngineReplica: before any submit)
+
+        self._hosts: dict[str, EngineBackend] = {}
+        self._transports: dict[str, EngineTransportServer] = {}
+        node_ip = ray.util.get_node_ip_address()
+        for spec in specs:
+            host = ENGINE_BACKENDS.get(spec.backend.backend)(spec)
+            self._hosts[spec.name] = host
+            transport = EngineTransportServer(host)
+            self._transports[spec.name] = transport
+            await transport.start(node_ip)
+
+    def transport_address(
+        self, replica: str | None = None, engine: str | None = None
+    ) -> TransportAddress:
+        """Where routers connect to ``engine``, and the secret they say first."""
+        transport = self._transports.get(engine or "")
+        if transport is None:
+            raise ValueError(f"no engine {engine!r} here; this process hosts {list(self._hosts)}")
+        assert transport.address is not None
+        return transport.address
+
+    async def check_health(self) -> None:
+        for host in self._hosts.values():
+            await host.check_health()
+
+    async def __del__(self) -> None:
+        for transport in getattr(self, "_transports", {}).values():
+            await transport.stop()
+        for host in getattr(self, "_hosts", {}).values():
             host.shutdown()
 
 

@@ -349,6 +349,14 @@ class PoolConfig(StrictModel):
         description="Grow and shrink this pool with the load; ``replicas`` is then the number"
         " it starts with. Scaled pools run as engine replicas of their own.",
     )
+    engines_per_process: int = Field(
+        1,
+        ge=1,
+        description="How many of this pool's engines share one Serve replica's process"
+        " (apart from the router's). Each engine keeps its name, transport and metrics;"
+        " what they share is the process's memory and GIL: for simulated engines, whose"
+        " steps are timers, so that one box holds a large fleet.",
+    )
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -379,6 +387,11 @@ class PoolConfig(StrictModel):
         scaling = self.autoscaling
         if scaling is None:
             return self
+        if self.engines_per_process > 1:
+            raise ValueError(
+                "engines_per_process > 1 groups a pool of fixed size; a scaled pool's"
+                " engines are Serve replicas one by one"
+            )
         if not scaling.min_replicas <= self.replicas <= scaling.max_replicas:
             raise ValueError(
                 f"replicas ({self.replicas}), the count a scaled pool starts with, must be"

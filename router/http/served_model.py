@@ -178,7 +178,7 @@ class ServedModel:
             for name, spec in local_engines.items()
         ]
         links: dict[str, EngineLink] = {
-            name: SocketEngineLink(handle) for name, handle in binding.engines.items()
+            name: SocketEngineLink(handle, engine=name) for name, handle in binding.engines.items()
         }
         links.update(zip(local_engines, self.local_engines, strict=True))
         roles = binding.roles

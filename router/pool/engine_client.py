@@ -102,11 +102,14 @@ class SocketEngineLink:
     it; the router's listener then reconnects, to the replica Serve restarted if it died.
     """
 
-    def __init__(self, handle: Any, replica: str | None = None) -> None:
+    def __init__(self, handle: Any, replica: str | None = None, engine: str | None = None) -> None:
         """``replica``: in a scaled pool, the Serve replica id of this link's engine (the
-        pool's request router sends the address call there, router/pool/membership.py)."""
+        pool's request router sends the address call there, router/pool/membership.py).
+        ``engine``: the engine's name, which the replica needs where it hosts several
+        (``pools[].engines_per_process``)."""
         self._handle = handle
         self._replica = replica
+        self._engine = engine
         self._connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._subscribed = False
         self._replies: dict[int, asyncio.Future[Any]] = {}
@@ -141,9 +144,11 @@ class SocketEngineLink:
         return reader, writer
 
     async def _transport_address(self) -> TransportAddress:
-        if self._replica is None:
-            return await self._handle.transport_address.remote()
-        return await self._handle.transport_address.remote(replica=self._replica)
+        if self._replica is not None:
+            return await self._handle.transport_address.remote(replica=self._replica)
+        if self._engine is not None:
+            return await self._handle.transport_address.remote(engine=self._engine)
+        return await self._handle.transport_address.remote()
 
     async def submit(self, request: GenerateRequest) -> None:
         await self._call("submit", request)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments.app import (
+    ENGINE_GROUP_CLASS,
     ENGINE_REPLICA_CLASS,
     ROUTER_CLASS,
     SCALED_POOL_POLICY,
@@ -56,6 +57,36 @@ def test_the_replicas_are_named_by_import_paths_that_resolve() -> None:
     for path in (ROUTER_CLASS, ENGINE_REPLICA_CLASS):
         module, name = path.rsplit(".", 1)
         assert isinstance(getattr(__import__(module, fromlist=[name]), name), type)
+
+
+def test_engines_per_process_puts_a_pools_engines_in_shared_deployments() -> None:
+    args = shipped_args("dp")
+    pool = args["pools"][0]
+    pool.pop("cpu_binds", None)
+    pool.update(replicas=5, engines_per_process=2)
+    router = build_app(args)  # engine_in_router: auto, which a grouped pool runs apart
+    engines = _binding(router).engines
+    assert list(engines) == [f"engine-{index}" for index in range(5)]
+    groups = {name: app._bound_deployment for name, app in engines.items()}
+    assert [groups[f"engine-{index}"].name for index in range(5)] == [
+        "engine-group-0",
+        "engine-group-0",
+        "engine-group-1",
+        "engine-group-1",
+        "engine-group-2",
+    ]
+    assert engines["engine-0"] is engines["engine-1"]  # one deployment, bound once
+    first = groups["engine-0"]
+    assert first.func_or_class == ENGINE_GROUP_CLASS
+    assert [spec.name for spec in first.init_args[0]] == ["engine-0", "engine-1"]
+    assert first.ray_actor_options["num_cpus"] == 2 * _engine_num_cpus(args)
+    assert [spec.name for spec in groups["engine-4"].init_args[0]] == ["engine-4"]
+    module, name = ENGINE_GROUP_CLASS.rsplit(".", 1)
+    assert isinstance(getattr(__import__(module, fromlist=[name]), name), type)
+
+
+def _engine_num_cpus(args: dict[str, Any]) -> float:
+    return float(args.get("resources", {}).get("engine_num_cpus", 0.1))
 
 
 def test_a_scaled_pool_is_one_deployment_that_serve_scales_by_our_policy() -> None:

@@ -310,6 +310,23 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             },
             "pools with autoscaling run as engine replicas of their own",
         ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [
+                    {"replicas": 2, "engines_per_process": 2, "autoscaling": {"max_replicas": 3}}
+                ],
+            },
+            "engines_per_process > 1 groups a pool of fixed size",
+        ),
+        (
+            {
+                "strategy": "dp",
+                "pools": [{"replicas": 4, "engines_per_process": 2}],
+                "router": {"engine_in_router": True},
+            },
+            "pools with engines_per_process > 1 run in engine processes of their own",
+        ),
     ],
 )
 def test_bad_config_names_the_field(args: dict, message: str) -> None:
