@@ -283,8 +283,8 @@ class AppConfig(StrictModel):
             strategy=self.strategy,
             model=self.model,
             router=self.router,
-            split_policy=self.split_policy,
-            qos=self.qos,
+            split_policy=_stretched_split_policy(self.split_policy, self.engine.time_scale),
+            qos=_stretched_qos(self.qos, self.engine.time_scale),
             kv_transfer=self.kv_transfer if self.strategy in KV_STRATEGIES else None,
             engine_backend=self.engine.backend,
             auth=self.auth,
@@ -293,6 +293,30 @@ class AppConfig(StrictModel):
                 "decode" if self.strategy == "pd" else "mixed"
             ).engine_kwargs,
         )
+
+
+def _stretched_qos(qos: QoSConfig, time_scale: float) -> QoSConfig:
+    """The QoS objectives in the router's clock: the YAML gives them in the engines' own
+    time, and engines ``time_scale`` times slower (simulated) take that much longer to
+    meet them. Retry-After stays the client's."""
+    if time_scale == 1.0:
+        return qos
+    stretched = {name: value * time_scale for name, value in qos.early_rejection_s.items()}
+    update = {"ttft_slo_s": qos.ttft_slo_s * time_scale, "early_rejection_s": stretched}
+    return qos.model_copy(update=update)
+
+
+def _stretched_split_policy(policy: SplitPolicyConfig, time_scale: float) -> SplitPolicyConfig:
+    """The split policy's times (its ``*_s`` fields) in the router's clock, as QoS's."""
+    if time_scale == 1.0:
+        return policy
+    fields = policy.settings.model_dump()
+    update = {
+        name: value * time_scale
+        for name, value in fields.items()
+        if name.endswith("_s") and isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    return policy.model_copy(update={"settings": policy.settings.model_copy(update=update)})
 
 
 # Engine arguments that shape the KV cache: prefill and decode must agree on all of them,

@@ -430,7 +430,9 @@ class EngineBackendConfig(StrictModel):
         1.0,
         gt=0,
         description="simulated only: every simulated time is this many times longer, so that"
-        " one box's router keeps up with many engines; reports divide it back out.",
+        " one box's router keeps up with many engines; reports divide it back out. The"
+        " YAML's SLOs and split-policy times stay in the engines' own time: the router"
+        " stretches them by this.",
     )
     step_interval_s: float = Field(
         0.0, ge=0, description="synthetic only: pause between steps; 0 runs them back to back."

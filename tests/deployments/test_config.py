@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -600,3 +601,22 @@ def test_several_models_engines_are_named_after_their_model() -> None:
         ["engine-tiny-chat-0"],
         ["decode-tiny-code-0", "prefill-tiny-code-0"],
     ]
+
+
+def test_simulated_engines_time_scale_stretches_the_routers_objectives() -> None:
+    """The YAML's SLOs and hand-over budget are in the engines' own time; the router
+    measures wall-clock times of engines time_scale times slower."""
+    args = shipped_args("auto")
+    plain = parse_app_config(copy.deepcopy(args)).ingress_settings()
+    args["engine"] = {"backend": "simulated", "profile": "h100-llama-3.1-8b", "time_scale": 20}
+    args.pop("kv_transfer")  # simulated engines hand over simulated KV
+    stretched = parse_app_config(args).ingress_settings()
+    assert stretched.qos.ttft_slo_s == 20 * plain.qos.ttft_slo_s
+    assert stretched.qos.early_rejection_s == {
+        priority: 20 * seconds for priority, seconds in plain.qos.early_rejection_s.items()
+    }
+    assert stretched.qos.retry_after_s == plain.qos.retry_after_s  # the client's clock
+    plain_split, split = plain.split_policy.settings, stretched.split_policy.settings
+    assert split.max_transfer_s == 20 * plain_split.max_transfer_s
+    assert split.min_ttft_gain == plain_split.min_ttft_gain  # a ratio
+    assert split.prompt_length_threshold == plain_split.prompt_length_threshold
