@@ -23,6 +23,16 @@ phase. Dropped requests are failures other than a refusal (429/503 from QoS).
 Rounds run one after another on one started application; the table shows each figure's
 median over the rounds, and the JSON keeps every round.
 
+``--simulate PROFILE`` asks the question where there is compute to spare: each shape on
+``--engines`` simulated GPUs (``--prefill-engines`` of them prefill for pd and
+pd_always), run offline in virtual time (``loadgen simulate``: the router's own policy
+objects, each engine keeping the profile's time), with the SLOs and rates given in the
+fleet's time. The phase-shifting trace on 8 simulated H100s:
+
+    python bench/auto.py --simulate h100-llama-3.1-8b --engines 8 --phase-s 30
+        --chat-rate 160 --summarize-rate 100 --slo-ttft-ms 250 --slo-tpot-ms 20
+        --burst-requests 0 --out results/auto_h100
+
     nice -n 15 python bench/auto.py [--rounds 2] [--phase-s 30] [--only dp,pd,pd_always,auto]
         [--phases chat,summarize,chat] [--burst-requests 120] [--out results/auto]
 
@@ -46,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -54,9 +65,10 @@ from loadgen.burstgpt import BURSTGPT_MEAN_RATE
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.recorded import RECORDED_WORKLOAD, SUPPORTED_VERSION, read_record
 from loadgen.runner import RunResult, execute_run
+from loadgen.simulate import SimulatedTarget, simulate_run
 from loadgen.stats import RequestMetrics, ServiceLevel
 
-console = Console()
+console = Console(width=150)
 SHAPES = ("dp", "pd", "pd_always", "auto")
 # The tiny model on two cores, as bench/policies.py: pd.yaml's QoS defends this TTFT.
 SLO_TTFT_MS = 1000.0
@@ -223,42 +235,81 @@ def run_config(base_url: str, args: argparse.Namespace, **fields: Any) -> RunCon
 
 
 def measure_shape(
-    shape: str, trace: Path, windows: list[PhaseWindow], args: argparse.Namespace
+    shape: str, traces: list[Path], windows: list[PhaseWindow], args: argparse.Namespace
+) -> dict[str, Any]:
+    if args.simulate:
+        target = SimulatedTarget(str(fleet_config(shape, args)), args.simulate)
+        return measure_rounds(shape, traces, windows, args, SIMULATED_URL, target)
+    with serve_run(shape) as app:
+        return measure_rounds(shape, traces, windows, args, app.base_url, None)
+
+
+SIMULATED_URL = "http://simulated.invalid"  # offline runs send nothing
+
+
+def fleet_config(shape: str, args: argparse.Namespace) -> Path:
+    """The shape on ``--engines`` engines: dp and auto all alike, pd and pd_always with
+    ``--prefill-engines`` prefilling; each engine as a GPU of the profile's."""
+    document = yaml.safe_load(config_path(shape).read_text())
+    pools = document["applications"][0]["args"]["pools"]
+    prefill = args.prefill_engines or args.engines // 2
+    counts = {"mixed": args.engines, "prefill": prefill, "decode": args.engines - prefill}
+    for pool in pools:
+        pool.pop("cpu_binds", None)
+        pool["replicas"] = counts[pool.get("role", "mixed")]
+    path = args.out / f"{shape}.{args.engines}-engines.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def _run(config: RunConfig, target: SimulatedTarget | None) -> RunResult:
+    if target is None:
+        return asyncio.run(execute_run(config, Console(quiet=True)))
+    return asyncio.run(simulate_run(config, target, Console(quiet=True)))
+
+
+def measure_rounds(
+    shape: str,
+    traces: list[Path],
+    windows: list[PhaseWindow],
+    args: argparse.Namespace,
+    base_url: str,
+    target: SimulatedTarget | None,
 ) -> dict[str, Any]:
     level = ServiceLevel(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
-    trace_requests = len(read_record(trace).shapes)
     rounds = []
-    with serve_run(shape) as app:
-        for index in range(args.rounds):
-            # Same lengths and seconds every round, new tokens: a round that resent the
-            # last round's prompts would find them in the prefix cache.
-            replay = run_config(
-                app.base_url,
-                args,
-                workload=WorkloadConfig(name=RECORDED_WORKLOAD, trace_file=trace),
-                num_requests=trace_requests,
-                seed=args.seed + index,
-            )
-            phases = asyncio.run(execute_run(replay, Console(quiet=True)))
-            rows = [phase_figures(phases.requests, window, level) for window in windows]
-            trace_s = windows[-1].end_s
-            burst = run_burst(app.base_url, args, args.seed + 100 + index)
-            rounds.append(
-                {
-                    "phases": rows,
-                    "trace": whole_run(phases, trace_s, level),
-                    "burstgpt": burst and whole_run(burst, burst.summary.duration_s, level),
-                }
-            )
-            burst_goodput = rounds[-1]["burstgpt"] and rounds[-1]["burstgpt"]["goodput"]
-            console.print(
-                f"  {shape} round {index + 1}: trace goodput {rounds[-1]['trace']['goodput']:.2f},"
-                f" BurstGPT {_fmt(burst_goodput, '{:.2f}')}"
-            )
+    for index, trace in enumerate(traces):
+        # Same lengths and seconds every round, new tokens: a round that resent the
+        # last round's prompts would find them in the prefix cache.
+        replay = run_config(
+            base_url,
+            args,
+            workload=WorkloadConfig(name=RECORDED_WORKLOAD, trace_file=trace),
+            num_requests=len(read_record(trace).shapes),
+            seed=args.seed + index,
+        )
+        phases = _run(replay, target)
+        rows = [phase_figures(phases.requests, window, level) for window in windows]
+        trace_s = windows[-1].end_s
+        burst = run_burst(base_url, args, args.seed + 100 + index, target)
+        rounds.append(
+            {
+                "phases": rows,
+                "trace": whole_run(phases, trace_s, level),
+                "burstgpt": burst and whole_run(burst, burst.summary.duration_s, level),
+            }
+        )
+        burst_goodput = rounds[-1]["burstgpt"] and rounds[-1]["burstgpt"]["goodput"]
+        console.print(
+            f"  {shape} round {index + 1}: trace goodput {rounds[-1]['trace']['goodput']:.2f},"
+            f" BurstGPT {_fmt(burst_goodput, '{:.2f}')}"
+        )
     return {"rounds": rounds}
 
 
-def run_burst(base_url: str, args: argparse.Namespace, seed: int) -> RunResult | None:
+def run_burst(
+    base_url: str, args: argparse.Namespace, seed: int, target: SimulatedTarget | None
+) -> RunResult | None:
     """The BurstGPT replay; None with ``--burst-requests 0``."""
     if args.burst_requests <= 0:
         return None
@@ -273,7 +324,7 @@ def run_burst(base_url: str, args: argparse.Namespace, seed: int) -> RunResult |
         num_requests=args.burst_requests,
         seed=seed,
     )
-    return asyncio.run(execute_run(config, Console(quiet=True)))
+    return _run(config, target)
 
 
 def median_of(rounds: list[dict[str, Any]], pick: Any) -> float | None:
@@ -361,15 +412,30 @@ def main() -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS)
     parser.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS)
     parser.add_argument("--out", type=Path, default=Path("results/auto"))
+    parser.add_argument(
+        "--simulate", metavar="PROFILE", help="offline, on simulated engines of this profile"
+    )
+    parser.add_argument("--engines", type=int, default=2, help="with --simulate: engines")
+    parser.add_argument(
+        "--prefill-engines", type=int, default=0, help="with --simulate: pd's (0: half)"
+    )
     args = parser.parse_args()
+    args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     phases = make_phases(args.phases, args.chat_rate, args.summarize_rate)
-    trace = Path(tempfile.mkdtemp(prefix="splitserve-auto-")) / "phases.jsonl"
-    windows = write_phase_trace(phases, args.phase_s, args.seed, trace)
+    folder = Path(tempfile.mkdtemp(prefix="splitserve-auto-"))
+    # Offline runs are deterministic: each round replays a trace of its own seed (the
+    # same for every shape). Real ones replay one trace, round after round.
+    seeds = [args.seed + i for i in range(args.rounds)] if args.simulate else [args.seed]
+    traces = [folder / f"phases-{seed}.jsonl" for seed in seeds]
+    for seed, trace in zip(seeds, traces, strict=True):
+        # The phases' seconds are the same whatever the seed.
+        windows = write_phase_trace(phases, args.phase_s, seed, trace)
+    traces = traces * (args.rounds // len(traces))
     results = {}
     for shape in args.only.split(","):
         console.rule(config_path(shape).name)
-        results[shape] = measure_shape(shape, trace, windows, args)
+        results[shape] = measure_shape(shape, traces, windows, args)
         # Saved after every shape: a later shape's failure keeps the earlier figures.
         report = {
             "phases": [asdict(p) for p in phases],
