@@ -550,12 +550,16 @@ class EngineGroupReplica:
         self._hosts: dict[str, EngineBackend] = {}
         self._transports: dict[str, EngineTransportServer] = {}
         node_ip = ray.util.get_node_ip_address()
-        for spec in specs:
-            host = ENGINE_BACKENDS.get(spec.backend.backend)(spec)
-            self._hosts[spec.name] = host
-            transport = EngineTransportServer(host)
-            self._transports[spec.name] = transport
-            await transport.start(node_ip)
+        try:
+            for spec in specs:
+                host = ENGINE_BACKENDS.get(spec.backend.backend)(spec)
+                self._hosts[spec.name] = host
+                transport = EngineTransportServer(host)
+                self._transports[spec.name] = transport
+                await transport.start(node_ip)
+        except BaseException:
+            await self.__del__()  # the engines that did start stop with the group
+            raise
 
     def transport_address(
         self, replica: str | None = None, engine: str | None = None
