@@ -30,7 +30,6 @@ from typing import Any
 import httpx
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -43,6 +42,7 @@ from deployments.launcher import (
 )
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.runner import execute_run
+from loadgen.server_view import parse_metrics
 from splitserve.processes import command_lines
 
 console = Console(width=160)
@@ -51,6 +51,7 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 512, 128
 # Ray's CPU share of each simulated engine: its steps are timers, and 64 engines must
 # fit the two CPUs a local cluster offers beside the routers.
 ENGINE_NUM_CPUS = 0.01
+REPLICA_REQUESTS = "splitserve_replica_requests_total"
 
 
 def fleet_config(args: argparse.Namespace, folder: Path) -> Path:
@@ -103,13 +104,8 @@ async def load_every_router(urls: tuple[str, ...], args: argparse.Namespace) -> 
 
 
 def requests_by_engine(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {
-        sample.labels["replica"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "splitserve_replica_requests_total"
-    }
+    samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+    return {labels["replica"]: value for labels, value in samples.get(REPLICA_REQUESTS, [])}
 
 
 def _rollup_mib(pid: int) -> dict[str, float]:

@@ -12,16 +12,17 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.launcher import APP_NAME, RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from loadgen.server_view import parse_metrics
 from splitserve.processes import command_lines
 from tests.support.synthetic_apps import synthetic_dp
 
 pytestmark = pytest.mark.serving
 
 ENGINES, PER_PROCESS, ROUTERS = 4, 2, 2
+REPLICA_REQUESTS = "splitserve_replica_requests_total"
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +40,8 @@ def _complete(url: str) -> httpx.Response:
 
 
 def _requests_by_engine(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {
-        sample.labels["replica"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "splitserve_replica_requests_total"
-    }
+    samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+    return {labels["replica"]: value for labels, value in samples.get(REPLICA_REQUESTS, [])}
 
 
 def test_every_router_reaches_every_engine_of_a_shared_process(grouped: RunningApp) -> None:
