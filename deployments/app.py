@@ -166,19 +166,27 @@ def place(actor_options: dict[str, Any], placement: PlacementConfig | None) -> N
 
 def build_engine(config: AppConfig, name: str, pool: PoolConfig, replica_index: int) -> Application:
     spec = engine_spec(config, name, pool, replica_index)
+    return _engine_process(config, ENGINE_REPLICA_CLASS, name, pool, engines=1).bind(spec)
+
+
+def _engine_process(
+    config: AppConfig, import_path: str, name: str, pool: PoolConfig, engines: int
+) -> Deployment:
+    """One Serve replica that hosts ``engines`` of a fixed pool, with their CPUs and devices."""
     actor_options = engine_actor_options(
-        config.resources.engine_num_cpus, pool.ranks_per_replica, config.accelerator == "gpu"
+        config.resources.engine_num_cpus * engines,
+        pool.ranks_per_replica * engines,
+        config.accelerator == "gpu",
     )
     place(actor_options, pool.placement)
-    engine = deployment_by_path(
-        ENGINE_REPLICA_CLASS,
+    return deployment_by_path(
+        import_path,
         name,
         num_replicas=1,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
         ray_actor_options=actor_options,
     )
-    return engine.bind(spec)
 
 
 def engine_groups(
@@ -209,20 +217,7 @@ def build_engine_group(
         engine_spec(config, engine, pool, index, position * pool.ranks_per_replica)
         for position, (engine, pool, index) in enumerate(members)
     ]
-    actor_options = engine_actor_options(
-        config.resources.engine_num_cpus * len(members),
-        pool.ranks_per_replica * len(members),
-        config.accelerator == "gpu",
-    )
-    place(actor_options, pool.placement)
-    group = deployment_by_path(
-        ENGINE_GROUP_CLASS,
-        name,
-        num_replicas=1,
-        max_ongoing_requests=MAX_ONGOING_REQUESTS,
-        health_check_period_s=ENGINE_HEALTH_CHECK_PERIOD_S,
-        ray_actor_options=actor_options,
-    )
+    group = _engine_process(config, ENGINE_GROUP_CLASS, name, pool, engines=len(members))
     return group.bind(specs)
 
 
