@@ -30,8 +30,8 @@ objects, each engine keeping the profile's time), with the SLOs and rates given 
 fleet's time. The phase-shifting trace on 8 simulated H100s:
 
     python bench/auto.py --simulate h100-llama-3.1-8b --engines 8 --phase-s 30
-        --chat-rate 160 --summarize-rate 100 --slo-ttft-ms 250 --slo-tpot-ms 20
-        --burst-requests 0 --out results/auto_h100
+        --chat-rate 160 --summarize-rate 140 --slo-ttft-ms 250 --slo-tpot-ms 20
+        --burst-requests 0 --rounds 2 --out results/auto_h100
 
     nice -n 15 python bench/auto.py [--rounds 2] [--phase-s 30] [--only dp,pd,pd_always,auto]
         [--phases chat,summarize,chat] [--burst-requests 120] [--out results/auto]

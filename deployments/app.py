@@ -196,8 +196,9 @@ def engine_groups(
     and its engines. One engine per process is named after its engine (``engine-0``); a
     pool's ``engines_per_process`` engines share ``engine-group-0``, ``engine-group-1``."""
     groups: list[tuple[str, list[tuple[str, PoolConfig, int]]]] = []
+    names = engine_names(config, suffix)
     for pool in config.pools:
-        members = [item for item in engine_names(config, suffix) if item[1] is pool]
+        members = [item for item in names if item[1] is pool]
         size = pool.engines_per_process
         if size == 1:
             groups.extend((item[0], [item]) for item in members)
