@@ -16,18 +16,20 @@ and token times as JSON lines, which loadgen turns into a run's results.
 
     python -m deployments.simulate describe CONFIG --profile P
     python -m deployments.simulate run CONFIG --profile P --requests IN --out OUT
+    python -m deployments.simulate worker      # many runs, a JSON job per stdin line
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import heapq
 import itertools
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -449,7 +451,88 @@ def read_arrivals(path: Path) -> list[Arrival]:
     return arrivals
 
 
+def serve(config: AppConfig, arrivals: list[Arrival], out: Path, path_ms: float) -> dict[str, Any]:
+    """Serve ``arrivals`` offline, write each outcome to ``out`` (JSON lines) and say how
+    it went: virtual and wall seconds, each engine's busy share, events."""
+    started = time.perf_counter()
+    cluster = OfflineCluster(config, path_s=path_ms / 1000)
+    outcomes = cluster.run(arrivals)
+    elapsed = time.perf_counter() - started
+    with out.open("w") as lines:
+        for outcome in outcomes:
+            lines.write(json.dumps(outcome.to_json()) + "\n")
+    virtual = cluster.queue.now
+    span = virtual - min((a.at for a in arrivals), default=0.0)
+    return {
+        "utilization_pct": {
+            name: 100.0 * engine.busy_s / span if span > 0 else 0.0
+            for name, engine in cluster.engines.items()
+        },
+        "requests": len(arrivals),
+        "engines": len(cluster.engines),
+        "virtual_s": virtual,
+        "wall_s": elapsed,
+        "speedup": virtual / elapsed if elapsed else None,
+        "events": cluster.queue.events,
+    }
+
+
+class Worker:
+    """Many runs in one process (``python -m deployments.simulate worker``): a search over
+    layouts and rates runs hundreds, and each start of this module costs seconds of
+    imports. Each job is a JSON line on stdin, each answer one on stdout.
+
+    A job: ``config``, ``profile``, ``model`` (optional), ``requests`` (a requests file),
+    ``out``, ``path_ms``, and optionally ``at``: the requests' arrival offsets in the
+    file's order, replacing the file's (the same prompts at another rate: the file is
+    read once). The answer is ``serve``'s summary, or ``{"error": ...}``."""
+
+    def __init__(self) -> None:
+        self._applications: dict[tuple[str, str, str | None], AppConfig] = {}
+        self._arrivals: dict[tuple[str, float], list[Arrival]] = {}
+
+    def answer(self, job: dict[str, Any]) -> dict[str, Any]:
+        try:
+            config = self._application(job["config"], job["profile"], job.get("model"))
+            arrivals = self._read(Path(job["requests"]))
+            if job.get("at") is not None:
+                arrivals = _rescheduled(arrivals, [float(at) for at in job["at"]])
+            return serve(config, arrivals, Path(job["out"]), float(job.get("path_ms", 0.0)))
+        except (KeyError, ValueError, OSError) as error:
+            return {"error": f"{type(error).__name__}: {error}"}
+
+    def _application(self, config: str, profile: str, model: str | None) -> AppConfig:
+        key = (config, profile, model)
+        if key not in self._applications:
+            self._applications[key] = simulated_application(config, profile, model)
+        return self._applications[key]
+
+    def _read(self, path: Path) -> list[Arrival]:
+        key = (str(path), path.stat().st_mtime)
+        if key not in self._arrivals:
+            self._arrivals = {key: read_arrivals(path)}  # one file at a time is kept
+        return self._arrivals[key]
+
+
+def _rescheduled(arrivals: list[Arrival], offsets: list[float]) -> list[Arrival]:
+    if len(offsets) != len(arrivals):
+        raise ValueError(f"{len(offsets)} arrival offsets for {len(arrivals)} requests")
+    return [dataclasses.replace(a, at=at) for a, at in zip(arrivals, offsets, strict=True)]
+
+
+def work(lines: Iterable[str], answer: Callable[[str], None]) -> None:
+    worker = Worker()
+    for line in lines:
+        if line.strip():
+            answer(json.dumps(worker.answer(json.loads(line))))
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["worker"]:
+        work(sys.stdin, lambda text: print(text, flush=True))
+        return 0
     parser = argparse.ArgumentParser(prog="python -m deployments.simulate", description=__doc__)
     parser.add_argument("command", choices=("describe", "run"))
     parser.add_argument("config", help="single, dp, pd, ... or a YAML path")
@@ -475,29 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.requests is None or args.out is None:
         parser.error("run needs --requests and --out")
-    arrivals = read_arrivals(args.requests)
-    started = time.perf_counter()
-    cluster = OfflineCluster(config, path_s=args.path_ms / 1000)
-    outcomes = cluster.run(arrivals)
-    elapsed = time.perf_counter() - started
-    with args.out.open("w") as out:
-        for outcome in outcomes:
-            out.write(json.dumps(outcome.to_json()) + "\n")
-    virtual = cluster.queue.now
-    span = virtual - min((a.at for a in arrivals), default=0.0)
-    summary = {
-        "utilization_pct": {
-            name: 100.0 * engine.busy_s / span if span > 0 else 0.0
-            for name, engine in cluster.engines.items()
-        },
-        "requests": len(arrivals),
-        "engines": len(cluster.engines),
-        "virtual_s": virtual,
-        "wall_s": elapsed,
-        "speedup": virtual / elapsed if elapsed else None,
-        "events": cluster.queue.events,
-    }
-    print(json.dumps(summary))
+    print(json.dumps(serve(config, read_arrivals(args.requests), args.out, args.path_ms)))
     return 0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from rich.console import Console
 
-from loadgen import advisor, knee
+from loadgen import advisor, knee, placement
 from loadgen.burstgpt import (
     BURSTGPT_URL,
     STUDY_MEANS,
@@ -38,6 +38,7 @@ from loadgen.exposition import Exposition
 from loadgen.fake_server import FakeServerConfig, run_fake_server
 from loadgen.launcher import DEFAULT_DEPLOYMENTS_DIR, LaunchError
 from loadgen.panels import render_report  # its ReportError is a ValueError
+from loadgen.placement_advice import PlacementQuestion, advise_placement
 from loadgen.profiling import (
     ProfileGrid,
     ProfileTarget,
@@ -671,6 +672,7 @@ def command_knee(argv: list[str], console: Console) -> int:
 ADVISE_MODES = ("single", "dp", "pd_always", "pd", "auto")
 ADVISE_SMOKE_QPS = "1,2,4"
 ADVISE_SMOKE_REQUESTS = 24
+SEARCH_REQUESTS = 2000
 
 
 def build_advise_parser() -> argparse.ArgumentParser:
@@ -686,7 +688,9 @@ def build_advise_parser() -> argparse.ArgumentParser:
         metavar="PROFILE",
         help="measure nothing: run the --modes' cells offline on simulated engines that keep"
         " this latency profile's time (a file, or a shipped family such as"
-        " h100-llama-3.1-8b: each pool takes its TP x PP member); seconds, not minutes",
+        " h100-llama-3.1-8b: each pool takes its TP x PP member); seconds, not minutes."
+        " With --devices N: search every placement of N devices (modes, parallel degrees,"
+        " P:D ratios) for the highest goodput",
     )
     source.add_argument(
         "--smoke",
@@ -694,12 +698,27 @@ def build_advise_parser() -> argparse.ArgumentParser:
         help=f"run a small sweep first: {','.join(ADVISE_MODES)}, QPS {ADVISE_SMOKE_QPS},"
         f" {ADVISE_SMOKE_REQUESTS} requests a cell (minutes on the embedded model)",
     )
-    parser.add_argument("--modes", type=_name_list, default=list(ADVISE_MODES))
+    parser.add_argument(
+        "--modes",
+        type=_name_list,
+        help=f"default: {','.join(ADVISE_MODES)}; a placement search:"
+        f" {','.join(placement.SEARCH_MODES)}",
+    )
     parser.add_argument("--workload", default="general", help="--smoke's workload")
     parser.add_argument("--trace", choices=("burstgpt", "burstgpt-synthetic", "recorded"))
     parser.add_argument("--trace-file", type=Path, help="with --trace recorded: the record")
+    parser.add_argument("--input-len", type=int, help="a placement search: fixed prompt tokens")
+    parser.add_argument("--output-len", type=int, help="a placement search: fixed output tokens")
     parser.add_argument("--qps", default=ADVISE_SMOKE_QPS, help="--smoke's rates")
-    parser.add_argument("--num-requests", type=int, default=ADVISE_SMOKE_REQUESTS)
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        help=f"requests a run (default {ADVISE_SMOKE_REQUESTS}; a placement search"
+        f" {SEARCH_REQUESTS})",
+    )
+    parser.add_argument(
+        "--qps-start", type=float, default=1.0, help="a placement search's first rate"
+    )
     parser.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token objective")
     parser.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token objective")
     parser.add_argument(
@@ -720,8 +739,8 @@ def build_advise_parser() -> argparse.ArgumentParser:
     target.add_argument(
         "--target",
         choices=("cpu", "gpu"),
-        default="cpu",
-        help="gpu: accelerator gpu, the model's own dtype, no cpu_binds or kv_cache_gib",
+        help="gpu: accelerator gpu, the model's own dtype, no cpu_binds or kv_cache_gib"
+        " (default: cpu; gpu for a placement search, whose profiles are GPUs')",
     )
     target.add_argument("--model", help="a Hugging Face id or local folder (default: the YAML's)")
     target.add_argument("--target-rate", type=float, help="size the pools for this many req/s")
@@ -742,6 +761,11 @@ def command_advise(argv: list[str], console: Console) -> int:
     if args.slo_ttft_ms is None and args.slo_tpot_ms is None:
         raise ValueError("advice needs objectives: give --slo-ttft-ms and/or --slo-tpot-ms")
     out = _out_dir(args, "advice")
+    if args.simulate and args.devices:
+        return _placement_search(args, out, console)
+    args.target = args.target or "cpu"
+    args.modes = args.modes or list(ADVISE_MODES)
+    args.num_requests = args.num_requests or ADVISE_SMOKE_REQUESTS
     sweep_dir = args.sweep
     if args.simulate:
         sweep_dir = out / "sweep"
@@ -779,6 +803,54 @@ def command_advise(argv: list[str], console: Console) -> int:
     console.print(markdown.read_text())
     console.print(f"YAML: {yaml_path}\nreport: {markdown}\nplot: {png}")
     return 0
+
+
+def _placement_search(args: argparse.Namespace, out: Path, console: Console) -> int:
+    """Every placement of --devices on the profile's degrees, searched offline."""
+    objectives = advisor.Objectives(
+        ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
+        tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else None,
+        attainment=args.attainment,
+    )
+    question = PlacementQuestion(
+        profile=args.simulate,
+        devices=args.devices,
+        run=RunConfig(
+            workload=_advised_workload(args),
+            num_requests=args.num_requests or SEARCH_REQUESTS,
+            warmup_requests=0,
+            show_progress=False,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+        ),
+        objectives=objectives,
+        modes=tuple(args.modes or placement.SEARCH_MODES),
+        deployments_dir=args.deployments_dir,
+        devices_per_node=args.devices_per_node,
+        accelerator=args.target or "gpu",
+        model=args.model,
+        qps_start=args.qps_start,
+    )
+    slug = "".join(c if c.isalnum() else "-" for c in question.run.workload.label).strip("-")
+    yaml_path = args.yaml or args.deployments_dir / f"advised-{slug}.yaml"
+    advise_placement(question, out, yaml_path, console)
+    return 0
+
+
+def _advised_workload(args: argparse.Namespace) -> WorkloadConfig:
+    """--workload, a trace, or --input-len/--output-len's fixed lengths."""
+    name = args.workload
+    if args.trace is not None:
+        name = "recorded-replay" if args.trace == "recorded" else "T-burst-replay"
+    elif args.input_len or args.output_len:
+        name = "custom"
+    return WorkloadConfig(
+        name=name,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        trace=args.trace or "burstgpt",
+        trace_file=args.trace_file,
+    )
 
 
 def _simulated_sweep(args: argparse.Namespace, runs_dir: Path, console: Console) -> None:

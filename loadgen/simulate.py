@@ -11,6 +11,7 @@ a command, as the sweep runs ``python -m deployments.serve``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import subprocess
@@ -27,9 +28,15 @@ from rich.console import Console
 from loadgen.client import RequestRecord
 from loadgen.config import RunConfig
 from loadgen.launcher import REPO_ROOT
-from loadgen.runner import Endpoint, PreparedRun, Run, RunError, RunResult
+from loadgen.runner import Endpoint, PreparedRun, Run, RunError, RunResult, arrival_process
 from loadgen.server_view import ServerView
-from loadgen.stats import request_metrics
+from loadgen.stats import (
+    RunSummary,
+    ServiceLevel,
+    request_metrics,
+    run_duration,
+    summarize_run,
+)
 
 SIMULATOR = "deployments.simulate"
 
@@ -63,6 +70,67 @@ def _absolute(name_or_path: str) -> str:
     """A path the caller gave relative to its folder, made absolute: the simulator runs
     in the repository (not in the caller's folder, whose modules could shadow ours)."""
     return str(Path(name_or_path).resolve()) if Path(name_or_path).exists() else name_or_path
+
+
+class SimulatorWorker:
+    """One ``python -m deployments.simulate worker`` process for many runs: its start (the
+    router's and Serve's imports, seconds) is paid once, and a requests file it has read
+    is served again at other rates from their arrival offsets alone."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+
+    def serve(
+        self,
+        target: SimulatedTarget,
+        requests: Path,
+        out: Path,
+        at: list[float] | None = None,
+    ) -> dict[str, Any]:
+        job = {
+            "config": _absolute(target.config),
+            "profile": _absolute(target.profile),
+            "model": target.model,
+            "requests": str(requests),
+            "out": str(out),
+            "path_ms": target.path_ms,
+            "at": at,
+        }
+        process = self._started()
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps(job) + "\n")
+        process.stdin.flush()
+        line = process.stdout.readline()
+        if not line:
+            raise RunError(f"{SIMULATOR} worker exited ({process.wait()})")
+        answer = dict(json.loads(line))
+        if "error" in answer:
+            raise RunError(f"{SIMULATOR} on {target.config}: {answer['error']}")
+        return answer
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self._process is None or self._process.poll() is not None:
+            command = [sys.executable, "-m", SIMULATOR, "worker"]
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT
+            )
+        return self._process
+
+    def close(self) -> None:
+        if self._process is not None and self._process.stdin is not None:
+            self._process.stdin.close()  # the worker's loop ends with its input
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+
+    def __enter__(self) -> SimulatorWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _simulator(target: SimulatedTarget, *args: str, extra: tuple[str, ...] = ()) -> str:
@@ -148,3 +216,63 @@ def _record_outcomes(records: list[RequestRecord], outcomes: Path) -> None:
             record.chunk_tokens, record.event_counts = [1] * len(times), [1] * len(times)
             record.prompt_tokens = int(outcome["prompt_tokens"])
             record.completion_tokens = len(times) if record.outcome == "ok" else None
+
+
+class OfflineRates:
+    """One workload's requests, prepared once (prompts and lengths, as a run prepares
+    them), served offline on any config at any rate: between runs only the arrival
+    offsets change, so a search over layouts and rates compares like with like.
+
+    A trace's arrivals are compressed or stretched to the rate asked."""
+
+    def __init__(self, config: RunConfig, worker: SimulatorWorker, folder: Path) -> None:
+        self.config = config
+        self.worker = worker
+        self.folder = folder
+        self._prepared: PreparedRun | None = None
+        self._requests = folder / "requests.jsonl"
+
+    async def prepare(self, target: SimulatedTarget, console: Console) -> None:
+        """The prompts, for the model and context ``target`` serves."""
+        card = describe(target)
+        run = Run(self.config, console, None)
+        try:
+            endpoint = Endpoint(
+                card["model"], self.config.max_model_len or int(card["max_model_len"])
+            )
+            self._prepared = await run.prepare_run(endpoint)
+        finally:
+            await run.close()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _write_requests(self._prepared, self._requests)
+
+    @property
+    def prepared(self) -> PreparedRun:
+        if self._prepared is None:
+            raise RuntimeError("OfflineRates.prepare first")
+        return self._prepared
+
+    def schedule(self, qps: float) -> list[float]:
+        prepared = self.prepared
+        count = len(prepared.items)
+        if prepared.plan.trace_arrivals is None:
+            config = self.config.model_copy(update={"qps": qps})
+            return arrival_process(config, prepared.plan).schedule(count)
+        base = prepared.schedule
+        span = base[-1] - base[0] if count > 1 else 0.0
+        if span <= 0:
+            return list(base)
+        stretch = (count - 1) / span / qps  # the trace's own rate over the one asked
+        return [(at - base[0]) * stretch for at in base]
+
+    def run(self, target: SimulatedTarget, qps: float) -> RunSummary:
+        """The run's figures at ``qps`` on ``target`` (the SLOs of the run's config)."""
+        outcomes = self.folder / "outcomes.jsonl"
+        self.worker.serve(target, self._requests, outcomes, at=self.schedule(qps))
+        records = [dataclasses.replace(record) for record, _ in self.prepared.items]
+        _record_outcomes(records, outcomes)
+        metrics = [request_metrics(record, 0.0) for record in records]
+        config = self.config
+        targets = (config.slo_ttft_ms, config.slo_tpot_ms, config.slo_e2el_ms)
+        level = ServiceLevel(*(None if ms is None else ms / 1000 for ms in targets))
+        return summarize_run(metrics, run_duration(metrics), level)

@@ -3,15 +3,18 @@ its results as a load generator run's, and decode runs that change nothing but s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from deployments.simulate import Arrival, OfflineCluster, simulated_application
+from deployments.config import load_application
+from deployments.simulate import Arrival, OfflineCluster, Worker, simulated_application
 from engines.simulated.scheduler import SimScheduler
 from loadgen.simulate import SimulatedTarget, describe
 from splitserve.latency.profile import load_profile
@@ -150,3 +153,64 @@ def test_advise_simulate_chooses_a_split_from_offline_cells(tmp_path: Path) -> N
     ]
     assert advised.exists()
     assert "| dp | 2 |" in (tmp_path / "advice" / "advice.md").read_text()
+
+
+def _write_arrivals(arrivals: list[Arrival], path: Path) -> None:
+    with path.open("w") as out:
+        for a in arrivals:
+            line = {"index": a.index, "at": a.at, "prompt": a.prompt, "max_tokens": a.max_tokens}
+            out.write(json.dumps(line) + "\n")
+
+
+def _outcomes(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_worker_serves_the_same_prompts_at_another_rate_from_their_offsets(
+    tmp_path: Path,
+) -> None:
+    arrivals = _arrivals(30, rate=5.0, output=8)
+    requests = tmp_path / "requests.jsonl"
+    _write_arrivals(arrivals, requests)
+    worker = Worker()
+    job = {"config": "dp", "profile": PROFILE, "requests": str(requests)}
+    slow = worker.answer({**job, "out": str(tmp_path / "slow.jsonl")})
+    assert slow["requests"] == 30 and slow["engines"] == 2
+    faster = [a.at / 4 for a in arrivals]
+    fast = worker.answer({**job, "out": str(tmp_path / "fast.jsonl"), "at": faster})
+    assert fast["virtual_s"] < slow["virtual_s"]
+    served = _outcomes(tmp_path / "fast.jsonl")
+    assert [o["arrival_s"] for o in served] == faster
+    # The same as a cluster of its own serving the requests at those times.
+    alone = _run(
+        "dp", [dataclasses.replace(a, at=at) for a, at in zip(arrivals, faster, strict=True)]
+    )
+    assert [o["token_times"] for o in served] == [o.token_times for o in alone.outcomes]
+    wrong = worker.answer({**job, "out": str(tmp_path / "x.jsonl"), "at": faster[:3]})
+    assert wrong == {"error": "ValueError: 3 arrival offsets for 30 requests"}
+    unknown = worker.answer({**job, "config": "nowhere", "out": str(tmp_path / "y.jsonl")})
+    assert "error" in unknown and "nowhere" in unknown["error"]
+
+
+def test_advise_simulate_searches_every_placement_of_a_budget(tmp_path: Path) -> None:
+    advised = tmp_path / "advised.yaml"
+    command = [
+        sys.executable, "-m", "loadgen", "advise", "--simulate", PROFILE, "--devices", "2",
+        "--workload", "general", "--num-requests", "60", "--qps-start", "8",
+        "--slo-ttft-ms", "300", "--slo-tpot-ms", "25", "--out", str(tmp_path / "advice"),
+        "--yaml", str(advised),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "advice" / "placement.json").read_text())
+    labels = {p["placement"] for p in report["placements"]}
+    assert labels == {"tp TP2", "dp 2 x TP1", "auto 2 x TP1", "pd 1:1 x TP1", "pd_always 1:1 x TP1"}
+    assert all(p["error"] is None and p["goodput"] > 0 for p in report["placements"])
+    best = max(p["goodput"] for p in report["placements"])
+    winner = next(p for p in report["placements"] if p["placement"] == report["winner"])
+    assert winner["goodput"] >= 0.95 * best
+    config = load_application(advised).models[0]  # the YAML serves as it is written
+    assert config.accelerator == "gpu"
+    assert config.router.traffic_profile is not None
+    assert config.router.traffic_profile.request_rate == pytest.approx(winner["goodput"], 1e-3)
+    assert len(list((tmp_path / "advice" / "placements").glob("*.yaml"))) == 5
