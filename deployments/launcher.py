@@ -135,6 +135,9 @@ def simulated_config(path: Path, profile: str, time_scale: float = 1.0) -> Path:
     engine = {"backend": "simulated", "profile": profile, "time_scale": time_scale}
     for application in config.get("applications", []):
         args = application.setdefault("args", {})
+        # A simulated engine holds no device: a GPU YAML (one the advisor wrote, say)
+        # must start where there is none, its engines asking Ray for CPUs only.
+        args["accelerator"] = "cpu"
         models = args.get("models")
         for model_args in models if isinstance(models, list) else [args]:
             model_args["engine"] = engine

@@ -36,7 +36,7 @@ class PlacementQuestion:
     accelerator: str = "gpu"
     model: str | None = None
     qps_start: float = 1.0
-    tolerance: float = 0.1
+    tolerance: float = 0.05  # the knees' resolution: as fine as the advisor's tie (TIE_SHARE)
 
 
 def candidates_of(question: PlacementQuestion) -> list[Placement]:

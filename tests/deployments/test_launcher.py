@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deployments.config import load_application
 from deployments.launcher import (
     LaunchError,
     cluster_env,
     direct_ingress_config,
     router_replicas,
+    simulated_config,
     wait_until_bindable,
 )
 from tests.support.local_ports import free_port
@@ -58,3 +60,18 @@ def test_waits_for_a_taken_port_and_gives_up_with_its_name() -> None:
         with pytest.raises(LaunchError, match=f"port {port} stayed taken"):
             wait_until_bindable(port, timeout_s=1.5)
     wait_until_bindable(port, timeout_s=1.5)  # free again: returns at once
+
+
+def test_a_gpu_yaml_simulated_asks_for_no_device(tmp_path: Path) -> None:
+    """The advisor writes GPU YAMLs; simulated, their engines must start on a box
+    without GPUs (a TP2 engine asks Ray for CPUs, not for two devices)."""
+    document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
+    args = document["applications"][0]["args"]
+    args["accelerator"] = "gpu"
+    args["pools"] = [{"role": "mixed", "replicas": 2, "tensor_parallel_size": 2}]
+    gpu_yaml = tmp_path / "gpu.yaml"
+    gpu_yaml.write_text(yaml.safe_dump(document))
+    config = load_application(simulated_config(gpu_yaml, "h100-llama-3.1-8b")).models[0]
+    assert config.accelerator == "cpu"
+    assert config.engine.backend == "simulated"
+    assert config.pools[0].tensor_parallel_size == 2  # its profile's TP2 member
