@@ -483,9 +483,10 @@ class Worker:
     imports. Each job is a JSON line on stdin, each answer one on stdout.
 
     A job: ``config``, ``profile``, ``model`` (optional), ``requests`` (a requests file),
-    ``out``, ``path_ms``, and optionally ``at``: the requests' arrival offsets in the
-    file's order, replacing the file's (the same prompts at another rate: the file is
-    read once). The answer is ``serve``'s summary, or ``{"error": ...}``."""
+    ``out``, ``path_ms``, and optionally ``at``: arrival offsets of the file's first
+    requests, in its order, replacing the file's; only those are served (the same
+    prompts at another rate and length of run: the file is read once). The answer is
+    ``serve``'s summary, or ``{"error": ...}``."""
 
     def __init__(self) -> None:
         self._applications: dict[tuple[str, str, str | None], AppConfig] = {}
@@ -515,9 +516,10 @@ class Worker:
 
 
 def _rescheduled(arrivals: list[Arrival], offsets: list[float]) -> list[Arrival]:
-    if len(offsets) != len(arrivals):
+    """The first ``len(offsets)`` requests at those offsets (a shorter run serves fewer)."""
+    if len(offsets) > len(arrivals):
         raise ValueError(f"{len(offsets)} arrival offsets for {len(arrivals)} requests")
-    return [dataclasses.replace(a, at=at) for a, at in zip(arrivals, offsets, strict=True)]
+    return [dataclasses.replace(a, at=at) for a, at in zip(arrivals, offsets, strict=False)]
 
 
 def work(lines: Iterable[str], answer: Callable[[str], None]) -> None:

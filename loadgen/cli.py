@@ -672,7 +672,8 @@ def command_knee(argv: list[str], console: Console) -> int:
 ADVISE_MODES = ("single", "dp", "pd_always", "pd", "auto")
 ADVISE_SMOKE_QPS = "1,2,4"
 ADVISE_SMOKE_REQUESTS = 24
-SEARCH_REQUESTS = 2000
+SEARCH_REQUESTS = 500
+SEARCH_RUN_SECONDS = 20.0
 
 
 def build_advise_parser() -> argparse.ArgumentParser:
@@ -718,6 +719,13 @@ def build_advise_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--qps-start", type=float, default=1.0, help="a placement search's first rate"
+    )
+    parser.add_argument(
+        "--run-seconds",
+        type=float,
+        default=SEARCH_RUN_SECONDS,
+        help="a placement search: each run's arrivals span this long, so that a high rate"
+        " reaches steady state (at least --num-requests requests)",
     )
     parser.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token objective")
     parser.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token objective")
@@ -830,6 +838,7 @@ def _placement_search(args: argparse.Namespace, out: Path, console: Console) -> 
         accelerator=args.target or "gpu",
         model=args.model,
         qps_start=args.qps_start,
+        run_seconds=args.run_seconds,
     )
     slug = "".join(c if c.isalnum() else "-" for c in question.run.workload.label).strip("-")
     yaml_path = args.yaml or args.deployments_dir / f"advised-{slug}.yaml"

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,7 +281,7 @@ class SearchResult:
 
 
 # One offline run of the candidate at a rate, as a step of the knee search.
-StepAt = Callable[[Placement, float], KneeStep]
+StepAt = Callable[[Placement, float], Awaitable[KneeStep]]
 Progress = Callable[[Searched], None]
 
 
@@ -301,7 +301,7 @@ async def search(
         began = time.perf_counter()
 
         async def run_at(qps: float, placement: Placement = placement) -> KneeStep:
-            return step_at(placement, qps)
+            return await step_at(placement, qps)
 
         config = knee.model_copy(update={"qps_start": start})
         try:

@@ -36,6 +36,8 @@ class PlacementQuestion:
     accelerator: str = "gpu"
     model: str | None = None
     qps_start: float = 1.0
+    # Each run's arrivals span this long (at least run.num_requests requests).
+    run_seconds: float | None = 20.0
     tolerance: float = 0.05  # the knees' resolution: as fine as the advisor's tie (TIE_SHARE)
 
 
@@ -81,7 +83,7 @@ def search_offline(question: PlacementQuestion, out: Path, console: Console) -> 
     paths = write_candidates(question, candidates, out / "placements")
     console.print(
         f"searching {len(candidates)} placements of {question.devices} devices on"
-        f" {question.profile}, {question.run.num_requests} requests a run"
+        f" {question.profile}, runs of {_run_length(question)}"
     )
     knee = KneeSearchConfig(
         attainment=question.objectives.attainment,
@@ -91,13 +93,13 @@ def search_offline(question: PlacementQuestion, out: Path, console: Console) -> 
         max_steps=12,
     )
     with SimulatorWorker() as worker:
-        rates = OfflineRates(question.run, worker, out / "simulation")
+        rates = OfflineRates(question.run, worker, out / "simulation", question.run_seconds)
         first = SimulatedTarget(str(paths[candidates[0]]), question.profile)
         run_event_loop(rates.prepare(first, console))
 
-        def step_at(candidate: Placement, qps: float) -> KneeStep:
+        async def step_at(candidate: Placement, qps: float) -> KneeStep:
             target = SimulatedTarget(str(paths[candidate]), question.profile)
-            return step_of(qps, rates.run(target, qps))
+            return step_of(qps, await rates.run(target, qps))
 
         def progress(searched: Searched) -> None:
             if searched.error is not None:
@@ -148,6 +150,13 @@ def write_winner(question: PlacementQuestion, result: SearchResult, path: Path) 
     return path
 
 
+def _run_length(question: PlacementQuestion) -> str:
+    least = f"at least {question.run.num_requests} requests"
+    if question.run_seconds is None:
+        return f"{question.run.num_requests} requests"
+    return f"{question.run_seconds:g} s of arrivals ({least})"
+
+
 def results_table(result: SearchResult) -> Table:
     table = Table(title=f"placements of {result.devices} devices on {result.profile}")
     for column in ("placement", "goodput req/s", "per device", "TTFT p50 ms", "TPOT p50 ms"):
@@ -178,7 +187,7 @@ def write_report(
     lines = [
         f"# Placement of {question.devices} devices on {question.profile}",
         "",
-        f"Workload {result.workload}, {question.run.num_requests} requests a run;"
+        f"Workload {result.workload}, runs of {_run_length(question)};"
         f" objectives: TTFT {_ms(objectives.ttft_s)} ms, TPOT {_ms(objectives.tpot_s)} ms,"
         f" met by {objectives.attainment:.0%} of requests.",
         "",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -223,23 +224,40 @@ class OfflineRates:
     them), served offline on any config at any rate: between runs only the arrival
     offsets change, so a search over layouts and rates compares like with like.
 
-    A trace's arrivals are compressed or stretched to the rate asked."""
+    With ``seconds``, a run at rate ``q`` serves ``q x seconds`` requests (at least the
+    config's ``num_requests``): a fixed count at a high rate arrives in a blink, every
+    engine takes its share at once and no queue ever forms, so the run would not show
+    what the rate does in steady state. More prompts are prepared when a rate needs
+    them. A trace's arrivals are compressed or stretched to the rate asked."""
 
-    def __init__(self, config: RunConfig, worker: SimulatorWorker, folder: Path) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        worker: SimulatorWorker,
+        folder: Path,
+        seconds: float | None = None,
+    ) -> None:
         self.config = config
         self.worker = worker
         self.folder = folder
+        self.seconds = seconds
         self._prepared: PreparedRun | None = None
         self._requests = folder / "requests.jsonl"
+        self._target: SimulatedTarget | None = None
+        self._console: Console | None = None
 
     async def prepare(self, target: SimulatedTarget, console: Console) -> None:
         """The prompts, for the model and context ``target`` serves."""
-        card = describe(target)
-        run = Run(self.config, console, None)
+        self._target, self._console = target, console
+        await self._prepare(self.config.num_requests)
+
+    async def _prepare(self, count: int) -> None:
+        assert self._target is not None and self._console is not None
+        card = describe(self._target)
+        config = self.config.model_copy(update={"num_requests": count})
+        run = Run(config, self._console, None)
         try:
-            endpoint = Endpoint(
-                card["model"], self.config.max_model_len or int(card["max_model_len"])
-            )
+            endpoint = Endpoint(card["model"], config.max_model_len or int(card["max_model_len"]))
             self._prepared = await run.prepare_run(endpoint)
         finally:
             await run.close()
@@ -252,24 +270,31 @@ class OfflineRates:
             raise RuntimeError("OfflineRates.prepare first")
         return self._prepared
 
-    def schedule(self, qps: float) -> list[float]:
+    def requests_at(self, qps: float) -> int:
+        if self.seconds is None or self.prepared.plan.trace_arrivals is not None:
+            return len(self.prepared.items)
+        return max(self.config.num_requests, math.ceil(qps * self.seconds))
+
+    def schedule(self, qps: float, count: int) -> list[float]:
         prepared = self.prepared
-        count = len(prepared.items)
         if prepared.plan.trace_arrivals is None:
             config = self.config.model_copy(update={"qps": qps})
             return arrival_process(config, prepared.plan).schedule(count)
-        base = prepared.schedule
+        base = prepared.schedule[:count]
         span = base[-1] - base[0] if count > 1 else 0.0
         if span <= 0:
             return list(base)
         stretch = (count - 1) / span / qps  # the trace's own rate over the one asked
         return [(at - base[0]) * stretch for at in base]
 
-    def run(self, target: SimulatedTarget, qps: float) -> RunSummary:
+    async def run(self, target: SimulatedTarget, qps: float) -> RunSummary:
         """The run's figures at ``qps`` on ``target`` (the SLOs of the run's config)."""
+        count = self.requests_at(qps)
+        if count > len(self.prepared.items):
+            await self._prepare(max(count, 2 * len(self.prepared.items)))
         outcomes = self.folder / "outcomes.jsonl"
-        self.worker.serve(target, self._requests, outcomes, at=self.schedule(qps))
-        records = [dataclasses.replace(record) for record, _ in self.prepared.items]
+        self.worker.serve(target, self._requests, outcomes, at=self.schedule(qps, count))
+        records = [dataclasses.replace(record) for record, _ in self.prepared.items[:count]]
         _record_outcomes(records, outcomes)
         metrics = [request_metrics(record, 0.0) for record in records]
         config = self.config

@@ -186,8 +186,11 @@ def test_a_worker_serves_the_same_prompts_at_another_rate_from_their_offsets(
         "dp", [dataclasses.replace(a, at=at) for a, at in zip(arrivals, faster, strict=True)]
     )
     assert [o["token_times"] for o in served] == [o.token_times for o in alone.outcomes]
-    wrong = worker.answer({**job, "out": str(tmp_path / "x.jsonl"), "at": faster[:3]})
-    assert wrong == {"error": "ValueError: 3 arrival offsets for 30 requests"}
+    first = worker.answer({**job, "out": str(tmp_path / "first.jsonl"), "at": faster[:3]})
+    assert first["requests"] == 3  # a shorter run serves the file's first requests
+    assert [o["index"] for o in _outcomes(tmp_path / "first.jsonl")] == [0, 1, 2]
+    wrong = worker.answer({**job, "out": str(tmp_path / "x.jsonl"), "at": faster * 2})
+    assert wrong == {"error": "ValueError: 60 arrival offsets for 30 requests"}
     unknown = worker.answer({**job, "config": "nowhere", "out": str(tmp_path / "y.jsonl")})
     assert "error" in unknown and "nowhere" in unknown["error"]
 
@@ -196,7 +199,7 @@ def test_advise_simulate_searches_every_placement_of_a_budget(tmp_path: Path) ->
     advised = tmp_path / "advised.yaml"
     command = [
         sys.executable, "-m", "loadgen", "advise", "--simulate", PROFILE, "--devices", "2",
-        "--workload", "general", "--num-requests", "60", "--qps-start", "8",
+        "--workload", "general", "--num-requests", "60", "--run-seconds", "3", "--qps-start", "8",
         "--slo-ttft-ms", "300", "--slo-tpot-ms", "25", "--out", str(tmp_path / "advice"),
         "--yaml", str(advised),
     ]  # fmt: skip

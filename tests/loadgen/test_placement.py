@@ -102,7 +102,7 @@ def _knee_at(goodput: dict[str, float]) -> tuple[list[tuple[str, float]], StepAt
     """A step function whose attainment falls below 0.9 above each label's goodput."""
     tried: list[tuple[str, float]] = []
 
-    def step_at(candidate: Placement, qps: float) -> KneeStep:
+    async def step_at(candidate: Placement, qps: float) -> KneeStep:
         tried.append((candidate.label, qps))
         if candidate.label not in goodput:
             raise RunError(f"{candidate.label} refused")
