@@ -815,6 +815,11 @@ def command_advise(argv: list[str], console: Console) -> int:
 
 def _placement_search(args: argparse.Namespace, out: Path, console: Console) -> int:
     """Every placement of --devices on the profile's degrees, searched offline."""
+    if args.target_rate is not None:
+        raise ValueError(
+            "--target-rate sizes a measured mode; a placement search (--simulate with"
+            " --devices) finds the most a budget of devices serves"
+        )
     objectives = advisor.Objectives(
         ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
         tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else None,

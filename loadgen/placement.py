@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.advisor import SIMPLICITY, TIE_SHARE, Objectives
+from loadgen.deployment_plan import CPU_ONLY_POOL_KEYS, GPU_MODEL_DTYPE
 from loadgen.knee import KneeResult, KneeSearchConfig, KneeStep, find_knee
 from loadgen.runner import RunError
 from splitserve.latency.profile import load_profile, shipped_profiles
 
 SEARCH_MODES = ("single", "tp", "pp", "dp", "auto", "pd", "pd_always")
-CPU_ONLY_POOL_KEYS = ("cpu_binds", "kv_cache_gib")
 # The template of each mode (a YAML under deployments/) and the strategy it serves.
 ONE_ENGINE_MODES = ("single", "tp", "pp")
 REPLICA_MODES = ("dp", "auto")
@@ -196,7 +196,7 @@ def placement_document(
     ]
     if accelerator == "gpu":
         args["accelerator"] = "gpu"
-        args["model"] = {**args.get("model", {}), "dtype": "auto"}
+        args["model"] = {**args.get("model", {}), "dtype": GPU_MODEL_DTYPE}
     if model is not None:
         args["model"] = {**args.get("model", {}), "source": model}
     _set_objectives(args, objectives)
@@ -211,6 +211,7 @@ def _strategy(placement: Placement, template_strategy: str) -> str:
 
 def _pool(template: dict[str, Any], pool: PoolPlacement, accelerator: str) -> dict[str, Any]:
     out = {key: value for key, value in template.items() if key not in CPU_ONLY_POOL_KEYS}
+    # On CPUs the cache size stays; the template's cpu_binds were for its own engines.
     if accelerator != "gpu" and "kv_cache_gib" in template:
         out["kv_cache_gib"] = template["kv_cache_gib"]
     out["role"] = pool.role

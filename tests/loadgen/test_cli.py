@@ -221,3 +221,13 @@ def test_demo_runs_a_burstgpt_shaped_load_and_names_the_plot(tmp_path: Path) -> 
     assert "SYNTHETIC trace" in result.stdout and "T-burst-replay" in result.stdout
     plot = tmp_path / "pd-T-burst-replay_synthetic_-replay.png"
     assert f"plots: {plot}" in result.stdout.replace("\n", "") and plot.exists()
+
+
+def test_a_placement_search_refuses_a_target_rate(tmp_path: Path) -> None:
+    result = loadgen(
+        "advise", "--simulate", "h100-llama-3.1-8b", "--devices", "8", "--target-rate", "40",
+        "--slo-ttft-ms", "250", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "--target-rate sizes a measured mode" in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
