@@ -130,24 +130,27 @@ class BlockPool:
         fresh = min(count, self.num_blocks - self._never_used)
         blocks = list(range(self._never_used, self._never_used + fresh))
         self._never_used += fresh
+        take, hash_of, block_of = self._freed.popitem, self._hash_of, self._block_of
+        removed = self.events.removed
         for _ in range(count - fresh):
-            block, _ = self._freed.popitem(last=False)
-            evicted = self._hash_of.pop(block, None)
+            block, _ = take(last=False)
+            evicted = hash_of.pop(block, None)
             if evicted is not None:
-                del self._block_of[evicted]
-                self.events.removed.append(evicted)
+                del block_of[evicted]
+                removed.append(evicted)
             blocks.append(block)
-        for block in blocks:
-            self._refs[block] = 1
+        self._refs.update(dict.fromkeys(blocks, 1))
         return blocks
 
-    def store(self, block: int, block_hash: int) -> None:
-        """A block now holds a full block of known tokens: later prompts may reuse it."""
-        if block in self._hash_of or block_hash in self._block_of:
-            return
-        self._hash_of[block] = block_hash
-        self._block_of[block_hash] = block
-        self.events.stored.append(block_hash)
+    def store(self, blocks: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """These blocks now hold full blocks of known tokens: later prompts may reuse them."""
+        hash_of, block_of, stored = self._hash_of, self._block_of, self.events.stored
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block in hash_of or block_hash in block_of:
+                continue
+            hash_of[block] = block_hash
+            block_of[block_hash] = block
+            stored.append(block_hash)
 
     def free(self, blocks: Sequence[int]) -> None:
         # Last blocks first, as vLLM frees them: a prompt's tail is evicted before its head.
@@ -400,9 +403,10 @@ class SimScheduler:
         if not self.limits.enable_prefix_caching:
             return
         full = min(request.computed // self.limits.block_size, len(request.block_hashes))
-        for index in range(request.stored_blocks, full):
-            self.blocks.store(request.blocks[index], request.block_hashes[index])
-        request.stored_blocks = max(request.stored_blocks, full)
+        done = request.stored_blocks
+        if full > done:
+            self.blocks.store(request.blocks[done:full], request.block_hashes[done:full])
+            request.stored_blocks = full
 
     def _finish(self, request: SimRequest) -> None:
         del self._by_id[request.request_id]

@@ -15,7 +15,7 @@ Both are checked against the ``num_cached_tokens`` vLLM reports
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Container, Sequence
 from typing import Any
 
@@ -74,7 +74,7 @@ class BlockIndex:
         self._names: dict[Any, int] = {}  # vLLM's block hash -> the router's
         # The router's hashes held, by how many of vLLM's blocks carry each (two requests
         # computing one prefix at once may each store a block of the same content).
-        self._held: Counter[int] = Counter()
+        self._held: dict[int, int] = {}
         self._pending: dict[int, float] = {}  # the router's hash -> until when
 
     def __len__(self) -> int:
@@ -104,21 +104,25 @@ class BlockIndex:
 
     def apply(self, update: CacheUpdate) -> None:
         """Idempotent per block: a snapshot may repeat changes that crossed it."""
+        # Per block, for every engine's events: the offline simulation's hottest loop.
+        names, held, forget = self._names, self._held, self._pending.pop
         if update.cleared:
-            self._names.clear()
-            self._held.clear()
+            names.clear()
+            held.clear()
         for vllm_hash, ours in update.stored:
-            self._pending.pop(ours, None)
-            if vllm_hash not in self._names:
-                self._names[vllm_hash] = ours
-                self._held[ours] += 1
+            forget(ours, None)
+            if vllm_hash not in names:
+                names[vllm_hash] = ours
+                held[ours] = held.get(ours, 0) + 1
         for vllm_hash in update.removed:
-            ours = self._names.pop(vllm_hash, None)
+            ours = names.pop(vllm_hash, None)
             if ours is not None:
-                self._pending.pop(ours, None)
-                self._held[ours] -= 1
-                if self._held[ours] <= 0:
-                    del self._held[ours]
+                forget(ours, None)
+                left = held.get(ours, 0) - 1
+                if left > 0:
+                    held[ours] = left
+                else:
+                    held.pop(ours, None)
 
 
 class PrefixIndex:
@@ -140,8 +144,9 @@ class PrefixIndex:
 
     def record(self, prompt: PromptBlocks) -> None:
         """The replica computed (or loaded) this prompt: its full blocks are now cached."""
+        blocks, to_end = self._blocks, self._blocks.move_to_end
         for block_hash in prompt.hashes(self.block_size):
-            self._blocks[block_hash] = None
-            self._blocks.move_to_end(block_hash)
+            blocks[block_hash] = None
+            to_end(block_hash)
         while len(self._blocks) > self.capacity_blocks:
             self._blocks.popitem(last=False)
