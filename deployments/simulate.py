@@ -489,7 +489,7 @@ class Worker:
     ``serve``'s summary, or ``{"error": ...}``."""
 
     def __init__(self) -> None:
-        self._applications: dict[tuple[str, str, str | None], AppConfig] = {}
+        self._applications: dict[tuple[str, float, str, str | None], AppConfig] = {}
         self._arrivals: dict[tuple[str, float], list[Arrival]] = {}
 
     def answer(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -503,7 +503,9 @@ class Worker:
             return {"error": f"{type(error).__name__}: {error}"}
 
     def _application(self, config: str, profile: str, model: str | None) -> AppConfig:
-        key = (config, profile, model)
+        # A YAML rewritten in place (a search run again in its folder) is read again.
+        written = Path(config).stat().st_mtime if Path(config).exists() else 0.0
+        key = (config, written, profile, model)
         if key not in self._applications:
             self._applications[key] = simulated_application(config, profile, model)
         return self._applications[key]

@@ -169,6 +169,12 @@ def run_identifier(config: RunConfig, mode: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
 
+def service_level(config: RunConfig) -> ServiceLevel:
+    """The run's objectives, in seconds."""
+    targets = (config.slo_ttft_ms, config.slo_tpot_ms, config.slo_e2el_ms)
+    return ServiceLevel(*(None if ms is None else ms / 1000 for ms in targets))
+
+
 def arrival_process(config: RunConfig, plan: WorkloadPlan) -> ArrivalProcess:
     if plan.trace_arrivals is not None:
         return TraceReplayArrivals(plan.trace_arrivals, config.workload.time_scale)
@@ -339,9 +345,7 @@ class Run:
         return metrics, await recorder.view()
 
     def service_level(self) -> ServiceLevel:
-        config = self.config
-        targets = (config.slo_ttft_ms, config.slo_tpot_ms, config.slo_e2el_ms)
-        return ServiceLevel(*(None if ms is None else ms / 1000 for ms in targets))
+        return service_level(self.config)
 
     # ---- preparation -----------------------------------------------------------------------
 

@@ -29,11 +29,18 @@ from rich.console import Console
 from loadgen.client import RequestRecord
 from loadgen.config import RunConfig
 from loadgen.launcher import REPO_ROOT
-from loadgen.runner import Endpoint, PreparedRun, Run, RunError, RunResult, arrival_process
+from loadgen.runner import (
+    Endpoint,
+    PreparedRun,
+    Run,
+    RunError,
+    RunResult,
+    arrival_process,
+    service_level,
+)
 from loadgen.server_view import ServerView
 from loadgen.stats import (
     RunSummary,
-    ServiceLevel,
     request_metrics,
     run_duration,
     summarize_run,
@@ -297,7 +304,4 @@ class OfflineRates:
         records = [dataclasses.replace(record) for record, _ in self.prepared.items[:count]]
         _record_outcomes(records, outcomes)
         metrics = [request_metrics(record, 0.0) for record in records]
-        config = self.config
-        targets = (config.slo_ttft_ms, config.slo_tpot_ms, config.slo_e2el_ms)
-        level = ServiceLevel(*(None if ms is None else ms / 1000 for ms in targets))
-        return summarize_run(metrics, run_duration(metrics), level)
+        return summarize_run(metrics, run_duration(metrics), service_level(self.config))
