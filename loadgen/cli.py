@@ -783,11 +783,7 @@ def command_advise(argv: list[str], console: Console) -> int:
         for repeat in range(1, args.repeats + 1):
             folder = sweep_dir / f"repeat-{repeat}" if args.repeats > 1 else sweep_dir
             command_sweep(_advise_sweep_argv(args, folder), console)
-    objectives = advisor.Objectives(
-        ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
-        tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else None,
-        attainment=args.attainment,
-    )
+    objectives = _objectives(args)
     points = advisor.load_points(sweep_dir, objectives)
     modes = sorted({p.mode for p in points})
     layouts = {mode: advisor.layout_of(mode, args.deployments_dir) for mode in modes}
@@ -813,6 +809,14 @@ def command_advise(argv: list[str], console: Console) -> int:
     return 0
 
 
+def _objectives(args: argparse.Namespace) -> advisor.Objectives:
+    return advisor.Objectives(
+        ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
+        tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else None,
+        attainment=args.attainment,
+    )
+
+
 def _placement_search(args: argparse.Namespace, out: Path, console: Console) -> int:
     """Every placement of --devices on the profile's degrees, searched offline."""
     if args.target_rate is not None:
@@ -820,11 +824,7 @@ def _placement_search(args: argparse.Namespace, out: Path, console: Console) -> 
             "--target-rate sizes a measured mode; a placement search (--simulate with"
             " --devices) finds the most a budget of devices serves"
         )
-    objectives = advisor.Objectives(
-        ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None,
-        tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms is not None else None,
-        attainment=args.attainment,
-    )
+    objectives = _objectives(args)
     question = PlacementQuestion(
         profile=args.simulate,
         devices=args.devices,
