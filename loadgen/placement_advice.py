@@ -21,6 +21,11 @@ from loadgen.knee import KneeSearchConfig, KneeStep, step_of
 from loadgen.placement import Placement, Searched, SearchResult
 from loadgen.simulate import OfflineRates, SimulatedTarget, SimulatorWorker
 
+# No ceiling of our own: the knee of a large budget is wherever the objectives break.
+SEARCH_QPS_MAX = 1e6
+# Doubling from --qps-start up to a few thousand req/s, then bisecting to 5%.
+SEARCH_MAX_STEPS = 12
+
 
 @dataclass(frozen=True)
 class PlacementQuestion:
@@ -88,9 +93,9 @@ def search_offline(question: PlacementQuestion, out: Path, console: Console) -> 
     knee = KneeSearchConfig(
         attainment=question.objectives.attainment,
         qps_start=question.qps_start,
-        qps_max=1e6,
+        qps_max=SEARCH_QPS_MAX,
         tolerance=question.tolerance,
-        max_steps=12,
+        max_steps=SEARCH_MAX_STEPS,
     )
     with SimulatorWorker() as worker:
         rates = OfflineRates(question.run, worker, out / "simulation", question.run_seconds)
