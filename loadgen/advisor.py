@@ -48,9 +48,10 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -63,6 +64,7 @@ from loadgen.sizing import Layout, MeasuredSize, ModelShape, PDCapacities
 SIMPLICITY = ("single", "dp", "tp", "pp", "pd_always", "pd", "auto")
 TIE_SHARE = 0.05
 PD_MODES = ("pd", "pd_always")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -278,14 +280,24 @@ def candidate_of(mode: str, runs: list[RunPoint], devices: int, target: float) -
     )
 
 
+def simplest_near_best(
+    items: Sequence[T], goodput: Callable[[T], float], simplicity: Callable[[T], Any]
+) -> tuple[T, T]:
+    """The simplest item within ``TIE_SHARE`` of the highest goodput (the simplest of all
+    where none has any goodput), and the item with the highest."""
+    top = max(items, key=goodput)
+    if goodput(top) <= 0:
+        return min(items, key=simplicity), top
+    close = [item for item in items if goodput(item) >= (1 - TIE_SHARE) * goodput(top)]
+    return min(close, key=simplicity), top
+
+
 def choose(candidates: list[Candidate]) -> tuple[str, str]:
-    best = max(candidate.goodput_per_device for candidate in candidates)
-    if best <= 0:
-        simplest = min(candidates, key=lambda c: _simplicity(c.mode))
-        return simplest.mode, "no mode met the objectives at any measured rate"
-    close = [c for c in candidates if c.goodput_per_device >= (1 - TIE_SHARE) * best]
-    chosen = min(close, key=lambda c: _simplicity(c.mode))
-    top = max(candidates, key=lambda c: c.goodput_per_device)
+    chosen, top = simplest_near_best(
+        candidates, lambda c: c.goodput_per_device, lambda c: _simplicity(c.mode)
+    )
+    if top.goodput_per_device <= 0:
+        return chosen.mode, "no mode met the objectives at any measured rate"
     if chosen.mode == top.mode:
         runner_up = sorted(candidates, key=lambda c: -c.goodput_per_device)[1:2]
         margin = (

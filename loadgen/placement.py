@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadgen.advisor import SIMPLICITY, TIE_SHARE, Objectives
+from loadgen.advisor import PD_MODES, SIMPLICITY, TIE_SHARE, Objectives, simplest_near_best
 from loadgen.deployment_plan import CPU_ONLY_POOL_KEYS, GPU_MODEL_DTYPE
 from loadgen.knee import KneeResult, KneeSearchConfig, KneeStep, find_knee
 from loadgen.runner import RunError
@@ -46,7 +46,6 @@ SEARCH_MODES = ("single", "tp", "pp", "dp", "auto", "pd", "pd_always")
 # The template of each mode (a YAML under deployments/) and the strategy it serves.
 ONE_ENGINE_MODES = ("single", "tp", "pp")
 REPLICA_MODES = ("dp", "auto")
-SPLIT_MODES = ("pd", "pd_always")
 # The fewest engines of a replica mode: dp of one engine is single; auto needs a peer.
 MIN_REPLICAS = 2
 
@@ -146,7 +145,7 @@ def placements(devices: int, degrees: Sequence[Degree], modes: Sequence[str]) ->
                 and devices // degree.devices >= MIN_REPLICAS
                 and (mode != "dp" or degree.pp == 1)
             ]
-        elif mode in SPLIT_MODES:
+        elif mode in PD_MODES:
             found += _split_placements(mode, devices, degrees)
         else:
             raise ValueError(f"no placement search for mode {mode!r}; searched: {SEARCH_MODES}")
@@ -328,12 +327,9 @@ def _round_rate(qps: float) -> float:
 
 
 def choose(searched: Sequence[Searched]) -> tuple[Searched, str]:
-    best = max(searched, key=lambda s: s.goodput)
+    chosen, best = simplest_near_best(searched, lambda s: s.goodput, _simplicity)
     if best.goodput <= 0:
-        simplest = min(searched, key=_simplicity)
-        return simplest, "no placement met the objectives at any rate tried"
-    close = [s for s in searched if s.goodput >= (1 - TIE_SHARE) * best.goodput]
-    chosen = min(close, key=_simplicity)
+        return chosen, "no placement met the objectives at any rate tried"
     if chosen.goodput == best.goodput:
         ranked = sorted(searched, key=lambda s: (-s.goodput, _simplicity(s)))
         runner_up = next((s for s in ranked if s is not chosen and s.goodput > 0), None)

@@ -162,19 +162,36 @@ def _run_length(question: PlacementQuestion) -> str:
     return f"{question.run_seconds:g} s of arrivals ({least})"
 
 
-def results_table(result: SearchResult) -> Table:
-    table = Table(title=f"placements of {result.devices} devices on {result.profile}")
-    for column in ("placement", "goodput req/s", "per device", "TTFT p50 ms", "TPOT p50 ms"):
-        table.add_column(column, justify="left" if column == "placement" else "right")
+REPORT_COLUMNS = (
+    "placement", "devices", "goodput req/s", "per device", "TTFT p50 ms", "TPOT p50 ms", "runs",
+)  # fmt: skip
+
+
+def report_rows(result: SearchResult) -> list[tuple[str, ...]]:
+    """Each placement's knee, best first: the console's table and the report's."""
+    rows = []
     for searched in result.ranked:
         step = searched.at_knee
-        table.add_row(
-            searched.placement.label,
-            f"{searched.goodput:.1f}",
-            f"{searched.goodput / result.devices:.2f}",
-            _ms(step.ttft_p50_s if step else None),
-            _ms(step.tpot_p50_s if step else None),
+        rows.append(
+            (
+                searched.placement.label,
+                str(searched.placement.devices),
+                f"{searched.goodput:.1f}",
+                f"{searched.goodput / result.devices:.2f}",
+                _ms(step.ttft_p50_s if step else None),
+                _ms(step.tpot_p50_s if step else None),
+                str(len(searched.knee.steps)),
+            )
         )
+    return rows
+
+
+def results_table(result: SearchResult) -> Table:
+    table = Table(title=f"placements of {result.devices} devices on {result.profile}")
+    for column in REPORT_COLUMNS:
+        table.add_column(column, justify="left" if column == "placement" else "right")
+    for row in report_rows(result):
+        table.add_row(*row)
     return table
 
 
@@ -202,17 +219,10 @@ def write_report(
         f" {result.wall_s:.0f} s. Goodput is each placement's knee: the highest rate tried"
         f" whose attainment met the target (steps within {question.tolerance:.0%}).",
         "",
-        "| placement | devices | goodput req/s | per device | TTFT p50 ms | TPOT p50 ms | runs |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| " + " | ".join(REPORT_COLUMNS) + " |",
+        "|" + " --- |" * len(REPORT_COLUMNS),
     ]
-    for searched in result.ranked:
-        step = searched.at_knee
-        lines.append(
-            f"| {searched.placement.label} | {searched.placement.devices} |"
-            f" {searched.goodput:.1f} | {searched.goodput / result.devices:.2f} |"
-            f" {_ms(step.ttft_p50_s if step else None)} |"
-            f" {_ms(step.tpot_p50_s if step else None)} | {len(searched.knee.steps)} |"
-        )
+    lines += ["| " + " | ".join(row) + " |" for row in report_rows(result)]
     failed = [s for s in result.searched if s.error is not None]
     if failed:
         lines += ["", "Not simulated:", ""]

@@ -156,7 +156,17 @@ def describe(target: SimulatedTarget) -> dict[str, Any]:
     return dict(json.loads(_simulator(target, "describe")))
 
 
-async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Console) -> RunResult:
+@dataclass
+class _Prepared:
+    run: Run  # closed: kept for its notes and its result
+    endpoint: Endpoint
+    prepared: PreparedRun
+    card: dict[str, Any]
+
+
+async def _prepare_for(config: RunConfig, target: SimulatedTarget, console: Console) -> _Prepared:
+    """The run's requests and schedule, prepared as ``python -m loadgen`` prepares them,
+    for the model and context the simulated target serves."""
     if config.endpoint != "completions":
         raise ValueError("simulate sends token-id prompts: use --endpoint completions")
     card = describe(target)
@@ -166,6 +176,12 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
         prepared = await run.prepare_run(endpoint)
     finally:
         await run.close()
+    return _Prepared(run, endpoint, prepared, card)
+
+
+async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Console) -> RunResult:
+    ready = await _prepare_for(config, target, console)
+    run, endpoint, prepared, card = ready.run, ready.endpoint, ready.prepared, ready.card
     with tempfile.TemporaryDirectory(prefix="splitserve-simulate-") as folder:
         requests, outcomes = Path(folder) / "requests.jsonl", Path(folder) / "outcomes.jsonl"
         _write_requests(prepared, requests)
@@ -260,14 +276,8 @@ class OfflineRates:
 
     async def _prepare(self, count: int) -> None:
         assert self._target is not None and self._console is not None
-        card = describe(self._target)
         config = self.config.model_copy(update={"num_requests": count})
-        run = Run(config, self._console, None)
-        try:
-            endpoint = Endpoint(card["model"], config.max_model_len or int(card["max_model_len"]))
-            self._prepared = await run.prepare_run(endpoint)
-        finally:
-            await run.close()
+        self._prepared = (await _prepare_for(config, self._target, self._console)).prepared
         self.folder.mkdir(parents=True, exist_ok=True)
         _write_requests(self._prepared, self._requests)
 
