@@ -12,7 +12,9 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
@@ -20,6 +22,7 @@ import pytest
 
 from deployments.config import load_app_config
 from deployments.launcher import RunningApp, config_path
+from loadgen.client import RequestRecord, SamplingOptions, StreamingClient, build_payload
 from tests.support.greedy import metric
 from tests.support.served_apps import ServedApps
 
@@ -188,59 +191,76 @@ class Outcome:
     status: int | None  # None: no answer at all (must not happen)
     ttft_s: float | None
     elapsed_s: float
-    retry_after: str | None = None
+    retry_after_s: float | None = None
 
 
-async def _send(http: httpx.AsyncClient, priority: str) -> Outcome:
-    body = {
-        "model": MODEL,
-        "prompt": _prompt(PROMPT_LEN),
-        "max_tokens": OUTPUT_LEN,
-        "ignore_eos": True,
-        "stream": True,
+def _payload() -> bytes:
+    sampling = SamplingOptions(return_token_ids=False)
+    return build_payload("completions", MODEL, _prompt(PROMPT_LEN), OUTPUT_LEN, sampling)
+
+
+def _outcome(priority: str, record: RequestRecord) -> Outcome:
+    ttft = record.chunk_times[0] - record.sent_at if record.chunk_times else None
+    elapsed = record.done_at - record.sent_at
+    return Outcome(priority, record.status, ttft, elapsed, record.retry_after_s)
+
+
+@asynccontextmanager
+async def _clients(base_url: str) -> AsyncIterator[dict[str, StreamingClient]]:
+    """The load generator's own client, one per priority (sent as the x-priority header).
+    Not httpx: its connection pool, at the flood's 40-50 requests a second, queued
+    requests in the client for seconds (a probe from another process saw the server
+    answer high priority in under a second meanwhile), and the test read that as the
+    server's TTFT (docs/DECISIONS.md, "The overload test's client")."""
+    clients = {
+        priority: StreamingClient(base_url, "completions", 0, headers={"x-priority": priority})
+        for priority in ("high", "low")
     }
-    started = time.perf_counter()
     try:
-        async with http.stream(
-            "POST", "/v1/completions", json=body, headers={"x-priority": priority}
-        ) as response:
-            ttft = None
-            async for line in response.aiter_lines():
-                if ttft is None and line.startswith("data: {"):
-                    ttft = time.perf_counter() - started
-            elapsed = time.perf_counter() - started
-            return Outcome(
-                priority, response.status_code, ttft, elapsed, response.headers.get("retry-after")
-            )
-    except httpx.HTTPError:
-        return Outcome(priority, None, None, time.perf_counter() - started)
+        yield clients
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+async def _send(client: StreamingClient, priority: str, payload: bytes) -> Outcome:
+    record = RequestRecord(index=0, input_len=PROMPT_LEN, output_len=OUTPUT_LEN)
+    await client.send(payload, record)
+    return _outcome(priority, record)
 
 
 async def _sustained_rate(base_url: str) -> float:
     """Requests a second the cluster completes with a steady backlog of high priority."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+    payloads = [_payload() for _ in range(32)]
+    async with _clients(base_url) as clients:
         started = time.perf_counter()
-        outcomes = await asyncio.gather(*(_send(http, "high") for _ in range(32)))
-    assert all(o.status == 200 for o in outcomes)
+        outcomes = await asyncio.gather(*(_send(clients["high"], "high", p) for p in payloads))
+    assert all(o.status == 200 for o in outcomes), outcomes
     return len(outcomes) / (time.perf_counter() - started)
 
 
-async def _overload(base_url: str, rate: float) -> list[Outcome]:
+def _overload_schedule(rate: float) -> list[tuple[float, str, bytes]]:
+    """Poisson arrivals over OVERLOAD_SECONDS: (offset, priority, body), bodies encoded
+    before the flood so that sending does no encoding."""
     rng = random.Random(5)
-    async with httpx.AsyncClient(
-        base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=None)
-    ) as http:
+    schedule, at = [], 0.0
+    while at < OVERLOAD_SECONDS:
+        priority = "high" if rng.random() < HIGH_SHARE else "low"
+        schedule.append((at, priority, _payload()))
+        at += rng.expovariate(rate)
+    return schedule
+
+
+async def _overload(base_url: str, rate: float) -> list[Outcome]:
+    schedule = _overload_schedule(rate)
+    async with _clients(base_url) as clients:
         tasks = []
-        next_at = time.perf_counter()
-        deadline = next_at + OVERLOAD_SECONDS
-        while next_at < deadline:
-            priority = "high" if rng.random() < HIGH_SHARE else "low"
-            tasks.append(asyncio.create_task(_send(http, priority)))
+        started = time.perf_counter()
+        for offset, priority, payload in schedule:
             # On a schedule, not a sleep after each send: the loop's own work between
-            # sends (streams of earlier requests) would add up, and at 40 req/s it left
-            # the client at 79% of the rate it meant to offer.
-            next_at += rng.expovariate(rate)
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            # sends (streams of earlier requests) would add up.
+            await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(_send(clients[priority], priority, payload)))
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
 
@@ -266,7 +286,7 @@ def test_overload_sheds_low_priority_and_keeps_high_within_slo(pd_app: RunningAp
     assert p95 < SLO_S, summary
     refused = [o for o in low if o.status == 503]
     assert refused, f"no low-priority request was shed at {OVERLOAD_FACTOR}x load; {summary}"
-    assert all(o.retry_after is not None for o in refused)
+    assert all(o.retry_after_s is not None for o in refused)
     refusal_p95 = sorted(o.elapsed_s for o in refused)[int(0.95 * (len(refused) - 1))]
     assert refusal_p95 < FAST_REFUSAL_S, f"refusals took {refusal_p95:.3f} s at p95"
     assert metric(pd_app.base_url, "splitserve_rejections_total", priority="low") >= len(refused)
