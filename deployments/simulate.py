@@ -298,12 +298,12 @@ class OfflineCluster:
             priority=ENGINE_PRIORITY[priority],
         )
         try:
-            earliest = self.dispatcher.earliest_ttft_s(priority)
-            self.admission.check(priority, self.dispatcher.queued_requests(), earliest)
-            plan = self.dispatcher.plan(request, priority)
+            dispatcher = self.dispatcher
             self.admission.check(
-                plan.priority, self.dispatcher.queued_requests(), plan.ttft_estimate_s()
+                priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
             )
+            plan = dispatcher.plan(request, priority)
+            self.admission.check(plan.priority, dispatcher.queued_requests, plan.ttft_estimate_s)
         except Rejection as rejection:
             outcome.status, outcome.outcome = int(rejection.status), "rejected"
             outcome.error = rejection.reason

@@ -567,9 +567,11 @@ class ServedModel:
     def _admit_early(self, priority: Priority) -> None:
         if not self.readiness.is_ready:
             return  # nothing measured yet; the request waits for readiness below
-        earliest = self._dispatcher.earliest_ttft_s(priority)
+        dispatcher = self._dispatcher
         try:
-            self._admission.check(priority, self._dispatcher.queued_requests(), earliest)
+            self._admission.check(
+                priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
+            )
         except Rejection as rejection:
             self.metrics.rejections.labels(rejection.reason, priority).inc()
             raise
@@ -579,7 +581,7 @@ class ServedModel:
         if estimate is not None:
             self.metrics.ttft_estimate.labels(plan.prefill_replica.name).set(estimate)
         try:
-            self._admission.check(plan.priority, self._dispatcher.queued_requests(), estimate)
+            self._admission.check(plan.priority, self._dispatcher.queued_requests, lambda: estimate)
         except Rejection as rejection:
             self.metrics.rejections.labels(rejection.reason, plan.priority).inc()
             raise

@@ -21,7 +21,7 @@ from router.policies.split_policy import SplitInputs, make_split_policy
 from router.pool.engine_client import EngineClient
 from router.pool.prefix_index import PrefixIndex, PromptBlocks
 from router.pool.replica_state import ReplicaState
-from router.settings import QoSConfig
+from router.settings import Priority, QoSConfig
 
 # The chapter's tunables: 256-token threshold, queue of 10, 8 active decodes, 64 tokens.
 CHAPTER = ConditionalSettings(
@@ -208,6 +208,12 @@ def test_priority_from_body_or_header_and_clear_errors() -> None:
     assert raised.value.param == "priority"  # type: ignore[attr-defined]
 
 
+def _check(
+    admission: AdmissionControl, priority: Priority, queued: int, estimate: float | None
+) -> None:
+    admission.check(priority, lambda: queued, lambda: estimate)
+
+
 def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> None:
     config = QoSConfig(
         enabled=True,
@@ -216,24 +222,42 @@ def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> 
         queue_caps={"high": 10, "normal": 6, "low": 3},
     )
     admission = AdmissionControl(config)
-    admission.check("low", queued=0, ttft_estimate_s=0.9)
-    admission.check("high", queued=0, ttft_estimate_s=5.0)
-    admission.check("normal", queued=0, ttft_estimate_s=5.0)
-    admission.check("low", queued=0, ttft_estimate_s=None)  # not measured yet
+    _check(admission, "low", 0, 0.9)
+    _check(admission, "high", 0, 5.0)
+    _check(admission, "normal", 0, 5.0)
+    _check(admission, "low", 0, None)  # not measured yet
     with pytest.raises(Rejection) as slo:
-        admission.check("low", queued=0, ttft_estimate_s=1.5)
+        _check(admission, "low", 0, 1.5)
     assert (slo.value.status, slo.value.reason) == (HTTPStatus.SERVICE_UNAVAILABLE, "ttft_slo")
     assert slo.value.response().headers["retry-after"] == "1"
     with pytest.raises(Rejection) as cap:
-        admission.check("normal", queued=6, ttft_estimate_s=None)
+        _check(admission, "normal", 6, None)
     assert (cap.value.status, cap.value.reason) == (HTTPStatus.TOO_MANY_REQUESTS, "queue_full")
-    admission.check("high", queued=9, ttft_estimate_s=None)
+    _check(admission, "high", 9, None)
     with pytest.raises(Rejection):
-        admission.check("high", queued=10, ttft_estimate_s=None)
+        _check(admission, "high", 10, None)
 
 
-def test_admission_off_admits_everything() -> None:
-    AdmissionControl(QoSConfig(enabled=False)).check("low", queued=10**6, ttft_estimate_s=1e6)
+def test_admission_off_admits_everything_without_asking_for_its_inputs() -> None:
+    def unasked() -> float:
+        raise AssertionError("admission off must not scan the replicas")
+
+    AdmissionControl(QoSConfig(enabled=False)).check("low", unasked, unasked)
+
+
+def test_admission_asks_for_the_estimate_only_for_a_priority_with_a_limit() -> None:
+    config = QoSConfig(enabled=True, early_rejection_s={"low": 1.0})
+    asked: list[str] = []
+
+    def estimate() -> float:
+        asked.append("estimate")
+        return 5.0
+
+    AdmissionControl(config).check("high", lambda: 0, estimate)
+    assert asked == []
+    with pytest.raises(Rejection):
+        AdmissionControl(config).check("low", lambda: 0, estimate)
+    assert asked == ["estimate"]
 
 
 # ---- prefill gate --------------------------------------------------------------------------
