@@ -63,8 +63,8 @@ class AdmissionControl:
         """Raise a Rejection, or return to admit. ``queued``: requests router-wide that
         are still waiting for their first token; ``ttft_estimate_s``: the TTFT estimate
         (None until measured). Each is asked only when a rule needs it: both scan every
-        replica, and with 64 simulated engines those scans were a fifth of the offline
-        simulation's time, for priorities (and clusters, QoS off) that no rule weighs."""
+        replica on every request, and most priorities (every one, with QoS off) have no
+        rule that weighs them."""
         config = self._config
         if not config.enabled:
             return
