@@ -188,7 +188,7 @@ MIN_OFFERED_FACTOR = 2.5  # what the client must have achieved for this to be an
 @dataclass
 class Outcome:
     priority: str
-    status: int | None  # None: no answer at all (must not happen)
+    status: int | None  # None: no answer, or a broken one (must not happen)
     ttft_s: float | None
     elapsed_s: float
     retry_after_s: float | None = None
@@ -202,7 +202,10 @@ def _payload() -> bytes:
 def _outcome(priority: str, record: RequestRecord) -> Outcome:
     ttft = record.chunk_times[0] - record.sent_at if record.chunk_times else None
     elapsed = record.done_at - record.sent_at
-    return Outcome(priority, record.status, ttft, elapsed, record.retry_after_s)
+    # A 200 whose stream broke or ended without its tokens is no answer.
+    broken = record.outcome == "error" and record.status == 200
+    status = None if broken else record.status
+    return Outcome(priority, status, ttft, elapsed, record.retry_after_s)
 
 
 @asynccontextmanager
