@@ -4,7 +4,7 @@ Goodput as DistServe defines it (../shared/reference/002): requests per second t
 meet both the TTFT and the TPOT objective. Same two-engine budget for every policy:
   dp           deployments/dp.yaml         two replicas, round-robin (the study's DP)
   pd-always    deployments/pd_always.yaml  every prompt prefilled remotely (the study's PD)
-  pd-cond      deployments/pd.yaml         the conditional split policy, prefix-aware
+  pd-cond      deployments/pd.yaml         the conditional prefill policy, prefix-aware
   auto         deployments/auto.yaml       dp.yaml's engines without roles: the cost policy
                                            picks local or remote prefill per request
 The workload is the load generator's `mixed` one (70% 128/128 chat turns, 30% 2048/32

@@ -2,7 +2,7 @@
 engine cost in memory? (benchmark, not a test)
 
 A shipped YAML (``--config``, auto.yaml by default: role-free engines, the router's
-split policy, simulated KV hand-overs, the prefix index from KV events) on simulated
+prefill policy, simulated KV hand-overs, the prefix index from KV events) on simulated
 engines keeping an H100's time for Llama 3.1 8B, stretched by ``--time-scale``. The pool
 has ``--engines`` engines, ``--per-process`` of them to a Serve replica's process
 (``pools[].engines_per_process``), behind ``--routers`` router replicas, each on its own

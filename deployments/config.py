@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -21,9 +21,9 @@ from kv_transfer.settings import KVTransferConfig
 from router.settings import (
     AuthConfig,
     IngressSettings,
+    PrefillPolicyConfig,
     QoSConfig,
     RouterConfig,
-    SplitPolicyConfig,
 )
 from splitserve.config_base import StrictModel
 
@@ -31,7 +31,7 @@ Strategy = Literal["single", "dp", "tp", "pp", "pd", "auto"]
 # Strategies whose engines hand KV over to each other: PD's pools, auto's role-free pool.
 KV_STRATEGIES = ("pd", "auto")
 # Role-free pools decide per request; without a mode in the YAML they weigh the cost.
-AUTO_SPLIT_MODE = "cost"
+AUTO_PREFILL_POLICY = "cost"
 Accelerator = Literal["cpu", "gpu"]
 
 
@@ -49,6 +49,7 @@ class AppConfig(StrictModel):
     """Everything one served model needs: the ``args`` of a Serve YAML that serves one,
     or one entry of ``models:`` (``ApplicationConfig``) where it serves several."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"split_policy": "prefill_policy"}
     strategy: Strategy
     accelerator: Accelerator = "cpu"
     model: ModelConfig = ModelConfig()
@@ -60,9 +61,9 @@ class AppConfig(StrictModel):
         default_factory=KVTransferConfig,
         description="PD and auto only: the KV backend (backend: object_store) and its settings.",
     )
-    split_policy: SplitPolicyConfig = Field(
-        default_factory=SplitPolicyConfig,
-        description="PD and auto only: the split policy (mode: always, never, conditional,"
+    prefill_policy: PrefillPolicyConfig = Field(
+        default_factory=PrefillPolicyConfig,
+        description="PD and auto only: the prefill policy (mode: always, never, conditional,"
         " cost; auto defaults to cost) and its settings.",
     )
     qos: QoSConfig = QoSConfig()
@@ -77,11 +78,11 @@ class AppConfig(StrictModel):
     def _auto_weighs_cost_by_default(cls, data: Any) -> Any:
         if not isinstance(data, dict) or data.get("strategy") != "auto":
             return data
-        split = data.get("split_policy")
+        split = data.get("prefill_policy")
         if split is None:
-            return {**data, "split_policy": {"mode": AUTO_SPLIT_MODE}}
-        if isinstance(split, dict) and "mode" not in split:
-            return {**data, "split_policy": {"mode": AUTO_SPLIT_MODE, **split}}
+            return {**data, "prefill_policy": {"name": AUTO_PREFILL_POLICY}}
+        if isinstance(split, dict) and "name" not in split:
+            return {**data, "prefill_policy": {"name": AUTO_PREFILL_POLICY, **split}}
         return data
 
     @model_validator(mode="before")
@@ -163,7 +164,7 @@ class AppConfig(StrictModel):
             raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
         if self.strategy == "auto":
             return self._check_role_free_pool()
-        for block in ("split_policy", "kv_transfer"):
+        for block in ("prefill_policy", "kv_transfer"):
             if block in self.model_fields_set:
                 raise ValueError(
                     f"{block} is for strategies 'pd' and 'auto', not {self.strategy!r}"
@@ -283,7 +284,7 @@ class AppConfig(StrictModel):
             strategy=self.strategy,
             model=self.model,
             router=self.router,
-            split_policy=_stretched_split_policy(self.split_policy, self.engine.time_scale),
+            prefill_policy=_stretched_prefill_policy(self.prefill_policy, self.engine.time_scale),
             qos=_stretched_qos(self.qos, self.engine.time_scale),
             kv_transfer=self.kv_transfer if self.strategy in KV_STRATEGIES else None,
             engine_backend=self.engine.backend,
@@ -306,8 +307,10 @@ def _stretched_qos(qos: QoSConfig, time_scale: float) -> QoSConfig:
     return qos.model_copy(update=update)
 
 
-def _stretched_split_policy(policy: SplitPolicyConfig, time_scale: float) -> SplitPolicyConfig:
-    """The split policy's times (its ``*_s`` fields) in the router's clock, as QoS's."""
+def _stretched_prefill_policy(
+    policy: PrefillPolicyConfig, time_scale: float
+) -> PrefillPolicyConfig:
+    """The prefill policy's times (its ``*_s`` fields) in the router's clock, as QoS's."""
     if time_scale == 1.0:
         return policy
     fields = policy.settings.model_dump()

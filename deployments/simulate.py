@@ -3,7 +3,7 @@ virtual time, as fast as the machine computes it.
 
 The engines are the simulated backend's scheduler (engines/simulated/scheduler.py) on a
 latency profile's time; the router is the router's own decision-making: its
-``Dispatcher`` (replica choice, split policy, role-free peers), ``AdmissionControl``
+``Dispatcher`` (replica choice, prefill policy, role-free peers), ``AdmissionControl``
 (QoS), and one ``ReplicaState`` per engine, fed as the router feeds them (prefill tickets,
 first-token and step times, the engines' stats every ``router.stats_interval_s``, their
 KV events). Only HTTP, tokenization and the relay of tokens are left out: they cost the

@@ -409,7 +409,7 @@ def write_yaml(
     if advice.winner in PD_MODES and advice.pd_fit is not None:
         fit = advice.pd_fit
         if advice.winner == "pd":
-            args["split_policy"] = {"mode": "conditional", **fit.thresholds}
+            args["prefill_policy"] = {"name": "conditional", **fit.thresholds}
         args["qos"] = {**args.get("qos", {}), **fit.qos}
     args.setdefault("router", {})["traffic_profile"] = traffic_profile(advice)
     header = (
@@ -499,7 +499,7 @@ def write_report(advice: Advice, out_dir: Path, yaml_path: Path) -> tuple[Path, 
             ),
             f"- P:D = 1 : {1 / fit.prefill_per_decode:.2f} (prefill engines per decode engine"
             f" {fit.prefill_per_decode:.2f})",
-            f"- split_policy: {fit.thresholds}",
+            f"- prefill_policy: {fit.thresholds}",
             f"- qos: {fit.qos}",
         ]
     if advice.plan is not None:

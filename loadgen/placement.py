@@ -232,7 +232,7 @@ def _set_objectives(args: dict[str, Any], objectives: Objectives) -> None:
         qos["early_rejection_s"] = {
             priority: min(limit, objectives.ttft_s) for priority, limit in rejection.items()
         }
-    split = args.get("split_policy")
+    split = args.get("prefill_policy")
     if isinstance(split, dict) and "remote_ttft_max_s" in split:
         split["remote_ttft_max_s"] = objectives.ttft_s / 2
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from engines.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
-from router.pd_flow import PrefillDecodeFlow, PrefillOutcome
+from router.pd_flow import PrefillDecodeFlow
+from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
 from router.policies.qos import ENGINE_PRIORITY
 from router.policies.replica_choice import Choice, ReplicaChoice, make_replica_choice
-from router.policies.split_policy import SplitDecision, SplitInputs, make_split_policy
 from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
 from router.pool.prefix_index import PromptBlocks
@@ -35,7 +35,7 @@ class Plan:
     priority: Priority
     main: Choice  # the replica that generates the answer (mixed or decode)
     prefill: Choice | None  # PD remote prefill only
-    decision: SplitDecision
+    decision: PrefillDecision  # amended by the PD flow where a remote prefill cannot run
     # Of the replica that computes the prompt: expected prefix-cache hit, tokens left.
     expected_cached_tokens: int
     prefill_tokens: int
@@ -56,20 +56,24 @@ class Dispatch:
     plan: Plan
     stream: AsyncIterator[GenerateChunk]
     replicas: list[EngineClient]  # whose in-flight counts this request adds to
-    outcome: PrefillOutcome
     prefill_replica: EngineClient
     expected_cached_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
     released: bool = False  # its stream closed and its counts undone (router/http/ingress.py)
     disaggregated: bool = False
 
+    @property
+    def decision(self) -> PrefillDecision:
+        """Where the prompt was computed, as it ran (final once the first token exists)."""
+        return self.plan.decision
+
     def response_headers(self) -> dict[str, str]:
         """Where the request ran, as it ran: read once its first token exists, since a
         remote prefill that fails falls back to the decode replica."""
         headers = dict(self.headers)
         if self.disaggregated:
-            headers[PREFILL_HEADER] = f"{self.outcome.where}:{self.outcome.reason}"
-            if self.outcome.where == "remote":
+            headers[PREFILL_HEADER] = f"{self.decision.where}:{self.decision.reason}"
+            if self.decision.remote:
                 headers[PREFILL_REPLICA_HEADER] = self.prefill_replica.name
         return headers
 
@@ -96,8 +100,8 @@ class Dispatcher:
             role: make_replica_choice(name, router.choice_settings(name))
             for role, name in self._choice_names.items()
         }
-        split = settings.split_policy
-        self._split_policy = make_split_policy(split.mode, split.settings, settings.qos)
+        split = settings.prefill_policy
+        self._prefill_policy = make_prefill_policy(split.name, split.settings, settings.qos)
         self._pd = PrefillDecodeFlow(kv) if kv is not None else None
         self._transfer_s = transfer_s or (lambda tokens: None)
 
@@ -133,21 +137,22 @@ class Dispatcher:
         main = self._choose(main_role, prompt, adapter) or Choice(
             self._pool.of_role(main_role)[0], "unhealthy"
         )
-        decision = SplitDecision("local", "colocated")
+        decision = PrefillDecision("local", "colocated")
         prefill = None
         if self._pd is not None:
             prefill = self._prefill_candidate(main.replica, prompt, priority, adapter)
             if (stays := _stays_on_one_engine(request)) is not None:
-                decision, prefill = SplitDecision("local", stays), None
+                decision, prefill = PrefillDecision("local", stays), None
             elif prefill is None:
                 unavailable = "no_peer" if self._role_free else "prefill_unavailable"
-                decision = SplitDecision("local", unavailable)
+                decision = PrefillDecision("local", unavailable)
             else:
-                decision = self._split_policy.decide(
-                    self._split_inputs(prompt, priority, main.replica, prefill.replica)
+                decision = self._prefill_policy.decide(
+                    self._prefill_inputs(prompt, priority, main.replica, prefill.replica)
                 )
-                if decision.remote and self._role_free:
-                    main, decision = _whole_on_peer(main, prefill, decision)
+                if decision.remote and self._role_free and decision.whole_on_peer:
+                    # A split would not pay: the peer computes and generates it all.
+                    main, decision = prefill, PrefillDecision("local", decision.whole_on_peer)
                 prefill = prefill if decision.remote else None
         computes = (prefill or main).replica.state
         by_signal = computes.cached_tokens_by_signal(prompt)
@@ -187,18 +192,18 @@ class Dispatcher:
 
         return Choice(min(peers, key=soonest), PEER_CHOICE)
 
-    def _split_inputs(
+    def _prefill_inputs(
         self,
         prompt: PromptBlocks,
         priority: Priority,
         decode: EngineClient,
         prefill: EngineClient,
-    ) -> SplitInputs:
+    ) -> PrefillInputs:
         engine_priority = ENGINE_PRIORITY[priority]
         local_cached = decode.state.cached_tokens(prompt)
         remote_tokens = max(1, len(prompt) - prefill.state.cached_tokens(prompt))
         local_tokens = max(1, len(prompt) - local_cached)
-        return SplitInputs(
+        return PrefillInputs(
             prompt_len=len(prompt),
             prefix_cached_len=local_cached,
             prefill_queue=prefill.state.prefill_queue,
@@ -215,11 +220,10 @@ class Dispatcher:
         main = plan.main.replica
         headers = {REPLICA_HEADER: main.name}
         main.state.record_prompt(plan.prompt)
-        outcome = PrefillOutcome(plan.decision.where, plan.decision.reason)
         if plan.prefill is None:
             if self._pd is not None:
                 stream = self._pd.run(
-                    plan.request, main, None, outcome, plan.prefill_tokens, on_accepted
+                    plan.request, main, None, plan.decision, plan.prefill_tokens, on_accepted
                 )
             else:
                 stream = main.generate(plan.request, plan.prefill_tokens, on_accepted)
@@ -227,7 +231,6 @@ class Dispatcher:
                 plan,
                 stream,
                 [main],
-                outcome,
                 main,
                 plan.expected_cached_tokens,
                 headers,
@@ -238,13 +241,12 @@ class Dispatcher:
         # The decode replica caches the blocks it loads, as if it had computed them.
         prefill.state.record_prompt(plan.prompt)
         stream = self._pd.run(
-            plan.request, main, prefill, outcome, plan.prefill_tokens, on_accepted
+            plan.request, main, prefill, plan.decision, plan.prefill_tokens, on_accepted
         )
         return Dispatch(
             plan,
             stream,
             [prefill, main],
-            outcome,
             prefill,
             plan.expected_cached_tokens,
             headers,
@@ -280,7 +282,7 @@ def _holding(replicas: list[EngineClient], adapter: str | None) -> list[EngineCl
     return holders or replicas
 
 
-# Why a request's prompt is computed where it is generated, whatever the split policy.
+# Why a request's prompt is computed where it is generated, whatever the prefill policy.
 PARALLEL_SAMPLING = "parallel_sampling"
 
 
@@ -291,26 +293,3 @@ def _stays_on_one_engine(request: GenerateRequest) -> str | None:
     if (getattr(request.sampling_params, "n", 1) or 1) > 1:
         return PARALLEL_SAMPLING
     return None
-
-
-# Remote decisions that, in a role-free pool, send the whole request to the peer
-# instead, by reason (the cost policy's two; the conditional policy's decode_busy too),
-# and the reason the prompt then runs where it decodes. Other reasons (``always``,
-# ``long_prompt``, ``high_priority``) split as their policy decided.
-WHOLE_ON_PEER = {"remote_sooner": "peer_sooner", "decode_busy": "peer_less_busy"}
-
-
-def _whole_on_peer(
-    main: Choice, peer: Choice, decision: SplitDecision
-) -> tuple[Choice, SplitDecision]:
-    """In a role-free pool the engine chosen to prefill can decode too, and a split
-    would not pay: its decode request queues on the planned decode engine behind the
-    very work that made the peer sooner (``remote_sooner``; in bench/auto.py's
-    summarization phase TPOT p50 109 ms against dp's 28), or joins the busier batch
-    (``decode_busy``). On the peer the first token comes as soon, with no KV hand-over,
-    and no backlog of the first engine's stands between it and the rest
-    (docs/DECISIONS.md)."""
-    whole_reason = WHOLE_ON_PEER.get(decision.reason)
-    if whole_reason is None:
-        return main, decision
-    return peer, SplitDecision("local", whole_reason)

@@ -15,27 +15,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from engines.protocol import CONTINUE_FROM, GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
+from router.policies.prefill_policy import PrefillDecision
 from router.pool.engine_client import EngineClient, EngineFailed
 
 logger = logging.getLogger("splitserve.router")
 
-# Outcomes where the decode replica prefilled although the plan was remote.
+# Decisions where the decode replica prefilled although the plan was remote.
 PREFILL_FALLBACK_REASONS = ("prefill_failed", "no_prefill_replica")
-
-
-@dataclass(slots=True)
-class PrefillOutcome:
-    """Where the prompt was computed, and why there if not as planned."""
-
-    where: str  # "remote" or "local"
-    reason: str
 
 
 class PrefillDecodeFlow:
@@ -49,14 +41,15 @@ class PrefillDecodeFlow:
         request: GenerateRequest,
         decode: EngineClient,
         prefill: EngineClient | None,
-        outcome: PrefillOutcome,
+        decision: PrefillDecision,
         prefill_tokens: int | None = None,
         on_accepted: Callable[[], None] | None = None,
     ) -> AsyncIterator[GenerateChunk]:
-        """Deltas of the whole answer; ``outcome`` is filled in as the flow decides.
+        """Deltas of the whole answer; ``decision`` is amended if the prompt cannot run remotely
+        .
 
-        ``prefill_tokens``: prompt tokens left to compute after the expected prefix-cache
-        hit, on whichever replica prefills (see EngineClient.generate).
+                ``prefill_tokens``: prompt tokens left to compute after the expected prefix-cache
+                hit, on whichever replica prefills (see EngineClient.generate).
         """
         first: GenerateChunk | None = None
         if prefill is not None:
@@ -66,11 +59,11 @@ class PrefillDecodeFlow:
                 )
             except EngineFailed as error:
                 logger.warning("prefill on %s failed, prefilling locally: %s", prefill.name, error)
-                outcome.where, outcome.reason = "local", "prefill_failed"
+                decision.fall_back("prefill_failed")
                 prefill_tokens = None  # the decode replica's cache was not what was planned
         if first is None:
-            if outcome.where == "remote":
-                outcome.where, outcome.reason = "local", "no_prefill_replica"
+            if decision.remote:
+                decision.fall_back("no_prefill_replica")
             async for chunk in decode.generate(request, prefill_tokens, on_accepted):
                 yield chunk
             return

@@ -1,20 +1,20 @@
-"""The router's settings, as the ``router:``, ``split_policy:`` and ``qos:`` blocks of a
+"""The router's settings, as the ``router:``, ``prefill_policy:`` and ``qos:`` blocks of a
 Serve YAML's ``args`` give them. Every threshold the router acts on lives here or in
 the settings model of the policy that uses it (``settings_model`` of a registered
-replica choice or split policy).
+replica choice or prefill policy).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, SerializeAsAny, field_validator, model_validator
 
 from engines.protocol import EngineRole
 from engines.settings import EngineSpec, ModelConfig, PlacementConfig
 from kv_transfer.settings import KVTransferConfig
-from splitserve.config_base import StrictModel
+from splitserve.config_base import StrictModel, refuse_renamed
 from splitserve.registry import split_named_block, validate_settings
 
 Priority = Literal["high", "normal", "low"]
@@ -43,10 +43,10 @@ def _replica_choices() -> Any:
     return REPLICA_CHOICES
 
 
-def _split_policies() -> Any:
-    from router.policies.split_policy import SPLIT_POLICIES
+def _prefill_policies() -> Any:
+    from router.policies.prefill_policy import PREFILL_POLICIES
 
-    return SPLIT_POLICIES
+    return PREFILL_POLICIES
 
 
 class TrafficProfile(StrictModel):
@@ -235,14 +235,15 @@ class RouterConfig(StrictModel):
         return configured or validate_settings(_replica_choices(), name, {}, name)
 
 
-class SplitPolicyConfig(StrictModel):
-    """PD and auto only: which registered split policy decides where a prompt is
-    computed, and its settings; in YAML one flat block, ``mode`` plus the policy's own
+class PrefillPolicyConfig(StrictModel):
+    """PD and auto only: which registered prefill policy decides where a prompt is
+    computed, and its settings; in YAML one flat block, ``name`` plus the policy's own
     fields."""
 
-    mode: str = Field(
+    RENAMED: ClassVar[dict[str, str]] = {"mode": "name"}
+    name: str = Field(
         "conditional",
-        description="A registered split policy (router.split_policy): always (the study's PD),"
+        description="A registered prefill policy (router.prefill_policy): always (the study's PD),"
         " never (the decode replica prefills every prompt), conditional, cost (weighs the"
         " KV hand-over and both engines' load; auto's default).",
     )
@@ -250,12 +251,13 @@ class SplitPolicyConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _settings_of_mode(cls, data: Any) -> Any:
-        return split_named_block(data, "mode", "conditional", _split_policies(), "split_policy")
+    def _settings_of_policy(cls, data: Any) -> Any:
+        refuse_renamed(cls.RENAMED, data)
+        return split_named_block(data, "name", "conditional", _prefill_policies(), "prefill_policy")
 
     def flat(self) -> dict[str, Any]:
-        """As the YAML writes it: ``mode`` and the policy's fields in one block."""
-        return {"mode": self.mode, **self.settings.model_dump()}
+        """As the YAML writes it: ``name`` and the policy's fields in one block."""
+        return {"name": self.name, **self.settings.model_dump()}
 
 
 class QoSConfig(StrictModel):
@@ -424,7 +426,7 @@ class IngressSettings(StrictModel):
     strategy: str
     model: ModelConfig
     router: RouterConfig
-    split_policy: SplitPolicyConfig
+    prefill_policy: PrefillPolicyConfig
     qos: QoSConfig
     kv_transfer: KVTransferConfig | None = None  # PD and auto only
     engine_backend: str = "vllm"

@@ -1,4 +1,4 @@
-"""Name -> class registries: the extension points (replica choice, PD split policy,
+"""Name -> class registries: the extension points (replica choice, PD prefill policy,
 KV backend, engine backend, workload kind, arrival process).
 
 Adding one is one new file with a class and a ``@REGISTRY.register("name")`` line;

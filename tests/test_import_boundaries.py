@@ -135,8 +135,8 @@ def test_the_scan_sees_every_package() -> None:
         assert any(True for _ in modules_of(package)), package
     assert sum(1 for _ in modules_of("loadgen")) >= 10
     # The scan finds imports of every kind it claims to.
-    found = {i.module for i in imports_of(REPO / "router" / "policies" / "split_policy.py")}
-    assert "router.policies.split_policies" in found  # a registry's builtins
+    found = {i.module for i in imports_of(REPO / "router" / "policies" / "prefill_policy.py")}
+    assert "router.policies.prefill_policies" in found  # a registry's builtins
 
 
 def test_only_deployments_tests_and_bench_import_deployments() -> None:

@@ -56,8 +56,9 @@ from router.http.vllm_frontend import (
 from router.observation.metrics import ModelMetrics
 from router.observation.traffic_drift import TrafficDrift
 from router.observation.traffic_record import TrafficRecorder
-from router.pd_flow import PREFILL_FALLBACK_REASONS, PrefillOutcome
+from router.pd_flow import PREFILL_FALLBACK_REASONS
 from router.policies.prefill_gate import PrefillGate
+from router.policies.prefill_policy import PrefillDecision
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Rejection, take_priority
 from router.pool.calibration import calibrate_ttft
 from router.pool.engine_client import (
@@ -493,7 +494,7 @@ class ServedModel:
         try:
             async for chunk, now in _after(first, dispatch.stream):
                 if chunk.token_ids and streamed:
-                    self._observe_token_timing(call.arrival, last_token_at, now, dispatch.outcome)
+                    self._observe_token_timing(call.arrival, last_token_at, now, dispatch.decision)
                     last_token_at = now
                 if not generated and chunk.token_ids:
                     self._observe_prefix_estimate(dispatch, chunk)
@@ -561,8 +562,8 @@ class ServedModel:
         dispatch.released = True
         self._track(dispatch.replicas, -1)
         await dispatch.stream.aclose()
-        outcome = dispatch.outcome
-        self.metrics.prefill_decisions.labels(outcome.where, outcome.reason).inc()
+        decision = dispatch.decision
+        self.metrics.prefill_decisions.labels(decision.where, decision.reason).inc()
 
     def _admit_early(self, priority: Priority) -> None:
         if not self.readiness.is_ready:
@@ -640,7 +641,7 @@ class ServedModel:
                 yield opening
             async for chunk, now in _after(first, stream):
                 if chunk.token_ids and prepared.stream:
-                    self._observe_token_timing(arrival, last_token_at, now, dispatch.outcome)
+                    self._observe_token_timing(arrival, last_token_at, now, dispatch.decision)
                     last_token_at = now
                 is_first = not transcript.token_ids
                 if is_first:
@@ -697,7 +698,7 @@ class ServedModel:
 
     def _observe_prefix_estimate(self, dispatch: Dispatch, chunk: GenerateChunk) -> None:
         """Set the router's prefix-cache estimate beside what vLLM found, per replica."""
-        if dispatch.outcome.reason in PREFILL_FALLBACK_REASONS:
+        if dispatch.decision.reason in PREFILL_FALLBACK_REASONS:
             return  # another replica computed the prompt than the one estimated for
         name = dispatch.prefill_replica.name
         tokens = self.metrics.prefix_cache_tokens
@@ -709,10 +710,10 @@ class ServedModel:
             self.metrics.prefix_estimate_error.labels(signal).observe(error)
 
     def _observe_token_timing(
-        self, arrival: float, last_token_at: float | None, now: float, outcome: PrefillOutcome
+        self, arrival: float, last_token_at: float | None, now: float, decision: PrefillDecision
     ) -> None:
         if last_token_at is None:
-            self.metrics.ttft.labels(self._mode, outcome.where).observe(now - arrival)
+            self.metrics.ttft.labels(self._mode, decision.where).observe(now - arrival)
         else:
             self._itl.observe(now - last_token_at)
 

@@ -3,7 +3,7 @@ the KV connector both ways, and the KV a prompt computed on one engine is loaded
 other with the same greedy tokens as one engine gives.
 
 The YAML's cost policy decides by load, which a test cannot steer; this module serves
-auto.yaml with ``split_policy.mode: always`` (every prompt prefilled on the engine that
+auto.yaml with ``prefill_policy.name: always`` (every prompt prefilled on the engine that
 does not decode it), so each engine is producer and consumer many times over. The cost
 policy's decisions are tested without a cluster (tests/router/policies/test_cost_split.py,
 test_role_free.py).
@@ -64,7 +64,7 @@ def reference(single_answers: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def auto_app(reference: dict, served_apps: ServedApps, serve_logs: Path) -> RunningApp:
     document = yaml.safe_load(config_path("auto").read_text())
-    document["applications"][0]["args"]["split_policy"] = {"mode": "always"}
+    document["applications"][0]["args"]["prefill_policy"] = {"name": "always"}
     path = serve_logs / "auto_always.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return served_apps.get(str(path))

@@ -39,19 +39,19 @@ def test_shipped_configs_are_valid(name: str) -> None:
 def test_auto_engines_hand_kv_both_ways_and_weigh_the_cost_by_default() -> None:
 
     config = parse_app_config({"strategy": "auto", "pools": [{"replicas": 2}]})
-    assert config.split_policy.mode == "cost"
+    assert config.prefill_policy.name == "cost"
     assert config.ingress_settings().kv_transfer is not None
     for name, pool, index in engine_names(config):
         spec = engine_spec(config, name, pool, index)
         assert spec.kv_transfer is not None and spec.kv_transfer["kv_role"] == "kv_both"
     chosen = parse_app_config(
-        {"strategy": "auto", "pools": [{"replicas": 2}], "split_policy": {"mode": "always"}}
+        {"strategy": "auto", "pools": [{"replicas": 2}], "prefill_policy": {"name": "always"}}
     )
-    assert chosen.split_policy.mode == "always"
+    assert chosen.prefill_policy.name == "always"
     tuned = parse_app_config(
-        {"strategy": "auto", "pools": [{"replicas": 2}], "split_policy": {"max_transfer_s": 1}}
+        {"strategy": "auto", "pools": [{"replicas": 2}], "prefill_policy": {"max_transfer_s": 1}}
     )
-    assert tuned.split_policy.flat()["max_transfer_s"] == 1
+    assert tuned.prefill_policy.flat()["max_transfer_s"] == 1
 
 
 def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
@@ -170,25 +170,26 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             "strategy 'auto' needs one 'mixed' pool",
         ),
         (
-            {"strategy": "dp", "pools": [{"replicas": 2}], "split_policy": {"mode": "never"}},
-            "split_policy is for strategies 'pd' and 'auto', not 'dp'",
+            {"strategy": "dp", "pools": [{"replicas": 2}], "prefill_policy": {"name": "never"}},
+            "prefill_policy is for strategies 'pd' and 'auto', not 'dp'",
         ),
         (
             {
                 "strategy": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
-                "split_policy": {"mode": "sometimes"},
+                "prefill_policy": {"name": "sometimes"},
             },
-            "split_policy: unknown split policy 'sometimes'; registered: always, conditional,"
+            "prefill_policy: unknown prefill policy 'sometimes'; registered: always, conditional,"
             " cost, never",
         ),
         (
             {
                 "strategy": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
-                "split_policy": {"prompt_length_threshold": 0},
+                "prefill_policy": {"prompt_length_threshold": 0},
             },
-            "  - split_policy.prompt_length_threshold: Input should be greater than or equal to 1",
+            "  - prefill_policy.prompt_length_threshold:"
+            " Input should be greater than or equal to 1",
         ),
         (
             {
@@ -328,6 +329,23 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             },
             "pools with engines_per_process > 1 run in engine processes of their own",
         ),
+        # Renamed keys name their new name, not just "extra inputs".
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "split_policy": {"name": "always"},
+            },
+            "renamed: 'split_policy' is now 'prefill_policy'",
+        ),
+        (
+            {
+                "strategy": "pd",
+                "pools": [{"role": "prefill"}, {"role": "decode"}],
+                "prefill_policy": {"mode": "always"},
+            },
+            "prefill_policy: renamed: 'mode' is now 'name'",
+        ),
     ],
 )
 def test_bad_config_names_the_field(args: dict, message: str) -> None:
@@ -339,9 +357,9 @@ def test_bad_config_names_the_field(args: dict, message: str) -> None:
 def test_pd_always_is_pd_without_the_policies() -> None:
     conditional = load_app_config(DEPLOYMENTS / "pd.yaml")
     always = load_app_config(DEPLOYMENTS / "pd_always.yaml")
-    assert (always.split_policy.mode, always.qos.enabled) == ("always", False)
-    assert conditional.split_policy.mode == "conditional" and conditional.qos.enabled
-    policies = {"router", "split_policy", "qos", "pools"}
+    assert (always.prefill_policy.name, always.qos.enabled) == ("always", False)
+    assert conditional.prefill_policy.name == "conditional" and conditional.qos.enabled
+    policies = {"router", "prefill_policy", "qos", "pools"}
     assert always.model_dump(exclude=policies) == conditional.model_dump(exclude=policies)
     for ours, theirs in zip(always.pools, conditional.pools, strict=True):
         # Priority scheduling only orders requests; the engines are otherwise the same.
@@ -616,7 +634,7 @@ def test_simulated_engines_time_scale_stretches_the_routers_objectives() -> None
         priority: 20 * seconds for priority, seconds in plain.qos.early_rejection_s.items()
     }
     assert stretched.qos.retry_after_s == plain.qos.retry_after_s  # the client's clock
-    plain_split, split = plain.split_policy.settings, stretched.split_policy.settings
+    plain_split, split = plain.prefill_policy.settings, stretched.prefill_policy.settings
     assert split.max_transfer_s == 20 * plain_split.max_transfer_s
     assert split.min_ttft_gain == plain_split.min_ttft_gain  # a ratio
     assert split.prompt_length_threshold == plain_split.prompt_length_threshold

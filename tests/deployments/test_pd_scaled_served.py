@@ -70,7 +70,7 @@ def scaled_pd(reference: list, served_apps: ServedApps, serve_logs: Path) -> Run
     decode = next(pool for pool in args["pools"] if pool["role"] == "decode")
     decode["cpu_binds"] = ["1", "0"]  # by rank in the pool: the second shares core 0
     decode["autoscaling"] = SCALING
-    args["split_policy"] = {"mode": "always"}  # every prompt's KV crosses to a decode engine
+    args["prefill_policy"] = {"name": "always"}  # every prompt's KV crosses to a decode engine
     args["router"]["replica_choice"]["decode"] = "round_robin"  # each engine in turn
     path = serve_logs / "pd_scaled.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))

@@ -100,7 +100,7 @@ def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: P
     _write_sweep(tmp_path / "sweep", {"single": 1, "dp": 2, "pd_always": 2, "pd": 4}, 5e-5)
     yaml_path, report = _advise(tmp_path)
     config = load_app_config(yaml_path)
-    assert config.strategy == "pd" and config.split_policy.mode == "conditional"
+    assert config.strategy == "pd" and config.prefill_policy.name == "conditional"
     assert config.qos.enabled and config.qos.ttft_slo_s == pytest.approx(0.5)
     # What the split was chosen for, so the router can tell when traffic drifts from it:
     # pd met the objectives up to 4 req/s and missed them all at 8 (knee 4 + 4 x 0.1).

@@ -94,7 +94,7 @@ def test_a_candidate_keeps_its_templates_engine_arguments_and_takes_the_objectiv
     assert [pool["replicas"] for pool in args["pools"]] == [6, 2]
     assert args["qos"]["ttft_slo_s"] == 0.25
     assert args["qos"]["early_rejection_s"] == {"low": 0.25}  # never past the objective
-    assert args["split_policy"]["remote_ttft_max_s"] == 0.125
+    assert args["prefill_policy"]["remote_ttft_max_s"] == 0.125
     assert template["applications"][0]["args"]["pools"][0]["replicas"] == 1  # not changed
 
 

@@ -26,12 +26,12 @@ CONSUMER = "decode-0-consumer"
 class Cluster:
     """One prefill and one decode client over fake links, and the KV handles released."""
 
-    def __init__(self, split_mode: str = "always") -> None:
+    def __init__(self, policy: str = "always") -> None:
         config = parse_app_config(
             {
                 "strategy": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
-                "split_policy": {"mode": split_mode},
+                "prefill_policy": {"name": policy},
             }
         )
         self.prefill_link = FakeEngineLink("prefill-0", "prefill")
@@ -96,7 +96,7 @@ def test_remote_prefill_hands_the_first_token_and_the_kv_to_decode() -> None:
     }
     assert len(_tokens(chunks)) == 5 and _tokens(chunks)[0] == first
     assert chunks[0].finish_reason is None and chunks[-1].finish_reason == "length"
-    assert (dispatch.outcome.where, dispatch.outcome.reason) == ("remote", "always")
+    assert (dispatch.decision.where, dispatch.decision.reason) == ("remote", "always")
     assert dispatch.headers[REPLICA_HEADER] == "decode-0"
     assert cluster.released == []  # the decode engine loaded it
 
@@ -111,7 +111,7 @@ def test_a_failed_prefill_is_computed_again_on_the_decode_replica() -> None:
     assert decode_request.sampling_params.max_tokens == 5
     assert decode_request.kv_transfer_params is None
     assert len(_tokens(chunks)) == 5
-    assert (dispatch.outcome.where, dispatch.outcome.reason) == ("local", "prefill_failed")
+    assert (dispatch.decision.where, dispatch.decision.reason) == ("local", "prefill_failed")
 
 
 def test_a_one_token_answer_never_reaches_decode_and_frees_its_kv() -> None:
@@ -138,14 +138,14 @@ def test_an_unhealthy_prefill_pool_means_local_prefill() -> None:
 
     assert cluster.prefill_link.submitted == []
     assert len(_tokens(chunks)) == 3
-    assert dispatch.outcome.where == "local"
+    assert dispatch.decision.where == "local"
     assert dispatch.response_headers()[PREFILL_HEADER] == "local:prefill_unavailable"
 
 
 def test_never_keeps_every_prompt_on_the_decode_replica() -> None:
-    cluster = Cluster(split_mode="never")
+    cluster = Cluster(policy="never")
     dispatch, _ = cluster.run(max_tokens=3)
 
     assert cluster.prefill_link.submitted == []
     assert [r.prompt_token_ids for r in cluster.decode_link.submitted] == [PROMPT]
-    assert dispatch.outcome.where == "local"
+    assert dispatch.decision.where == "local"

@@ -103,10 +103,10 @@ async def test_time_scale_stretches_every_step(tmp_path: Path) -> None:
 
 async def test_pd_decode_waits_for_the_hand_over_of_the_prompts_kv(tmp_path: Path) -> None:
     pools = [{"role": "prefill"}, {"role": "decode"}]
-    split = {"mode": "always"}
+    split = {"name": "always"}
     engine = _engine(tmp_path)
     async with in_process_router(
-        strategy="pd", pools=pools, engine=engine, split_policy=split
+        strategy="pd", pools=pools, engine=engine, prefill_policy=split
     ) as router:
         async with http_client(router) as client:
             await ready(client, timeout_s=20)

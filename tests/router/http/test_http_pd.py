@@ -60,11 +60,11 @@ def submitted(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[GenerateRequest
 
 @asynccontextmanager
 async def pd(mode: str = "always", **args: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
-    """A ready PD router whose split policy is ``mode``, and an HTTP client of it."""
+    """A ready PD router whose prefill policy is ``mode``, and an HTTP client of it."""
     pools = [{"role": "prefill"}, {"role": "decode"}]
-    split = {"mode": mode}
+    split = {"name": mode}
     async with (
-        in_process_router(strategy="pd", pools=pools, split_policy=split, **args) as router,
+        in_process_router(strategy="pd", pools=pools, prefill_policy=split, **args) as router,
         http_client(router) as client,
     ):
         await ready(client)

@@ -1,12 +1,12 @@
-"""The role-free pool's split policy (``cost``) and the measured KV hand-over cost it
+"""The role-free pool's prefill policy (``cost``) and the measured KV hand-over cost it
 reads, as pure functions."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.policies.split_policies import CostSettings, cheaper_side
-from router.policies.split_policy import SplitInputs
+from router.policies.prefill_policies import CostSettings, cheaper_side
+from router.policies.prefill_policy import PrefillDecision, PrefillInputs
 from router.pool.engine_state import TransferCostMeter
 from router.settings import QoSConfig
 
@@ -14,6 +14,10 @@ COST = CostSettings(
     prompt_length_threshold=256, decode_load_threshold=4, max_transfer_s=0.25, min_ttft_gain=0.0
 )
 QOS = QoSConfig(enabled=True, ttft_slo_s=2.0, low_priority_remote_max_queue=2)
+
+
+def _where_why(decision: PrefillDecision) -> tuple[str, str]:
+    return decision.where, decision.reason
 
 
 def _decide(
@@ -30,7 +34,7 @@ def _decide(
     settings: CostSettings = COST,
     qos: QoSConfig = QOS,
 ) -> tuple[str, str]:
-    inputs = SplitInputs(
+    inputs = PrefillInputs(
         prompt_len=prompt,
         prefix_cached_len=cached,
         prefill_queue=queue,
@@ -41,7 +45,7 @@ def _decide(
         prefill_active=prefill_active,
         transfer_s=transfer,
     )
-    return tuple(cheaper_side(inputs, settings, qos))  # type: ignore[return-value]
+    return _where_why(cheaper_side(inputs, settings, qos))
 
 
 def test_a_prompt_short_after_its_prefix_hit_stays_where_it_decodes() -> None:

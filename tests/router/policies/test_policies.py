@@ -9,6 +9,8 @@ from http import HTTPStatus
 import pytest
 
 from engines.protocol import EngineStats
+from router.policies.prefill_policies import ConditionalSettings, should_prefill_remotely
+from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
 from router.policies.qos import AdmissionControl, Rejection, take_priority
 from router.policies.replica_choices import (
     LeastLoaded,
@@ -16,8 +18,6 @@ from router.policies.replica_choices import (
     PrefixAffinitySettings,
     RoundRobin,
 )
-from router.policies.split_policies import ConditionalSettings, should_prefill_remotely
-from router.policies.split_policy import SplitInputs, make_split_policy
 from router.pool.engine_client import EngineClient
 from router.pool.prefix_index import PrefixIndex, PromptBlocks
 from router.pool.replica_state import ReplicaState
@@ -31,6 +31,10 @@ CHAPTER = ConditionalSettings(
     decode_busy_min_length=64,
 )
 QOS = QoSConfig(low_priority_remote_max_queue=2)
+
+
+def _where_why(decision: PrefillDecision) -> tuple[str, str]:
+    return decision.where, decision.reason
 
 
 @pytest.mark.parametrize(
@@ -60,16 +64,16 @@ QOS = QoSConfig(low_priority_remote_max_queue=2)
 def test_conditional_split(
     prompt: int, cached: int, queue: int, decode: int, priority: str, expected: tuple[str, str]
 ) -> None:
-    inputs = SplitInputs(prompt, cached, queue, decode, priority)  # type: ignore[arg-type]
-    assert tuple(should_prefill_remotely(inputs, CHAPTER, QOS)) == expected
+    inputs = PrefillInputs(prompt, cached, queue, decode, priority)  # type: ignore[arg-type]
+    assert _where_why(should_prefill_remotely(inputs, CHAPTER, QOS)) == expected
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("always", "remote"), ("never", "local")])
 def test_fixed_modes_ignore_everything_else(mode: str, expected: str) -> None:
-    policy = make_split_policy(mode, CHAPTER, QOS)
+    policy = make_prefill_policy(mode, CHAPTER, QOS)
     for prompt, queue, priority in [(5, 0, "normal"), (4000, 50, "low"), (4000, 50, "high")]:
-        decision = policy.decide(SplitInputs(prompt, 0, queue, 20, priority))  # type: ignore[arg-type]
-        assert decision == (expected, mode)
+        decision = policy.decide(PrefillInputs(prompt, 0, queue, 20, priority))  # type: ignore[arg-type]
+        assert _where_why(decision) == (expected, mode)
 
 
 # ---- prefix mirror ---------------------------------------------------------------------
@@ -315,8 +319,8 @@ def test_the_estimate_counts_what_is_inside_and_what_waits_ahead_of_the_priority
 
 def test_high_priority_facing_a_full_prefill_pool_goes_where_it_starts_sooner() -> None:
     def decide(remote: float | None, local: float | None) -> tuple[str, str]:
-        inputs = SplitInputs(1000, 0, 10, 0, "high", remote, local)
-        return tuple(should_prefill_remotely(inputs, CHAPTER, QOS))  # type: ignore[return-value]
+        inputs = PrefillInputs(1000, 0, 10, 0, "high", remote, local)
+        return _where_why(should_prefill_remotely(inputs, CHAPTER, QOS))
 
     assert decide(remote=3.0, local=1.0) == ("local", "high_priority_sooner_local")
     assert decide(remote=1.0, local=3.0) == ("remote", "high_priority")
@@ -325,8 +329,8 @@ def test_high_priority_facing_a_full_prefill_pool_goes_where_it_starts_sooner() 
 
 def test_a_prefill_pool_too_slow_for_the_slo_is_passed_over_for_a_sooner_decode() -> None:
     def decide(remote: float | None, local: float | None, qos: QoSConfig) -> tuple[str, str]:
-        inputs = SplitInputs(1000, 0, 3, 0, "high", remote, local)
-        return tuple(should_prefill_remotely(inputs, CHAPTER, qos))  # type: ignore[return-value]
+        inputs = PrefillInputs(1000, 0, 3, 0, "high", remote, local)
+        return _where_why(should_prefill_remotely(inputs, CHAPTER, qos))
 
     on = QoSConfig(enabled=True, ttft_slo_s=2.0)
     assert decide(remote=3.0, local=1.0, qos=on) == ("local", "remote_too_slow")
@@ -340,6 +344,6 @@ def test_a_prefill_pool_too_slow_for_the_slo_is_passed_over_for_a_sooner_decode(
 def test_the_remote_ttft_limit_can_sit_below_the_objective() -> None:
     settings = CHAPTER.model_copy(update={"remote_ttft_max_s": 1.0})
     on = QoSConfig(enabled=True, ttft_slo_s=2.0)
-    inputs = SplitInputs(1000, 0, 3, 0, "high", 1.5, 0.5)  # type: ignore[arg-type]
-    assert tuple(should_prefill_remotely(inputs, settings, on)) == ("local", "remote_too_slow")
-    assert tuple(should_prefill_remotely(inputs, CHAPTER, on)) == ("remote", "long_prompt")
+    inputs = PrefillInputs(1000, 0, 3, 0, "high", 1.5, 0.5)  # type: ignore[arg-type]
+    assert _where_why(should_prefill_remotely(inputs, settings, on)) == ("local", "remote_too_slow")
+    assert _where_why(should_prefill_remotely(inputs, CHAPTER, on)) == ("remote", "long_prompt")

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.serving
 
 MODEL = "splitserve-tiny-llama"
 CONFIG = load_app_config(config_path("pd"))
-THRESHOLD = CONFIG.split_policy.settings.prompt_length_threshold
+THRESHOLD = CONFIG.prefill_policy.settings.prompt_length_threshold
 SLO_S = CONFIG.qos.ttft_slo_s
 _rng = random.Random(11)
 
@@ -104,7 +104,7 @@ def pd_app(served_apps: ServedApps) -> RunningApp:
 def _wait_engines_idle(base_url: str) -> None:
     """Until the router's last stats of every engine show nothing running or waiting: an
     app that an earlier module flooded reads as busy until its next stats poll, and the
-    split policy would send these tests' short prompts remote as 'decode_busy'."""
+    prefill policy would send these tests' short prompts remote as 'decode_busy'."""
     deadline = time.monotonic() + ENGINES_IDLE_WAIT_S
     while (busy := metric(base_url, "splitserve_engine_requests")) > 0:
         assert time.monotonic() < deadline, f"engines still report {busy:g} requests"
@@ -151,7 +151,7 @@ def test_long_prompt_goes_remote_and_its_prefix_then_stays_local(pd_app: Running
 
 
 def test_a_busy_prefill_pool_sends_long_prompts_local(pd_app: RunningApp) -> None:
-    queue_max = CONFIG.split_policy.settings.prefill_queue_max
+    queue_max = CONFIG.prefill_policy.settings.prefill_queue_max
     burst = 3 * queue_max
     prompts = [_prompt(4 * THRESHOLD) for _ in range(burst)]
     before = Snapshot.take(pd_app.base_url)

@@ -39,7 +39,7 @@ class RoleFreePool:
                 "strategy": "auto",
                 "pools": [{"role": "mixed", "replicas": engines}],
                 "router": {"replica_choice": "round_robin"},
-                "split_policy": {"mode": split},
+                "prefill_policy": {"name": split},
             }
         )
         self.links = [

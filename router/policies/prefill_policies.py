@@ -1,4 +1,4 @@
-"""The built-in PD split policies (see router/policies/split_policy.py): always, never,
+"""The built-in PD prefill policies (see router/policies/prefill_policy.py): always, never,
 conditional, cost.
 
 ``conditional`` follows the disaggregation chapter's ``should_offload_prefill`` (here
@@ -19,12 +19,22 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from router.policies.split_policy import SPLIT_POLICIES, SplitDecision, SplitInputs
+from router.policies.prefill_policy import PREFILL_POLICIES, PrefillDecision, PrefillInputs
 from router.settings import QoSConfig
 from splitserve.config_base import StrictModel
 
+# In a role-free pool the engine chosen to prefill can decode too, and for these two
+# reasons a split would not pay: its decode request would queue on the planned decode
+# engine behind the very work that made the peer sooner (remote_sooner; in
+# bench/auto.py's summarization phase TPOT p50 109 ms against dp's 28), or join the
+# busier batch (decode_busy). On the peer the first token comes as soon, with no KV
+# hand-over, and no backlog of the first engine's stands between it and the rest
+# (docs/DECISIONS.md). Other remote reasons split as decided.
+PEER_SOONER = "peer_sooner"
+PEER_LESS_BUSY = "peer_less_busy"
 
-@SPLIT_POLICIES.register("always")
+
+@PREFILL_POLICIES.register("always")
 class AlwaysRemote:
     """The study's PD: every prompt is prefilled on the prefill pool."""
 
@@ -33,11 +43,11 @@ class AlwaysRemote:
     def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
         pass
 
-    def decide(self, inputs: SplitInputs) -> SplitDecision:
-        return SplitDecision("remote", "always")
+    def decide(self, inputs: PrefillInputs) -> PrefillDecision:
+        return PrefillDecision("remote", "always")
 
 
-@SPLIT_POLICIES.register("never")
+@PREFILL_POLICIES.register("never")
 class NeverRemote:
     """The decode replica prefills every prompt (the prefill pool idles)."""
 
@@ -46,8 +56,8 @@ class NeverRemote:
     def __init__(self, settings: StrictModel, qos: QoSConfig) -> None:
         pass
 
-    def decide(self, inputs: SplitInputs) -> SplitDecision:
-        return SplitDecision("local", "never")
+    def decide(self, inputs: PrefillInputs) -> PrefillDecision:
+        return PrefillDecision("local", "never")
 
 
 class ConditionalSettings(StrictModel):
@@ -81,7 +91,7 @@ class ConditionalSettings(StrictModel):
     )
 
 
-@SPLIT_POLICIES.register("conditional")
+@PREFILL_POLICIES.register("conditional")
 class ConditionalSplit:
     """Remote when the prompt left after the decode replica's prefix hit is long and the
     prefill pool has room, or when the decode replica is busy; priorities as in QoS."""
@@ -93,52 +103,52 @@ class ConditionalSplit:
         self._settings = settings
         self._qos = qos
 
-    def decide(self, inputs: SplitInputs) -> SplitDecision:
+    def decide(self, inputs: PrefillInputs) -> PrefillDecision:
         return should_prefill_remotely(inputs, self._settings, self._qos)
 
 
 def should_prefill_remotely(
-    inputs: SplitInputs, policy: ConditionalSettings, qos: QoSConfig
-) -> SplitDecision:
+    inputs: PrefillInputs, policy: ConditionalSettings, qos: QoSConfig
+) -> PrefillDecision:
     """Where to prefill one prompt, by the chapter's rules (see the module docstring)."""
     queue = inputs.prefill_queue
     if _low_priority_kept_local(inputs, qos):
-        return SplitDecision("local", "low_priority")
+        return PrefillDecision("local", "low_priority")
     effective_len = max(0, inputs.prompt_len - inputs.prefix_cached_len)
     prefill_available = queue < policy.prefill_queue_max
     if effective_len >= policy.prompt_length_threshold:
         if prefill_available:
             if _remote_too_slow_and_local_sooner(inputs, policy, qos):
-                return SplitDecision("local", "remote_too_slow")
-            return SplitDecision("remote", "long_prompt")
+                return PrefillDecision("local", "remote_too_slow")
+            return PrefillDecision("remote", "long_prompt")
         if inputs.priority == "high" and policy.high_priority_bypasses_queue:
             # The prefill pool is full of other work, which high priority overtakes; it
             # still goes where its own priority's queue gives the earlier first token.
             if _local_is_sooner(inputs):
-                return SplitDecision("local", "high_priority_sooner_local")
-            return SplitDecision("remote", "high_priority")
-        return SplitDecision("local", "prefill_queue_full")
+                return PrefillDecision("local", "high_priority_sooner_local")
+            return PrefillDecision("remote", "high_priority")
+        return PrefillDecision("local", "prefill_queue_full")
     decode_busy = inputs.decode_active >= policy.decode_load_threshold
     if decode_busy and effective_len >= policy.decode_busy_min_length and prefill_available:
-        return SplitDecision("remote", "decode_busy")
+        return PrefillDecision("remote", "decode_busy", whole_on_peer=PEER_LESS_BUSY)
     if inputs.prompt_len >= policy.prompt_length_threshold:
-        return SplitDecision("local", "prefix_cached")
-    return SplitDecision("local", "short_prompt")
+        return PrefillDecision("local", "prefix_cached")
+    return PrefillDecision("local", "short_prompt")
 
 
-def _low_priority_kept_local(inputs: SplitInputs, qos: QoSConfig) -> bool:
+def _low_priority_kept_local(inputs: PrefillInputs, qos: QoSConfig) -> bool:
     """Remote prefill spends extra cluster resources for latency; under load they are
     kept for the requests that pay for it."""
     return inputs.priority == "low" and inputs.prefill_queue >= qos.low_priority_remote_max_queue
 
 
-def _local_is_sooner(inputs: SplitInputs) -> bool:
+def _local_is_sooner(inputs: PrefillInputs) -> bool:
     remote, local = inputs.remote_ttft_s, inputs.local_ttft_s
     return remote is not None and local is not None and local < remote
 
 
 def _remote_too_slow_and_local_sooner(
-    inputs: SplitInputs, policy: ConditionalSettings, qos: QoSConfig
+    inputs: PrefillInputs, policy: ConditionalSettings, qos: QoSConfig
 ) -> bool:
     """With QoS on, a prefill pool that is not full by count can still be too slow: a
     queue of long prompts ahead puts the first token past the objective. Prefilling
@@ -186,7 +196,7 @@ class CostSettings(StrictModel):
     )
 
 
-@SPLIT_POLICIES.register("cost")
+@PREFILL_POLICIES.register("cost")
 class CostSplit:
     """Remote when another engine gives the first token (plus the KV hand-over) sooner,
     or when the decode engine is busy and the other engine stalls fewer streams."""
@@ -198,31 +208,31 @@ class CostSplit:
         self._settings = settings
         self._qos = qos
 
-    def decide(self, inputs: SplitInputs) -> SplitDecision:
+    def decide(self, inputs: PrefillInputs) -> PrefillDecision:
         return cheaper_side(inputs, self._settings, self._qos)
 
 
-def cheaper_side(inputs: SplitInputs, policy: CostSettings, qos: QoSConfig) -> SplitDecision:
+def cheaper_side(inputs: PrefillInputs, policy: CostSettings, qos: QoSConfig) -> PrefillDecision:
     """Where to prefill one prompt when either side could (see the module docstring)."""
     if _low_priority_kept_local(inputs, qos):
-        return SplitDecision("local", "low_priority")
+        return PrefillDecision("local", "low_priority")
     if inputs.prompt_len - inputs.prefix_cached_len < policy.prompt_length_threshold:
-        return SplitDecision("local", "short_prompt")
+        return PrefillDecision("local", "short_prompt")
     transfer = inputs.transfer_s or 0.0
     if transfer > policy.max_transfer_s:
-        return SplitDecision("local", "transfer_too_slow")
+        return PrefillDecision("local", "transfer_too_slow")
     remote, local = inputs.remote_ttft_s, inputs.local_ttft_s
     if (
         remote is not None
         and local is not None
         and remote + transfer < local * (1 - policy.min_ttft_gain)
     ):
-        return SplitDecision("remote", "remote_sooner")
+        return PrefillDecision("remote", "remote_sooner", whole_on_peer=PEER_SOONER)
     decode_busy = inputs.decode_active >= policy.decode_load_threshold
     if decode_busy and inputs.prefill_active < inputs.decode_active:
         limit = policy.remote_ttft_max_s or (qos.ttft_slo_s if qos.enabled else None)
         if remote is None or limit is None or remote <= limit:
-            return SplitDecision("remote", "decode_busy")
-        return SplitDecision("local", "remote_too_slow")
+            return PrefillDecision("remote", "decode_busy", whole_on_peer=PEER_LESS_BUSY)
+        return PrefillDecision("local", "remote_too_slow")
     measured = remote is not None and local is not None
-    return SplitDecision("local", "local_sooner" if measured else "unmeasured")
+    return PrefillDecision("local", "local_sooner" if measured else "unmeasured")

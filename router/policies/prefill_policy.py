@@ -1,0 +1,90 @@
+"""PD prefill policy: whether a prompt is computed on the prefill pool (remote) or on
+the decode replica that will generate the answer (local).
+
+A policy is a class registered in ``PREFILL_POLICIES`` under the name configs use
+(``prefill_policy.name``), with a ``settings_model`` for the rest of the
+``prefill_policy:`` block. It decides from numbers the dispatcher gathers
+(``PrefillInputs``) and the QoS settings, without side effects, and says why (the
+``reason`` label of ``splitserve_prefill_decisions_total``). The built-in ones
+(``always``, ``never``, ``conditional``, ``cost``) are in ``router/policies/prefill_policies.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+from splitserve.config_base import StrictModel
+from splitserve.registry import Registry
+
+if TYPE_CHECKING:
+    from router.settings import Priority, QoSConfig
+
+Where = Literal["local", "remote"]
+
+
+@dataclass(slots=True)
+class PrefillDecision:
+    """Where a request's prompt is computed and why: ``remote`` (on a prefill engine, or
+    in a role-free pool on a peer, its KV then handed to the engine that generates) or
+    ``local`` (on the engine that generates). A policy returns a new one per request;
+    the PD flow amends it where a remote prefill cannot run, so that what is counted and
+    answered (``x-splitserve-prefill``) is where the prompt ran.
+
+    ``whole_on_peer``: in a role-free pool, for a remote decision whose peer would serve
+    the whole request better than a split, the reason it then runs there (local)."""
+
+    where: Where
+    reason: str
+    whole_on_peer: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.where == "remote"
+
+    def fall_back(self, reason: str) -> None:
+        """The planned remote prefill did not run: the generating engine computes it."""
+        self.where, self.reason = "local", reason
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInputs:
+    """What the dispatcher knows about one prompt when it plans it.
+
+    prompt_len: prompt tokens; prefix_cached_len: of those, expected in the decode
+    replica's prefix cache; prefill_queue: prefills queued or running on the prefill
+    replica that would take it; decode_active: requests active on the decode replica;
+    prefill_active: requests active on the prefill replica (in a role-free pool, the
+    decodes a remote prefill would stall there); the two TTFT estimates count only the
+    work queued ahead of this priority; transfer_s: the KV hand-over's expected time
+    for this prompt, at the rate the object store measured (None until measured).
+    """
+
+    prompt_len: int
+    prefix_cached_len: int
+    prefill_queue: int
+    decode_active: int
+    priority: Priority
+    # Estimated time to first token of this request, prefilled on the prefill replica or
+    # on the decode replica (router/pool/replica_state.py); None until measured.
+    remote_ttft_s: float | None = None
+    local_ttft_s: float | None = None
+    prefill_active: int = 0
+    transfer_s: float | None = None
+
+
+class PrefillPolicy(Protocol):
+    settings_model: ClassVar[type[StrictModel]]
+
+    def __init__(self, settings: StrictModel, qos: QoSConfig) -> None: ...
+
+    def decide(self, inputs: PrefillInputs) -> PrefillDecision: ...
+
+
+PREFILL_POLICIES: Registry[type[PrefillPolicy]] = Registry(
+    "prefill policy", __name__, builtins=("router.policies.prefill_policies",)
+)
+
+
+def make_prefill_policy(name: str, settings: StrictModel, qos: QoSConfig) -> PrefillPolicy:
+    return PREFILL_POLICIES.get(name)(settings, qos)
