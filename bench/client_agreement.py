@@ -5,8 +5,8 @@ serve``) at once, on the same workload: 256 prompt tokens, 32 output tokens with
 ignore_eos, greedy, token ids in every chunk, Poisson arrivals at 0.75 req/s with at
 most one request in flight. Both see the same engine over the same seconds (on one core
 its ITL drifts between 3.4 and 8 ms within a run). Most requests meet an idle engine:
-TTFT and ITL on a busy one are another mode of the distribution, and medians taken
-across two modes move with the share of each. With one request in flight per client, no
+TTFT and ITL on a busy one are another shape of the distribution, and medians taken
+across two shapes move with the share of each. With one request in flight per client, no
 client's requests queue behind its own. The test suite runs the same comparison with
 fewer requests (tests/loadgen/test_agreement_served.py); this script runs 300 a client,
 ``--repeats`` times, and reports the median of the repeats.

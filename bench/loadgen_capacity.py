@@ -4,7 +4,7 @@ Against loadgen's zero-latency streaming server on loopback (its own process), s
 side with vLLM's benchmark client (``vllm.benchmarks.serve``) on the same server:
 
   capacity  highest sustained request rate: N requests at QPS inf, at most C in flight,
-            completed requests / duration, as each client reports it. Two shapes: the
+            completed requests / duration, as each client reports it. Two sizes: the
             study's ``general`` (1024 -> 128 tokens) and a short one (128 -> 16), where
             per-request overhead dominates.
   send lag  actual minus scheduled send time at a constant 200 req/s (and Poisson for
@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 64
 LAG_RATE = 200.0
 LAG_REQUESTS = 2000
-SHAPES = {"general": (1024, 128), "short": (128, 16)}
+SIZES = {"general": (1024, 128), "short": (128, 16)}
 TARGET_RATIO = 2.0
 TARGET_LAG_P99_MS = 5.0
 CLIENTS = ("ours", "vllm", "httpx", "aiohttp")
@@ -60,13 +60,13 @@ console = Console(width=120)
 
 
 def worker_ours(
-    base_url: str, kind: str, shape: str, requests: int, arrivals: str
+    base_url: str, kind: str, size: str, requests: int, arrivals: str
 ) -> dict[str, Any]:
     from loadgen.config import RunConfig, WorkloadConfig
     from loadgen.eventloop import run_event_loop
     from loadgen.runner import execute_run
 
-    input_len, output_len = SHAPES[shape]
+    input_len, output_len = SIZES[size]
     config = RunConfig(
         base_url=base_url,
         workload=WorkloadConfig(name="custom", input_len=input_len, output_len=output_len),
@@ -88,7 +88,7 @@ def worker_ours(
     }
 
 
-def worker_vllm(base_url: str, kind: str, shape: str, requests: int) -> dict[str, Any]:
+def worker_vllm(base_url: str, kind: str, size: str, requests: int) -> dict[str, Any]:
     import io
     from contextlib import redirect_stdout
 
@@ -97,7 +97,7 @@ def worker_vllm(base_url: str, kind: str, shape: str, requests: int) -> dict[str
 
     from engines.tiny_model import embedded_model_path
 
-    input_len, output_len = SHAPES[shape]
+    input_len, output_len = SIZES[size]
     rate = "inf" if kind == "capacity" else str(LAG_RATE)
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
@@ -127,11 +127,11 @@ def worker_vllm(base_url: str, kind: str, shape: str, requests: int) -> dict[str
 
 
 async def _plain_client_run(
-    base_url: str, shape: str, requests: int, stream_one: Any, session: Any
+    base_url: str, size: str, requests: int, stream_one: Any, session: Any
 ) -> dict[str, Any]:
     """``requests`` streamed completions, CONCURRENCY in flight, each read timed per chunk
     as loadgen times its reads: what a hand-written client on a library would cost."""
-    input_len, output_len = SHAPES[shape]
+    input_len, output_len = SIZES[size]
     body = {
         "model": "fake-model", "prompt": [1] * input_len, "max_tokens": output_len,
         "stream": True, "ignore_eos": True,
@@ -173,22 +173,22 @@ async def _aiohttp_stream(session: Any, url: str, body: dict[str, Any]) -> None:
             time.perf_counter()
 
 
-def worker_httpx(base_url: str, shape: str, requests: int) -> dict[str, Any]:
+def worker_httpx(base_url: str, size: str, requests: int) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            return await _plain_client_run(base_url, shape, requests, _httpx_stream, client)
+            return await _plain_client_run(base_url, size, requests, _httpx_stream, client)
 
     return asyncio.run(run())
 
 
-def worker_aiohttp(base_url: str, shape: str, requests: int) -> dict[str, Any]:
+def worker_aiohttp(base_url: str, size: str, requests: int) -> dict[str, Any]:
     import aiohttp
 
     async def run() -> dict[str, Any]:
         connector = aiohttp.TCPConnector(limit=CONCURRENCY)
         async with aiohttp.ClientSession(connector=connector) as session:
-            return await _plain_client_run(base_url, shape, requests, _aiohttp_stream, session)
+            return await _plain_client_run(base_url, size, requests, _aiohttp_stream, session)
 
     return asyncio.run(run())
 
@@ -235,11 +235,11 @@ def fake_server() -> Iterator[str]:
             process.wait()
 
 
-def run_worker(client: str, base_url: str, kind: str, shape: str, requests: int,
+def run_worker(client: str, base_url: str, kind: str, size: str, requests: int,
                arrivals: str = "constant") -> dict[str, Any]:  # fmt: skip
     command = [
         sys.executable, __file__, "--worker", client, "--base-url", base_url, "--kind", kind,
-        "--shape", shape, "--requests", str(requests), "--arrivals", arrivals,
+        "--size", size, "--requests", str(requests), "--arrivals", arrivals,
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -256,18 +256,18 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def measure(base_url: str, repeats: int, requests: int, clients: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {"capacity": {}, "lag": {}}
-    for shape in SHAPES:
+    for size in SIZES:
         rates: dict[str, list[float]] = {client: [] for client in clients}
         for repeat in range(repeats):
             for client in clients if repeat % 2 == 0 else clients[::-1]:
-                outcome = run_worker(client, base_url, "capacity", shape, requests)
+                outcome = run_worker(client, base_url, "capacity", size, requests)
                 if outcome["failed"]:
                     raise RuntimeError(f"{client} had {outcome['failed']} failed requests")
                 rates[client].append(outcome["request_throughput"])
                 console.print(
-                    f"capacity {shape} {client}: {outcome['request_throughput']:.0f} req/s"
+                    f"capacity {size} {client}: {outcome['request_throughput']:.0f} req/s"
                 )
-        results["capacity"][shape] = {
+        results["capacity"][size] = {
             client: {"median": statistics.median(values), "runs": values}
             for client, values in rates.items()
         }
@@ -289,14 +289,14 @@ def measure(base_url: str, repeats: int, requests: int, clients: list[str]) -> d
 
 def print_tables(results: dict[str, Any]) -> None:
     table = Table(title=f"highest sustained rate: QPS inf, {CONCURRENCY} in flight (req/s, median)")
-    for column in ("shape", "loadgen", "vLLM client", "ratio", f"target >= {TARGET_RATIO:g}x"):
+    for column in ("size", "loadgen", "vLLM client", "ratio", f"target >= {TARGET_RATIO:g}x"):
         table.add_column(column, justify="right")
-    for shape, by_client in results["capacity"].items():
+    for size, by_client in results["capacity"].items():
         ours, theirs = by_client["ours"]["median"], by_client["vllm"]["median"]
         ratio = ours / theirs
-        input_len, output_len = SHAPES[shape]
+        input_len, output_len = SIZES[size]
         table.add_row(
-            f"{shape} {input_len}->{output_len}",
+            f"{size} {input_len}->{output_len}",
             f"{ours:,.0f}",
             f"{theirs:,.0f}",
             f"{ratio:.2f}x",
@@ -306,15 +306,15 @@ def print_tables(results: dict[str, Any]) -> None:
     libraries = [c for c in ("httpx", "aiohttp") if c in next(iter(results["capacity"].values()))]
     if libraries:
         plain = Table(title="the same load from a plain client on a library (req/s, median)")
-        for column in ("shape", "loadgen", *libraries):
+        for column in ("size", "loadgen", *libraries):
             plain.add_column(column, justify="right")
-        for shape, by_client in results["capacity"].items():
+        for size, by_client in results["capacity"].items():
             plain.add_row(
-                shape,
+                size,
                 *(f"{by_client[c]['median']:,.0f}" for c in ("ours", *libraries)),
             )
         console.print(plain)
-    lag = Table(title=f"send lag at {LAG_RATE:g} req/s, general shape (ms)")
+    lag = Table(title=f"send lag at {LAG_RATE:g} req/s, general size (ms)")
     for column in ("client", "done", "p50", "p99", "p50 rel. first", "p99 rel. first",
                    f"p99 < {TARGET_LAG_P99_MS:g} ms"):  # fmt: skip
         lag.add_column(column, justify="right")
@@ -346,22 +346,22 @@ def main() -> None:
     parser.add_argument("--worker", choices=CLIENTS, help=argparse.SUPPRESS)
     parser.add_argument("--base-url", help=argparse.SUPPRESS)
     parser.add_argument("--kind", choices=("capacity", "lag"), help=argparse.SUPPRESS)
-    parser.add_argument("--shape", choices=tuple(SHAPES), help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=tuple(SIZES), help=argparse.SUPPRESS)
     parser.add_argument("--arrivals", default="constant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "ours":
         print(
             json.dumps(
-                worker_ours(args.base_url, args.kind, args.shape, args.requests, args.arrivals)
+                worker_ours(args.base_url, args.kind, args.size, args.requests, args.arrivals)
             )
         )
         return
     if args.worker == "vllm":
-        print(json.dumps(worker_vllm(args.base_url, args.kind, args.shape, args.requests)))
+        print(json.dumps(worker_vllm(args.base_url, args.kind, args.size, args.requests)))
         return
     if args.worker in ("httpx", "aiohttp"):
         worker = worker_httpx if args.worker == "httpx" else worker_aiohttp
-        print(json.dumps(worker(args.base_url, args.shape, args.requests)))
+        print(json.dumps(worker(args.base_url, args.size, args.requests)))
         return
     clients = args.clients.split(",")
     if not {"ours", "vllm"} <= set(clients) or not set(clients) <= set(CLIENTS):

@@ -1,6 +1,6 @@
 """Does a pool that follows the load keep the SLOs at less cost? (benchmark, not a test)
 
-One step of load (quiet, busy, quiet again) on three pools of the same role-free
+One step of load (quiet, busy, quiet again) on three pools of the same auto
 engines (deployments/auto_scaled.yaml), all run as engine replicas of their own:
   fixed-1   one engine throughout (the policy's upper line out of reach)
   fixed-2   two engines throughout

@@ -1,7 +1,7 @@
 """Does one box run a 64-engine fleet behind two routers, end to end, and what does each
 engine cost in memory? (benchmark, not a test)
 
-A shipped YAML (``--config``, auto.yaml by default: role-free engines, the router's
+A shipped YAML (``--config``, auto.yaml by default: an auto pool, the router's
 prefill policy, simulated KV hand-overs, the prefix index from KV events) on simulated
 engines keeping an H100's time for Llama 3.1 8B, stretched by ``--time-scale``. The pool
 has ``--engines`` engines, ``--per-process`` of them to a Serve replica's process

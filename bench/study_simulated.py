@@ -8,7 +8,7 @@ in virtual time) on the shipped rtx2080s-llama-3.2-1b profiles, from the same lo
 generator plan a real run would send. BurstGPT is its synthetic stand-in where the CSV
 is absent (loadgen's burstgpt-synthetic). Prints one table per workload, saves JSON.
 
-    python bench/study_simulated.py [--modes tp,pp,dp,pd_always] [--qps 1,2,4,8,inf]
+    python bench/study_simulated.py [--shapes tp,pp,dp,pd_always] [--qps 1,2,4,8,inf]
         [--workloads general,prefill-heavy,decode-heavy,T-general,T-prefill-heavy,T-decode-heavy]
         [--num-requests 200] [--out results/study_simulated]
 """
@@ -36,7 +36,7 @@ PROFILE = "rtx2080s-llama-3.2-1b"
 SYNTHETIC_TRACE = "burstgpt-synthetic"
 
 
-def cell(mode: str, workload: str, qps: float, args: argparse.Namespace) -> dict[str, Any]:
+def cell(shape: str, workload: str, qps: float, args: argparse.Namespace) -> dict[str, Any]:
     trace = SYNTHETIC_TRACE if workload.startswith("T-") else "burstgpt"
     run = RunConfig(
         base_url="http://offline",
@@ -47,10 +47,10 @@ def cell(mode: str, workload: str, qps: float, args: argparse.Namespace) -> dict
         seed=args.seed,
         show_progress=False,
     )
-    result = asyncio.run(simulate_run(run, SimulatedTarget(mode, PROFILE), Console(quiet=True)))
+    result = asyncio.run(simulate_run(run, SimulatedTarget(shape, PROFILE), Console(quiet=True)))
     s, server = result.summary, result.server
     return {
-        "mode": mode,
+        "shape": shape,
         "workload": workload,
         "qps": qps,
         "req_s": s.request_throughput,
@@ -71,18 +71,18 @@ def print_tables(rows: list[dict[str, Any]], workloads: list[str]) -> None:
     columns = ("req_s", "tok_s", "ttft_p50_ms", "itl_p50_ms", "itl_p90_ms", "gpu_imbalance_pct")
     for workload in workloads:
         table = Table(title=f"{workload}: simulated 2x RTX 2080 SUPER, Llama-3.2-1B")
-        for column in ("mode", "qps", *columns):
+        for column in ("shape", "qps", *columns):
             table.add_column(column, justify="right")
         for row in rows:
             if row["workload"] == workload:
                 values = [f"{row[c]:.1f}" if row[c] is not None else "-" for c in columns]
-                table.add_row(row["mode"], f"{row['qps']:g}", *values)
+                table.add_row(row["shape"], f"{row['qps']:g}", *values)
         console.print(table)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="tp,pp,dp,pd_always")
+    parser.add_argument("--shapes", default="tp,pp,dp,pd_always")
     parser.add_argument(
         "--workloads",
         default="general,prefill-heavy,decode-heavy,T-general,T-prefill-heavy,T-decode-heavy",
@@ -92,11 +92,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "study_simulated")
     args = parser.parse_args()
-    modes, workloads = args.modes.split(","), args.workloads.split(",")
+    shapes, workloads = args.shapes.split(","), args.workloads.split(",")
     rates = [math.inf if q == "inf" else float(q) for q in args.qps.split(",")]
     started = time.perf_counter()
     rows = [
-        cell(mode, workload, qps, args) for workload in workloads for mode in modes for qps in rates
+        cell(shape, workload, qps, args)
+        for workload in workloads
+        for shape in shapes
+        for qps in rates
     ]
     print_tables(rows, workloads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -31,10 +31,10 @@ RATE = "$__rate_interval"
 PANEL_WIDTH, PANEL_HEIGHT, GRID_WIDTH = 8, 8, 24
 
 # Template variables: which run of the load generator, which served model (the router's
-# metrics carry it), which router mode, which replicas.
+# metrics carry it), which router shape, which replicas.
 RUN = 'run=~"$run"'
 MODEL = 'model=~"$model"'
-MODE = f'{MODEL}, mode=~"$mode"'
+SHAPE = f'{MODEL}, shape=~"$shape"'
 REPLICA = 'replica=~"$replica"'
 ROUTER_REPLICA = f"{MODEL}, {REPLICA}"
 
@@ -120,21 +120,21 @@ CLIENT = Row(
             "Time to first token as the client saw it.",
             "loadgen_time_to_first_token_seconds_bucket",
             RUN,
-            "mode",
+            "shape",
         ),
         latency(
             "Client ITL",
             "Gaps between consecutive tokens as the client saw them.",
             "loadgen_inter_token_latency_seconds_bucket",
             RUN,
-            "mode",
+            "shape",
         ),
         latency(
             "Client TPOT",
             "Per request (last - first token) / (n - 1).",
             "loadgen_time_per_output_token_seconds_bucket",
             RUN,
-            "mode",
+            "shape",
         ),
         Panel(
             "Client requests by outcome",
@@ -142,7 +142,8 @@ CLIENT = Row(
             "reqps",
             (
                 Target(
-                    rate_by("loadgen_requests_total", RUN, "mode, outcome"), legend("mode, outcome")
+                    rate_by("loadgen_requests_total", RUN, "shape, outcome"),
+                    legend("shape, outcome"),
                 ),
             ),
         ),
@@ -150,7 +151,7 @@ CLIENT = Row(
             "Client tokens per second",
             "Input and output tokens of completed requests.",
             "short",
-            (Target(rate_by("loadgen_tokens_total", RUN, "mode, kind"), legend("mode, kind")),),
+            (Target(rate_by("loadgen_tokens_total", RUN, "shape, kind"), legend("shape, kind")),),
         ),
         Panel(
             "Client in flight and target QPS",
@@ -158,9 +159,9 @@ CLIENT = Row(
             "short",
             (
                 Target(
-                    f"sum by (mode) (loadgen_in_flight_requests{{{RUN}}})", "in flight {{mode}}"
+                    f"sum by (shape) (loadgen_in_flight_requests{{{RUN}}})", "in flight {{shape}}"
                 ),
-                Target(f"max by (mode) (loadgen_target_qps{{{RUN}}})", "target QPS {{mode}}"),
+                Target(f"max by (shape) (loadgen_target_qps{{{RUN}}})", "target QPS {{shape}}"),
             ),
         ),
         latency(
@@ -169,7 +170,7 @@ CLIENT = Row(
             " server, is the bottleneck.",
             "loadgen_send_lag_seconds_bucket",
             RUN,
-            "mode",
+            "shape",
         ),
     ),
 )
@@ -192,29 +193,29 @@ ROUTER = Row(
             "Server TTFT by prefill place",
             "Router arrival to first token; prefill=remote is PD's prefill replica.",
             "splitserve_time_to_first_token_seconds_bucket",
-            MODE,
-            "model, mode, prefill",
+            SHAPE,
+            "model, shape, prefill",
         ),
         latency(
             "Server ITL",
             "Router-side gap between streamed tokens.",
             "splitserve_inter_token_latency_seconds_bucket",
-            MODE,
-            "mode",
+            SHAPE,
+            "shape",
         ),
         latency(
             "Server end-to-end",
             "Router arrival to last token.",
             "splitserve_e2e_request_latency_seconds_bucket",
-            MODE,
-            "mode",
+            SHAPE,
+            "shape",
         ),
         latency(
             "Queue time",
             "Router arrival until an engine accepted the request.",
             "splitserve_queue_seconds_bucket",
-            MODE,
-            "mode",
+            SHAPE,
+            "shape",
         ),
         Panel(
             "Replica choices",
@@ -582,7 +583,7 @@ REPLICA_VALUES = (
     f'{{__name__=~"vllm:num_requests_running|{ray_exported("vllm:num_requests_running")}"}}'
 )
 
-TEMPLATE_VARIABLES = ("run", "model", "mode", "replica")
+TEMPLATE_VARIABLES = ("run", "model", "shape", "replica")
 
 
 def _variable(name: str, label: str, query: str) -> dict[str, Any]:
@@ -617,9 +618,9 @@ def templating() -> dict[str, Any]:
             _variable("model", "served model", "label_values(splitserve_tokens_total, model)"),
             # A histogram has no series under its bare name: its _count has them all.
             _variable(
-                "mode",
-                "router mode",
-                "label_values(splitserve_e2e_request_latency_seconds_count, mode)",
+                "shape",
+                "router shape",
+                "label_values(splitserve_e2e_request_latency_seconds_count, shape)",
             ),
             _variable("replica", "engine replica", f"label_values({REPLICA_VALUES}, replica)"),
         ]

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
-from deployments.config import KV_STRATEGIES, AppConfig, ApplicationConfig, parse_application
+from deployments.config import KV_SHAPES, AppConfig, ApplicationConfig, parse_application
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from engines.settings import CPU_BIND_ENV, ENGINE_NAME_ENV, EngineSpec, PlacementConfig, PoolConfig
 from kv_transfer.backend_registry import make_kv_backend
@@ -135,7 +135,7 @@ def engine_spec(
         pool=pool,
         accelerator=config.accelerator,
         kv_transfer=_kv_transfer_config(config, pool),
-        kv_backend=config.kv_transfer if config.strategy in KV_STRATEGIES else None,
+        kv_backend=config.kv_transfer if config.shape in KV_SHAPES else None,
         kv_events=config.router.prefix_signal == "kv_events",
         process_env={ENGINE_NAME_ENV: name, **engine_process_env(config, pool, replica_index)},
         device_offset=device_offset,
@@ -263,7 +263,7 @@ def build_scaled_pool(config: AppConfig, settings: ScaledPoolSettings) -> Applic
 def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] | None:
     """PD's pools produce or consume KV; auto's engines do both, per request."""
     roles = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}
-    if config.strategy not in KV_STRATEGIES:
+    if config.shape not in KV_SHAPES:
         return None
     return make_kv_backend(config.kv_transfer).engine_config(roles[pool.role])
 

@@ -1,4 +1,4 @@
-"""The validated shape of a Serve YAML's ``args``: model, engine pools, router.
+"""The validated form of a Serve YAML's ``args``: model, engine pools, router.
 
 One pydantic object per concern. Errors name the field and the allowed values, and
 ``load_app_config`` reports them all at once with the YAML path they came from.
@@ -27,10 +27,10 @@ from router.settings import (
 )
 from splitserve.config_base import StrictModel
 
-Strategy = Literal["single", "dp", "tp", "pp", "pd", "auto"]
-# Strategies whose engines hand KV over to each other: PD's pools, auto's role-free pool.
-KV_STRATEGIES = ("pd", "auto")
-# Role-free pools decide per request; without a mode in the YAML they weigh the cost.
+Shape = Literal["single", "dp", "tp", "pp", "pd", "auto"]
+# Shapes whose engines hand KV over to each other: PD's pools, auto's auto pool.
+KV_SHAPES = ("pd", "auto")
+# Auto pools decide per request; without a mode in the YAML they weigh the cost.
 AUTO_PREFILL_POLICY = "cost"
 Accelerator = Literal["cpu", "gpu"]
 
@@ -49,8 +49,8 @@ class AppConfig(StrictModel):
     """Everything one served model needs: the ``args`` of a Serve YAML that serves one,
     or one entry of ``models:`` (``ApplicationConfig``) where it serves several."""
 
-    RENAMED: ClassVar[dict[str, str]] = {"split_policy": "prefill_policy"}
-    strategy: Strategy
+    RENAMED: ClassVar[dict[str, str]] = {"strategy": "shape", "split_policy": "prefill_policy"}
+    shape: Shape
     accelerator: Accelerator = "cpu"
     model: ModelConfig = ModelConfig()
     pools: list[PoolConfig] = Field(min_length=1)
@@ -76,7 +76,7 @@ class AppConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _auto_weighs_cost_by_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("strategy") != "auto":
+        if not isinstance(data, dict) or data.get("shape") != "auto":
             return data
         split = data.get("prefill_policy")
         if split is None:
@@ -88,7 +88,7 @@ class AppConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _simulated_engines_hand_over_simulated_kv(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("strategy") not in KV_STRATEGIES:
+        if not isinstance(data, dict) or data.get("shape") not in KV_SHAPES:
             return data
         engine = data.get("engine")
         backend = engine.get("backend") if isinstance(engine, dict) else None
@@ -98,7 +98,7 @@ class AppConfig(StrictModel):
 
     @model_validator(mode="after")
     def _simulated_engines_pair_with_simulated_kv(self) -> AppConfig:
-        if self.strategy not in KV_STRATEGIES:
+        if self.shape not in KV_SHAPES:
             return self
         simulated_engines = self.engine.backend == "simulated"
         if simulated_engines != (self.kv_transfer.backend == "simulated"):
@@ -126,20 +126,20 @@ class AppConfig(StrictModel):
     def _synthetic_engines_serve_single_and_dp(self) -> AppConfig:
         if self.engine.backend != "synthetic":
             return self
-        if self.strategy not in ("single", "dp"):
+        if self.shape not in ("single", "dp"):
             raise ValueError(
-                f"engine.backend 'synthetic' serves strategies single and dp, not {self.strategy!r}"
+                f"engine.backend 'synthetic' serves shapes single and dp, not {self.shape!r}"
             )
         return self
 
     @model_validator(mode="after")
     def _handed_over_requests_can_continue(self) -> AppConfig:
-        if self.strategy not in ("pd", "auto"):
+        if self.shape not in ("pd", "auto"):
             return self
         for pool in self.pools:
             if "speculative_config" in pool.engine_kwargs:
                 raise ValueError(
-                    f"strategy {self.strategy!r} hands requests between engines, which"
+                    f"shape {self.shape!r} hands requests between engines, which"
                     " continue them with a logits processor (engines/continuation.py);"
                     " vLLM refuses logits processors beside speculative decoding: drop"
                     f" speculative_config from the {pool.role} pool's engine_kwargs"
@@ -147,12 +147,12 @@ class AppConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _pools_fit_strategy(self) -> AppConfig:
+    def _pools_fit_shape(self) -> AppConfig:
         roles = sorted(pool.role for pool in self.pools)
-        if self.strategy == "pd":
+        if self.shape == "pd":
             if roles != ["decode", "prefill"]:
                 raise ValueError(
-                    f"strategy 'pd' needs exactly one 'prefill' and one 'decode' pool, got {roles}"
+                    f"shape 'pd' needs exactly one 'prefill' and one 'decode' pool, got {roles}"
                 )
             _check_kv_layouts_match(self.pool("prefill"), self.pool("decode"))
             prefill = self.pool("prefill")
@@ -161,44 +161,42 @@ class AppConfig(StrictModel):
             )
             return self._check_replica_choice_roles()
         if roles != ["mixed"]:
-            raise ValueError(f"strategy {self.strategy!r} needs one 'mixed' pool, got {roles}")
-        if self.strategy == "auto":
-            return self._check_role_free_pool()
+            raise ValueError(f"shape {self.shape!r} needs one 'mixed' pool, got {roles}")
+        if self.shape == "auto":
+            return self._check_auto_pool()
         for block in ("prefill_policy", "kv_transfer"):
             if block in self.model_fields_set:
-                raise ValueError(
-                    f"{block} is for strategies 'pd' and 'auto', not {self.strategy!r}"
-                )
+                raise ValueError(f"{block} is for shapes 'pd' and 'auto', not {self.shape!r}")
         self._check_replica_choice_roles()
         pool = self.pools[0]
-        # Per strategy: (replicas, tensor_parallel_size, pipeline_parallel_size), each
+        # Per shape: (replicas, tensor_parallel_size, pipeline_parallel_size), each
         # exactly this number, AT_LEAST_TWO, or None for any (DP of tensor-parallel engines).
         expected: tuple[int | str | None, ...] = {
             "single": (1, 1, 1),
             "tp": (1, AT_LEAST_TWO, 1),
             "pp": (1, 1, AT_LEAST_TWO),
             "dp": (AT_LEAST_TWO, None, 1),
-        }[self.strategy]
-        if pool.autoscaling is not None and self.strategy != "dp":
+        }[self.shape]
+        if pool.autoscaling is not None and self.shape != "dp":
             raise ValueError(
-                f"strategy {self.strategy!r} serves one engine; pools grow and shrink"
-                " (pools[].autoscaling) under strategies dp, pd and auto"
+                f"shape {self.shape!r} serves one engine; pools grow and shrink"
+                " (pools[].autoscaling) under shapes dp, pd and auto"
             )
         actual = (pool.most_replicas, pool.tensor_parallel_size, pool.pipeline_parallel_size)
         names = ("replicas", "tensor_parallel_size", "pipeline_parallel_size")
         for name, want, got in zip(names, expected, actual, strict=True):
             if want == AT_LEAST_TWO and got < 2:
-                raise ValueError(f"strategy {self.strategy!r} needs {name} >= 2, got {got}")
+                raise ValueError(f"shape {self.shape!r} needs {name} >= 2, got {got}")
             if isinstance(want, int) and got != want:
-                raise ValueError(f"strategy {self.strategy!r} needs {name} = {want}, got {got}")
+                raise ValueError(f"shape {self.shape!r} needs {name} = {want}, got {got}")
         return self
 
-    def _check_role_free_pool(self) -> AppConfig:
+    def _check_auto_pool(self) -> AppConfig:
         """Every engine of auto's one pool prefills for the others and decodes theirs."""
         pool = self.pools[0]
         if pool.most_replicas < 2:
             raise ValueError(
-                "strategy 'auto' needs replicas >= 2 (an engine to hand KV to),"
+                "shape 'auto' needs replicas >= 2 (an engine to hand KV to),"
                 f" got {pool.most_replicas}"
             )
         make_kv_backend(self.kv_transfer).check_parallelism(
@@ -264,7 +262,7 @@ class AppConfig(StrictModel):
             unknown = sorted(set(choice) - roles)
             if unknown:
                 raise ValueError(
-                    f"router.replica_choice names roles {unknown} this strategy has no pool for;"
+                    f"router.replica_choice names roles {unknown} this shape has no pool for;"
                     f" its pools are {sorted(roles)}"
                 )
         return self
@@ -281,17 +279,17 @@ class AppConfig(StrictModel):
         """What the router process is handed: its own settings objects, validated here;
         ``http_host``: where Serve listens, if known."""
         return IngressSettings(
-            strategy=self.strategy,
+            shape=self.shape,
             model=self.model,
             router=self.router,
             prefill_policy=_stretched_prefill_policy(self.prefill_policy, self.engine.time_scale),
             qos=_stretched_qos(self.qos, self.engine.time_scale),
-            kv_transfer=self.kv_transfer if self.strategy in KV_STRATEGIES else None,
+            kv_transfer=self.kv_transfer if self.shape in KV_SHAPES else None,
             engine_backend=self.engine.backend,
             auth=self.auth,
             http_host=http_host,
             generating_engine_kwargs=self.pool(
-                "decode" if self.strategy == "pd" else "mixed"
+                "decode" if self.shape == "pd" else "mixed"
             ).engine_kwargs,
         )
 

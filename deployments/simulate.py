@@ -3,7 +3,7 @@ virtual time, as fast as the machine computes it.
 
 The engines are the simulated backend's scheduler (engines/simulated/scheduler.py) on a
 latency profile's time; the router is the router's own decision-making: its
-``Dispatcher`` (replica choice, prefill policy, role-free peers), ``AdmissionControl``
+``Dispatcher`` (replica choice, prefill policy, auto pool peers), ``AdmissionControl``
 (QoS), and one ``ReplicaState`` per engine, fed as the router feeds them (prefill tickets,
 first-token and step times, the engines' stats every ``router.stats_interval_s``, their
 KV events). Only HTTP, tokenization and the relay of tokens are left out: they cost the
@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from deployments.app import engine_names, engine_spec
-from deployments.config import KV_STRATEGIES, AppConfig, load_application
+from deployments.config import KV_SHAPES, AppConfig, load_application
 from deployments.launcher import config_path, simulated_config
 from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
 from engines.settings import EngineSpec
@@ -241,7 +241,7 @@ class OfflineCluster:
             self.engines[name] = VirtualEngine(spec, client, self.queue)
         self.pool = EnginePool([engine.client for engine in self.engines.values()])
         self.kv = None
-        if config.strategy in KV_STRATEGIES:
+        if config.shape in KV_SHAPES:
             self.kv = make_kv_backend(config.kv_transfer).router_side()
         self.dispatcher = Dispatcher(self.settings, self.pool, self.kv)
         self.admission = AdmissionControl(self.settings.qos)
@@ -425,12 +425,12 @@ def simulated_application(config: str, profile: str, model: str | None = None) -
 
 
 def describe(config: AppConfig) -> dict[str, Any]:
-    """What a client would learn from GET /v1/models and the router's mode."""
+    """What a client would learn from GET /v1/models and the router's shape."""
     cluster_engine = next(iter(OfflineCluster(config).engines.values()))
     return {
         "model": config.served_name,
         "max_model_len": cluster_engine.stats().max_model_len,
-        "mode": config.strategy,
+        "shape": config.shape,
     }
 
 

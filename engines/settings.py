@@ -40,7 +40,7 @@ ENGINE_ARGS_SET_BY_FIELDS = {
     "tensor_parallel_size": "the pool's tensor_parallel_size",
     "pipeline_parallel_size": "the pool's pipeline_parallel_size",
     "gpu_memory_utilization": "the pool's gpu_memory_utilization",
-    "kv_transfer_config": "strategy and kv_transfer (the KV connector is set by them)",
+    "kv_transfer_config": "shape and kv_transfer (the KV connector is set by them)",
     "kv_events_config": "router.prefix_signal",
     "disable_log_stats": "nothing: the router reads the engine's stats",
 }

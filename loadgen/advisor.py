@@ -4,13 +4,13 @@ Input: a sweep's runs (``runs/*.json`` of ``python -m loadgen sweep``; ``--smoke
 small one first) and the service-level objectives. The method is DistServe's
 goodput-optimal placement, simplified where said:
 
-1. **Goodput per device, per mode.** For every mode, the share of each run's requests
+1. **Goodput per device, per shape.** For every shape, the share of each run's requests
    that met every SLO is recomputed from the run's per-request records (the SLOs given
-   now, not the sweep's); a mode's goodput is the highest request rate whose share is at
+   now, not the sweep's); a shape's goodput is the highest request rate whose share is at
    least ``--attainment`` (linear between the two measured rates around the first
    miss: a sweep's rates, not a search; ``python -m loadgen knee`` searches finely),
-   divided by the devices the mode's YAML takes. The mode with the highest goodput per
-   device wins; modes within 5% of it count as equal and the simplest is chosen
+   divided by the devices the shape's YAML takes. The shape with the highest goodput per
+   device wins; shapes within 5% of it count as equal and the simplest is chosen
    (single, dp, tp, pp, pd_always, pd, auto). DistServe searches parallelism per phase
    too; here the candidates are the YAMLs the sweep measured.
 2. **PD, fitted to measured rates.** From the PD runs: seconds of prefill per token
@@ -34,7 +34,7 @@ goodput-optimal placement, simplified where said:
 3. **Sizing** (``loadgen/sizing.py``, ``loadgen/deployment_plan.py``): the winner's
    engines for a target rate or a device budget (PD: pools in the fitted ratio, scaled
    to the measured level), each engine's tensor-parallel degree raised to what the
-   model's weights need on the target device, and every mode's best layout at each
+   model's weights need on the target device, and every shape's best layout at each
    device count (the Pareto front).
 4. **Output.** The winner's YAML with those values under ``deployments/`` and what it
    was chosen for (``router.traffic_profile``: mean lengths and the winner's knee; the
@@ -57,13 +57,13 @@ import yaml
 
 from loadgen import deployment_plan, sizing
 from loadgen.deployment_plan import DeployTarget, Plan
-from loadgen.sizing import Layout, MeasuredSize, ModelShape, PDCapacities
+from loadgen.sizing import Layout, MeasuredSize, ModelDims, PDCapacities
 
-# Simplest first: the tie-break between modes within TIE_SHARE of the best.
+# Simplest first: the tie-break between shapes within TIE_SHARE of the best.
 # auto last: it carries both dp's engines and pd's hand-over, and decides per request.
 SIMPLICITY = ("single", "dp", "tp", "pp", "pd_always", "pd", "auto")
 TIE_SHARE = 0.05
-PD_MODES = ("pd", "pd_always")
+PD_SHAPES = ("pd", "pd_always")
 T = TypeVar("T")
 
 
@@ -86,7 +86,7 @@ class Objectives:
 class RunPoint:
     """One measured run, as the advisor reads it."""
 
-    mode: str
+    shape: str
     workload: str
     qps: float
     attainment: float
@@ -102,7 +102,7 @@ class RunPoint:
 
 @dataclass
 class Candidate:
-    mode: str
+    shape: str
     devices: int
     knee_qps: float  # on the median curve
     curve: list[tuple[float, float]]  # (qps, median attainment over repeats), by qps
@@ -179,7 +179,7 @@ def point_of(
     row = document.get("summary_row", {})
     workload = document["workload"]
     return RunPoint(
-        mode=document["mode"],
+        shape=document["shape"],
         workload=workload["label"],
         qps=qps,
         attainment=sum(objectives.met(r) for r in requests) / max(1, len(requests)),
@@ -200,10 +200,10 @@ def _ms_to_s(value: Any) -> float | None:
     )
 
 
-def layout_of(mode: str, deployments_dir: Path) -> Layout:
+def layout_of(shape: str, deployments_dir: Path) -> Layout:
     """Each pool's role and replicas, and the ranks per engine (tensor x pipeline
-    parallel), of the mode's YAML: its devices are GPUs on a GPU node, cores here."""
-    document = yaml.safe_load((deployments_dir / f"{mode}.yaml").read_text())
+    parallel), of the shape's YAML: its devices are GPUs on a GPU node, cores here."""
+    document = yaml.safe_load((deployments_dir / f"{shape}.yaml").read_text())
     pools = document["applications"][0]["args"]["pools"]
     roles = tuple((p.get("role", "mixed"), p.get("replicas", 1)) for p in pools)
     ranks = max(
@@ -235,15 +235,15 @@ def advise(points: list[RunPoint], objectives: Objectives, devices: dict[str, in
     workloads = sorted({p.workload for p in points})
     if len(workloads) != 1:
         raise ValueError(f"advise one workload at a time; the runs hold {workloads}")
-    by_mode: dict[str, list[RunPoint]] = defaultdict(list)
+    by_shape: dict[str, list[RunPoint]] = defaultdict(list)
     for point in points:
-        by_mode[point.mode].append(point)
+        by_shape[point.shape].append(point)
     candidates = [
-        candidate_of(mode, runs, devices[mode], objectives.attainment)
-        for mode, runs in sorted(by_mode.items())
+        candidate_of(shape, runs, devices[shape], objectives.attainment)
+        for shape, runs in sorted(by_shape.items())
     ]
     winner, reason = choose(candidates)
-    pd_runs = [p for p in points if p.mode in PD_MODES]
+    pd_runs = [p for p in points if p.shape in PD_SHAPES]
     advice = Advice(
         workloads[0],
         objectives,
@@ -261,8 +261,8 @@ def advise(points: list[RunPoint], objectives: Objectives, devices: dict[str, in
     return advice
 
 
-def candidate_of(mode: str, runs: list[RunPoint], devices: int, target: float) -> Candidate:
-    """A mode's curve: the median attainment at each rate over the repeats, its knee, and
+def candidate_of(shape: str, runs: list[RunPoint], devices: int, target: float) -> Candidate:
+    """A shape's curve: the median attainment at each rate over the repeats, its knee, and
     the spread (each rate's lowest and highest, each repeat's own knee)."""
     by_rate: dict[float, list[float]] = defaultdict(list)
     by_repeat: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -271,7 +271,7 @@ def candidate_of(mode: str, runs: list[RunPoint], devices: int, target: float) -
         by_repeat[run.repeat].append((run.qps, run.attainment))
     curve = [(qps, statistics.median(shares)) for qps, shares in sorted(by_rate.items())]
     return Candidate(
-        mode,
+        shape,
         devices,
         knee_of(curve, target),
         curve,
@@ -294,29 +294,29 @@ def simplest_near_best(
 
 def choose(candidates: list[Candidate]) -> tuple[str, str]:
     chosen, top = simplest_near_best(
-        candidates, lambda c: c.goodput_per_device, lambda c: _simplicity(c.mode)
+        candidates, lambda c: c.goodput_per_device, lambda c: _simplicity(c.shape)
     )
     if top.goodput_per_device <= 0:
-        return chosen.mode, "no mode met the objectives at any measured rate"
-    if chosen.mode == top.mode:
+        return chosen.shape, "no shape met the objectives at any measured rate"
+    if chosen.shape == top.shape:
         runner_up = sorted(candidates, key=lambda c: -c.goodput_per_device)[1:2]
         margin = (
             f", {chosen.goodput_per_device / runner_up[0].goodput_per_device:.2f}x"
-            f" {runner_up[0].mode}'s"
+            f" {runner_up[0].shape}'s"
             if runner_up and runner_up[0].goodput_per_device > 0
             else ""
         )
-        return chosen.mode, (
+        return chosen.shape, (
             f"the highest goodput per device: {chosen.goodput_per_device:.2f} req/s{margin}"
         )
-    return chosen.mode, (
-        f"within {TIE_SHARE:.0%} of {top.mode}'s goodput per device"
+    return chosen.shape, (
+        f"within {TIE_SHARE:.0%} of {top.shape}'s goodput per device"
         f" ({chosen.goodput_per_device:.2f} vs {top.goodput_per_device:.2f} req/s) and simpler"
     )
 
 
-def _simplicity(mode: str) -> int:
-    return SIMPLICITY.index(mode) if mode in SIMPLICITY else len(SIMPLICITY)
+def _simplicity(shape: str) -> int:
+    return SIMPLICITY.index(shape) if shape in SIMPLICITY else len(SIMPLICITY)
 
 
 def fit_pd(runs: list[RunPoint], objectives: Objectives) -> PDFit:
@@ -386,11 +386,11 @@ def plan_for(
     advice: Advice,
     layouts: dict[str, Layout],
     target: DeployTarget,
-    shape: ModelShape | None = None,
+    shape: ModelDims | None = None,
 ) -> Plan:
-    """Size the winner for ``target`` (``layouts``: each mode's YAML as measured); the
+    """Size the winner for ``target`` (``layouts``: each shape's YAML as measured); the
     plan is kept on ``advice``."""
-    measured = [MeasuredSize(c.mode, c.knee_qps, layouts[c.mode]) for c in advice.candidates]
+    measured = [MeasuredSize(c.shape, c.knee_qps, layouts[c.shape]) for c in advice.candidates]
     fit = advice.pd_fit
     capacities = None if fit is None else PDCapacities(fit.prefill_capacity, fit.decode_capacity)
     advice.plan = deployment_plan.plan_deployment(
@@ -406,7 +406,7 @@ def write_yaml(
     traffic profile it was chosen for, and its pools sized for ``target``."""
     document = yaml.safe_load((deployments_dir / f"{advice.winner}.yaml").read_text())
     args = document["applications"][0]["args"]
-    if advice.winner in PD_MODES and advice.pd_fit is not None:
+    if advice.winner in PD_SHAPES and advice.pd_fit is not None:
         fit = advice.pd_fit
         if advice.winner == "pd":
             args["prefill_policy"] = {"name": "conditional", **fit.thresholds}
@@ -439,7 +439,7 @@ def traffic_profile(advice: Advice) -> dict[str, float]:
         "prompt_tokens": round(advice.mean_input, 1),
         "output_tokens": round(advice.mean_output, 1),
     }
-    knee = next(c.knee_qps for c in advice.candidates if c.mode == advice.winner)
+    knee = next(c.knee_qps for c in advice.candidates if c.shape == advice.winner)
     if advice.plan is not None and advice.plan.sizing is not None:
         knee = advice.plan.sizing.goodput  # what the sized deployment is expected to serve
     if knee > 0:
@@ -466,18 +466,18 @@ def write_report(advice: Advice, out_dir: Path, yaml_path: Path) -> tuple[Path, 
         "",
         f"**Serve it as `{advice.winner}`**: {advice.reason}. YAML: `{yaml_path}`.",
         "",
-        "Measured: every mode's share of requests within the objectives at each rate (the"
+        "Measured: every shape's share of requests within the objectives at each rate (the"
         " median over the sweep's repeats, lowest-highest in brackets) and its goodput (the"
         " knee of that curve). Fitted: PD's per-engine capacities and P:D, and every goodput"
         " at a size the sweep did not run.",
         "",
-        "| mode | devices | goodput (req/s) | per device | knee over repeats |"
+        "| shape | devices | goodput (req/s) | per device | knee over repeats |"
         " measured (req/s: share met) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for c in sorted(advice.candidates, key=lambda c: -c.goodput_per_device):
         lines.append(
-            f"| {c.mode} | {c.devices} | {c.knee_qps:.2f} | {c.goodput_per_device:.2f} |"
+            f"| {c.shape} | {c.devices} | {c.knee_qps:.2f} | {c.goodput_per_device:.2f} |"
             f" {_knee_spread(c)} | {_curve_text(c)} |"
         )
     if advice.pd_fit is not None:
@@ -539,7 +539,7 @@ def _plan_lines(plan: Plan) -> list[str]:
         lines.append(
             f"- {sized.devices} device(s): {_engines_text(sized.engines)}, parallel degree"
             f" {sized.ranks_per_engine} each, {sized.goodput:.2f} req/s within the objectives"
-            f" ({'measured' if sized.measured else 'fitted from ' + sized.measured_mode})"
+            f" ({'measured' if sized.measured else 'fitted from ' + sized.measured_shape})"
         )
     if plan.tp_degrees:
         lines.append(f"- tensor-parallel degrees the model allows: {plan.tp_degrees}")
@@ -554,7 +554,7 @@ def _plan_lines(plan: Plan) -> list[str]:
             "| --- | --- | --- | --- |",
         ]
         lines += [
-            f"| {p.devices} | {p.mode}: {_engines_text(p.engines)} | {p.goodput:.2f} |"
+            f"| {p.devices} | {p.shape}: {_engines_text(p.engines)} | {p.goodput:.2f} |"
             f" {'measured' if p.measured else 'fitted'} |"
             for p in front
         ]
@@ -570,7 +570,7 @@ def _jsonable(advice: Advice) -> dict[str, Any]:
 
 
 def _plot_pareto(axes: Any, plan: Plan | None) -> None:
-    """Goodput against devices: each mode's layouts (filled where measured, hollow where
+    """Goodput against devices: each shape's layouts (filled where measured, hollow where
     fitted) and the front no layout beats with fewer devices."""
     axes.set_title("goodput against devices")
     axes.set_xlabel("devices")
@@ -578,13 +578,13 @@ def _plot_pareto(axes: Any, plan: Plan | None) -> None:
     if plan is None or not plan.pareto:
         axes.text(0.5, 0.5, "not sized", ha="center", transform=axes.transAxes)
         return
-    by_mode: dict[str, list[Any]] = defaultdict(list)
+    by_shape: dict[str, list[Any]] = defaultdict(list)
     for point in plan.pareto:
-        by_mode[point.measured_mode].append(point)
-    for mode, points in sorted(by_mode.items()):
+        by_shape[point.measured_shape].append(point)
+    for shape, points in sorted(by_shape.items()):
         points.sort(key=lambda p: p.devices)
         line = axes.plot([p.devices for p in points], [p.goodput for p in points], "-",
-                         alpha=0.5, label=mode)[0]  # fmt: skip
+                         alpha=0.5, label=shape)[0]  # fmt: skip
         for point in points:
             face = line.get_color() if point.measured else "none"
             axes.plot(point.devices, point.goodput, "o", color=line.get_color(), mfc=face)
@@ -605,13 +605,13 @@ def plot_advice(advice: Advice, path: Path) -> Path:
 
     figure, (bars, curves, pareto) = plt.subplots(1, 3, figsize=(16, 4))
     ordered = sorted(advice.candidates, key=lambda c: -c.goodput_per_device)
-    colors = ["tab:green" if c.mode == advice.winner else "tab:grey" for c in ordered]
-    bars.bar([c.mode for c in ordered], [c.goodput_per_device for c in ordered], color=colors)
+    colors = ["tab:green" if c.shape == advice.winner else "tab:grey" for c in ordered]
+    bars.bar([c.shape for c in ordered], [c.goodput_per_device for c in ordered], color=colors)
     bars.set_ylabel("goodput per device (req/s)")
     bars.set_title(f"{advice.workload}: {advice.winner} wins")
     for candidate in advice.candidates:
         qps, attainment = zip(*candidate.curve, strict=True)
-        line = curves.plot(qps, [100 * a for a in attainment], "o-", label=candidate.mode)[0]
+        line = curves.plot(qps, [100 * a for a in attainment], "o-", label=candidate.shape)[0]
         if any(high > low for _, low, high in candidate.spread):
             rates, lows, highs = zip(*candidate.spread, strict=True)
             curves.fill_between(

@@ -9,6 +9,7 @@ import resource
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -63,14 +64,14 @@ from loadgen.report import (
 )
 from loadgen.runner import RunError, RunResult, execute_run
 from loadgen.simulate import SimulatedTarget, simulate_run
-from loadgen.sizing import ModelShape, model_shape, read_model_config
+from loadgen.sizing import ModelDims, model_dims, read_model_config
 from loadgen.sweep import (
     SMOKE_QPS,
     SMOKE_REQUESTS,
     SMOKE_WARMUP_REQUESTS,
     SMOKE_WORKLOADS,
-    STUDY_MODES,
     STUDY_QPS,
+    STUDY_SHAPES,
     STUDY_WORKLOADS,
     SweepConfig,
     run_sweep,
@@ -129,10 +130,10 @@ fake-server (a zero-latency streaming server), trace-stats (BurstGPT subset mean
 Run `python -m loadgen COMMAND --help` for each."""
 
 SWEEP_EXAMPLES = """examples:
-  # the study's whole matrix: starts and stops python -m deployments.serve <mode> per mode
-  python -m loadgen sweep --modes tp,pp,dp,pd_always --qps 1,2,4,8,inf --trace-file BurstGPT_1.csv
+  # the study's whole matrix: starts and stops python -m deployments.serve <shape> per shape
+  python -m loadgen sweep --shapes tp,pp,dp,pd_always --qps 1,2,4,8,inf --trace-file BurstGPT_1.csv
   # a few minutes on a laptop: 10 requests a cell, QPS 4 and inf, synthetic trace
-  python -m loadgen sweep --smoke --modes dp,tp
+  python -m loadgen sweep --smoke --shapes dp,tp
   # servers that are already up
   python -m loadgen sweep --urls tp=http://10.0.0.5:8000,dp=http://10.0.0.6:8000"""
 
@@ -145,6 +146,25 @@ def _float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(message) from None
 
 
+class _RenamedFlag(argparse.Action):
+    """A flag this CLI renamed: refused with its new name, not as merely unknown."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        parser.error(f"{'/'.join(self.option_strings)} is now {self.new}")
+
+
+def _add_shape_flag(parser: argparse.ArgumentParser | Any, flag: str, **kwargs: Any) -> None:
+    """``--shape`` or ``--shapes`` (the serving shape: tp, pp, dp, pd, ...), and the
+    refusal of the name it had before (``--mode``, ``--modes``)."""
+    parser.add_argument(flag, **kwargs)
+    old = flag.replace("shape", "mode")
+    parser.add_argument(old, action=_RenamedFlag, new=flag, dest=f"renamed_{old[2:]}")
+
+
 def _name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -152,10 +172,10 @@ def _name_list(text: str) -> list[str]:
 def _url_map(text: str) -> dict[str, str]:
     pairs = {}
     for part in _name_list(text):
-        mode, _, url = part.partition("=")
+        shape, _, url = part.partition("=")
         if not url:
-            raise argparse.ArgumentTypeError(f"expected MODE=URL, got {part!r}")
-        pairs[mode] = url
+            raise argparse.ArgumentTypeError(f"expected SHAPE=URL, got {part!r}")
+        pairs[shape] = url
     return pairs
 
 
@@ -172,8 +192,8 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--model", help="default: the first model of GET /v1/models")
     group.add_argument("--max-model-len", type=int, help="default: from GET /v1/models")
-    group.add_argument(
-        "--mode", help="label of the serving mode (tp, pp, dp, pd); default: the router's"
+    _add_shape_flag(
+        group, "--shape", help="label of the serving shape (tp, pp, dp, pd); default: the router's"
     )
     add_target_options(group)
 
@@ -374,13 +394,14 @@ def build_knee_parser() -> argparse.ArgumentParser:
 def build_sweep_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadgen sweep",
-        description="The study's matrix: modes x workloads x QPS; starts and stops each"
-        " Serve application (python -m deployments.serve <mode>) unless given --urls.",
+        description="The study's matrix: shapes x workloads x QPS; starts and stops each"
+        " Serve application (python -m deployments.serve <shape>) unless given --urls.",
         epilog=SWEEP_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     matrix = parser.add_argument_group("matrix")
-    matrix.add_argument("--modes", type=_name_list, default=list(STUDY_MODES))
+    _add_shape_flag(matrix, "--shapes", type=_name_list, default=list(STUDY_SHAPES))
+
     matrix.add_argument(
         "--workloads", type=_name_list, help=f"default: {','.join(STUDY_WORKLOADS)}"
     )
@@ -389,12 +410,12 @@ def build_sweep_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"{SMOKE_REQUESTS} requests a cell, QPS 4,inf, synthetic trace",
     )
-    matrix.add_argument("--urls", type=_url_map, default={}, help="MODE=URL,...: do not launch")
+    matrix.add_argument("--urls", type=_url_map, default={}, help="SHAPE=URL,...: do not launch")
     matrix.add_argument(
         "--launch-command",
-        help="instead of serve run: a command template with {mode} {config} {port}",
+        help="instead of serve run: a command template with {shape} {config} {port}",
     )
-    matrix.add_argument("--deployments-dir", type=Path, help="where <mode>.yaml files are")
+    matrix.add_argument("--deployments-dir", type=Path, help="where <shape>.yaml files are")
     matrix.add_argument("--port", type=int, default=8000, help="port of launched servers")
     matrix.add_argument("--ready-timeout", type=float, default=600.0)
     matrix.add_argument("--stop-timeout", type=float, default=120.0)
@@ -442,7 +463,7 @@ def build_fake_server_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--reject-every", type=int, default=0, help="503 every Nth request")
     parser.add_argument("--reject-status", type=int, default=503, choices=(429, 503))
-    parser.add_argument("--mode", default=defaults.mode)
+    _add_shape_flag(parser, "--shape", default=defaults.shape)
     return parser
 
 
@@ -536,7 +557,7 @@ def run_config(
         request_timeout_s=args.timeout,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
-        mode=args.mode,
+        shape=args.shape,
         run_name=getattr(args, "run_name", None),
         prometheus_url=args.prometheus_url,
         server_metrics=not args.no_server_metrics,
@@ -669,7 +690,7 @@ def command_knee(argv: list[str], console: Console) -> int:
     return 0
 
 
-ADVISE_MODES = ("single", "dp", "pd_always", "pd", "auto")
+ADVISE_SHAPES = ("single", "dp", "pd_always", "pd", "auto")
 ADVISE_SMOKE_QPS = "1,2,4"
 ADVISE_SMOKE_REQUESTS = 24
 SEARCH_REQUESTS = 500
@@ -687,23 +708,24 @@ def build_advise_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--simulate",
         metavar="PROFILE",
-        help="measure nothing: run the --modes' cells offline on simulated engines that keep"
+        help="measure nothing: run the --shapes' cells offline on simulated engines that keep"
         " this latency profile's time (a file, or a shipped family such as"
         " h100-llama-3.1-8b: each pool takes its TP x PP member); seconds, not minutes."
-        " With --devices N: search every placement of N devices (modes, parallel degrees,"
+        " With --devices N: search every placement of N devices (shapes, parallel degrees,"
         " P:D ratios) for the highest goodput",
     )
     source.add_argument(
         "--smoke",
         action="store_true",
-        help=f"run a small sweep first: {','.join(ADVISE_MODES)}, QPS {ADVISE_SMOKE_QPS},"
+        help=f"run a small sweep first: {','.join(ADVISE_SHAPES)}, QPS {ADVISE_SMOKE_QPS},"
         f" {ADVISE_SMOKE_REQUESTS} requests a cell (minutes on the embedded model)",
     )
-    parser.add_argument(
-        "--modes",
+    _add_shape_flag(
+        parser,
+        "--shapes",
         type=_name_list,
-        help=f"default: {','.join(ADVISE_MODES)}; a placement search:"
-        f" {','.join(placement.SEARCH_MODES)}",
+        help=f"default: {','.join(ADVISE_SHAPES)}; a placement search:"
+        f" {','.join(placement.SEARCH_SHAPES)}",
     )
     parser.add_argument("--workload", default="general", help="--smoke's workload")
     parser.add_argument("--trace", choices=("burstgpt", "burstgpt-synthetic", "recorded"))
@@ -772,7 +794,7 @@ def command_advise(argv: list[str], console: Console) -> int:
     if args.simulate and args.devices:
         return _placement_search(args, out, console)
     args.target = args.target or "cpu"
-    args.modes = args.modes or list(ADVISE_MODES)
+    args.shapes = args.shapes or list(ADVISE_SHAPES)
     args.num_requests = args.num_requests or ADVISE_SMOKE_REQUESTS
     sweep_dir = args.sweep
     if args.simulate:
@@ -785,9 +807,9 @@ def command_advise(argv: list[str], console: Console) -> int:
             command_sweep(_advise_sweep_argv(args, folder), console)
     objectives = _objectives(args)
     points = advisor.load_points(sweep_dir, objectives)
-    modes = sorted({p.mode for p in points})
-    layouts = {mode: advisor.layout_of(mode, args.deployments_dir) for mode in modes}
-    devices = {mode: layout.devices for mode, layout in layouts.items()}
+    shapes = sorted({p.shape for p in points})
+    layouts = {shape: advisor.layout_of(shape, args.deployments_dir) for shape in shapes}
+    devices = {shape: layout.devices for shape, layout in layouts.items()}
     advice = advisor.advise(points, objectives, devices)
     target = DeployTarget(
         accelerator=args.target,
@@ -798,7 +820,7 @@ def command_advise(argv: list[str], console: Console) -> int:
         device_gib=args.device_memory_gib,
     )
     # The model's weights against a device's memory size GPU engines only.
-    shape = _model_shape(args.model, console) if args.target == "gpu" else None
+    shape = _model_dims(args.model, console) if args.target == "gpu" else None
     advisor.plan_for(advice, layouts, target, shape)
     slug = "".join(c if c.isalnum() else "-" for c in advice.workload).strip("-")
     yaml_path = args.yaml or args.deployments_dir / f"advised-{slug}.yaml"
@@ -821,7 +843,7 @@ def _placement_search(args: argparse.Namespace, out: Path, console: Console) -> 
     """Every placement of --devices on the profile's degrees, searched offline."""
     if args.target_rate is not None:
         raise ValueError(
-            "--target-rate sizes a measured mode; a placement search (--simulate with"
+            "--target-rate sizes a measured shape; a placement search (--simulate with"
             " --devices) finds the most a budget of devices serves"
         )
     objectives = _objectives(args)
@@ -837,7 +859,7 @@ def _placement_search(args: argparse.Namespace, out: Path, console: Console) -> 
             slo_tpot_ms=args.slo_tpot_ms,
         ),
         objectives=objectives,
-        modes=tuple(args.modes or placement.SEARCH_MODES),
+        shapes=tuple(args.shapes or placement.SEARCH_SHAPES),
         deployments_dir=args.deployments_dir,
         devices_per_node=args.devices_per_node,
         accelerator=args.target or "gpu",
@@ -874,15 +896,15 @@ def _simulated_sweep(args: argparse.Namespace, runs_dir: Path, console: Console)
     rates = [_rate(text) for text in str(args.qps).split(",")]
 
     async def cells() -> None:
-        for mode in args.modes:
-            target = SimulatedTarget(str(args.deployments_dir / f"{mode}.yaml"), args.simulate)
+        for shape in args.shapes:
+            target = SimulatedTarget(str(args.deployments_dir / f"{shape}.yaml"), args.simulate)
             for qps in rates:
                 config = RunConfig(
                     workload=workload,
                     qps=qps,
                     num_requests=args.num_requests,
                     warmup_requests=0,
-                    mode=mode,
+                    shape=shape,
                     show_progress=False,
                     slo_ttft_ms=args.slo_ttft_ms,
                     slo_tpot_ms=args.slo_tpot_ms,
@@ -900,7 +922,7 @@ def _rate(text: str) -> float:
 
 def _advise_sweep_argv(args: argparse.Namespace, folder: Path) -> list[str]:
     argv = [
-        "--modes", ",".join(args.modes), "--workloads", args.workload, "--qps", args.qps,
+        "--shapes", ",".join(args.shapes), "--workloads", args.workload, "--qps", args.qps,
         "--num-requests", str(args.num_requests), "--warmup-requests", "2",
         "--out", str(folder), "--no-plots", "--no-progress",
         "--deployments-dir", str(args.deployments_dir),
@@ -912,7 +934,7 @@ def _advise_sweep_argv(args: argparse.Namespace, folder: Path) -> list[str]:
     return argv
 
 
-def _model_shape(model: str | None, console: Console) -> ModelShape | None:
+def _model_dims(model: str | None, console: Console) -> ModelDims | None:
     """The model's heads and weight size, where its config.json can be read here."""
     if model is None:
         return None
@@ -920,7 +942,7 @@ def _model_shape(model: str | None, console: Console) -> ModelShape | None:
     if config is None:
         console.print(f"{model}: no config.json here (nothing is downloaded); TP not sized")
         return None
-    return model_shape(config)
+    return model_dims(config)
 
 
 def command_sweep(argv: list[str], console: Console) -> int:
@@ -937,9 +959,9 @@ def command_sweep(argv: list[str], console: Console) -> int:
             args.warmup_requests = SMOKE_WARMUP_REQUESTS
         if args.trace is None and args.trace_file is None:
             args.trace = "burstgpt-synthetic"
-    modes = args.modes if "--modes" in explicit or not args.urls else list(args.urls)
+    shapes = args.shapes if "--shapes" in explicit or not args.urls else list(args.urls)
     sweep_fields: dict[str, object] = {
-        "modes": modes,
+        "shapes": shapes,
         "workloads": workloads,
         "qps": qps,
         "urls": args.urls,
@@ -959,8 +981,8 @@ def command_sweep(argv: list[str], console: Console) -> int:
     result = run_event_loop(run_sweep(sweep, base, console, exposition))
     for name, path in result.outputs.items():
         console.print(f"{name}: {path}")
-    for mode, error in result.failures.items():
-        console.print(f"[red]not measured: {mode}[/] ({error.splitlines()[0]})")
+    for shape, error in result.failures.items():
+        console.print(f"[red]not measured: {shape}[/] ({error.splitlines()[0]})")
     return 1 if result.failures and not result.rows else 0
 
 
@@ -994,7 +1016,7 @@ def command_fake_server(argv: list[str], console: Console) -> int:
             tokens_per_chunk=args.tokens_per_chunk,
             reject_every=args.reject_every,
             reject_status=args.reject_status,
-            mode=args.mode,
+            shape=args.shape,
         )
     )
     return 0

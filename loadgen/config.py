@@ -192,7 +192,7 @@ class RunConfig(StrictModel):
     ramp_up: RampUpConfig | None = Field(
         None, description="a growing rate instead of qps (which must then be inf)"
     )
-    mode: str | None = Field(None, description="label: tp, pp, dp, pd...; default: the router's")
+    shape: str | None = Field(None, description="label: tp, pp, dp, pd...; default: the router's")
     run_name: str | None = None
     prometheus_url: str | None = None
     server_metrics: bool = True

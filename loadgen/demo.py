@@ -52,7 +52,7 @@ def run_demo(options: DemoOptions, console: Console) -> Path:
     config_path = options.deployments_dir / f"{options.config}.yaml"
     if options.launch_command:
         command = command_from_template(
-            options.launch_command, mode=options.config, config=config_path, port=options.port
+            options.launch_command, shape=options.config, config=config_path, port=options.port
         )
     elif config_path.exists():
         command = serve_run_command(config_path, options.port)
@@ -70,7 +70,7 @@ def run_demo(options: DemoOptions, console: Console) -> Path:
                 time_scale=BURSTGPT_MEAN_RATE / options.rate,
             ),
             num_requests=options.num_requests,
-            mode=options.config,
+            shape=options.config,
             seed=options.seed,
         )
         result = run_event_loop(execute_run(config, console))

@@ -1,8 +1,8 @@
 """The advised deployment for where the user runs: devices, pools, accelerator, model.
 
-The advisor picks a mode from a sweep; this sizes it (``loadgen/sizing.py``) for a target
+The advisor picks a shape from a sweep; this sizes it (``loadgen/sizing.py``) for a target
 rate or a device budget, raises each engine's tensor-parallel degree to what the model
-needs on the target device, and writes the YAML: the mode's template from the
+needs on the target device, and writes the YAML: the shape's template from the
 deployments folder, with the sized pools' ``replicas`` and degrees and, for
 ``--target gpu``, ``accelerator: gpu`` and the user's model in place of the CPU
 settings (the embedded model, ``cpu_binds``, ``kv_cache_gib``).
@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from loadgen import sizing
-from loadgen.sizing import MeasuredSize, ModelShape, PDCapacities, Sizing
+from loadgen.sizing import MeasuredSize, ModelDims, PDCapacities, Sizing
 
 # What a CPU template holds that a GPU engine has no use for.
 CPU_ONLY_POOL_KEYS = ("cpu_binds", "kv_cache_gib")
@@ -55,10 +55,10 @@ def plan_deployment(
     winner: str,
     pd: PDCapacities | None,
     target: DeployTarget,
-    shape: ModelShape | None,
+    shape: ModelDims | None,
 ) -> Plan:
-    chosen = next(size for size in measured if size.mode == winner)
-    capacities = pd if winner in sizing.PD_MODES else None
+    chosen = next(size for size in measured if size.shape == winner)
+    capacities = pd if winner in sizing.PD_SHAPES else None
     plan = Plan(None, [])
     if shape is not None:
         chosen = _with_tensor_parallel_floor(plan, chosen, shape, target)
@@ -84,7 +84,7 @@ def plan_deployment(
 
 
 def _with_tensor_parallel_floor(
-    plan: Plan, chosen: MeasuredSize, shape: ModelShape, target: DeployTarget
+    plan: Plan, chosen: MeasuredSize, shape: ModelDims, target: DeployTarget
 ) -> MeasuredSize:
     """``chosen`` with engines of the smallest degree whose share of the weights fits
     the target's devices, where that is above the measured degree."""
@@ -137,7 +137,7 @@ def _sized_document(
     if target.model is not None:
         args["model"] = {**args.get("model", {}), "source": target.model}
     if sized is not None:
-        args["strategy"] = _strategy(args["strategy"], sized)
+        args["shape"] = _shape(args["shape"], sized)
         for pool in args["pools"]:
             _size_pool(pool, sized)
     for pool in args["pools"]:
@@ -149,15 +149,15 @@ def _sized_document(
     return document
 
 
-def _strategy(template_strategy: str, sized: Sizing) -> str:
-    if template_strategy == "pd" or template_strategy in sizing.ROLE_FREE_MODES:
-        return template_strategy
+def _shape(template_shape: str, sized: Sizing) -> str:
+    if template_shape == "pd" or template_shape in sizing.AUTO_POOL_SHAPES:
+        return template_shape
     engines = sized.engines.get("mixed", 1)
     if engines > 1:
         return "dp"
-    if sized.ranks_per_engine > 1 and template_strategy != "pp":
+    if sized.ranks_per_engine > 1 and template_shape != "pp":
         return "tp"
-    return "single" if template_strategy in sizing.MIXED_MODES else template_strategy
+    return "single" if template_shape in sizing.MIXED_SHAPES else template_shape
 
 
 def _size_pool(pool: dict[str, Any], sized: Sizing) -> None:

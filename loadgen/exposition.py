@@ -1,6 +1,6 @@
 """The load generator's own live figures as Prometheus metrics on ``--metrics-port``.
 
-Every series carries the labels ``run, mode, workload, qps`` so one dashboard can
+Every series carries the labels ``run, shape, workload, qps`` so one dashboard can
 follow a sweep cell by cell. Latency histograms are batched: a finished request
 appends its samples to a list, and the buckets are counted with numpy when
 Prometheus scrapes. An ITL histogram then costs nothing per token while the run is
@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from loadgen.stats import RequestMetrics
 
-RUN_LABELS = ("run", "mode", "workload", "qps")
+RUN_LABELS = ("run", "shape", "workload", "qps")
 LATENCY_BUCKETS_S = (
     0.0005,
     0.001,
@@ -143,9 +143,9 @@ class Exposition:
         """Expose ``/metrics`` on ``host:port`` from a background thread."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def for_run(self, run: str, mode: str, workload: str, qps: float) -> RunMetrics:
+    def for_run(self, run: str, shape: str, workload: str, qps: float) -> RunMetrics:
         qps_label = "inf" if math.isinf(qps) else f"{qps:g}"
-        metrics = RunMetrics(self, (run, mode, workload, qps_label))
+        metrics = RunMetrics(self, (run, shape, workload, qps_label))
         self.target_qps.labels(*metrics.labels).set(qps)
         return metrics
 

@@ -60,7 +60,7 @@ class FakeServerConfig(StrictModel):
         " TTFT grows with load: a known capacity of max_concurrent / (ttft + (n-1) itl)"
         " requests a second, for the goodput search's tests.",
     )
-    mode: str = Field("fake", description="The 'mode' label of the emulated router metrics.")
+    shape: str = Field("fake", description="The 'shape' label of the emulated router metrics.")
     required_headers: dict[str, str] = Field(
         default_factory=dict,
         description="Headers every /v1 request must carry (names without regard to case),"
@@ -102,13 +102,13 @@ class _Metrics:
         self.gpu = Gauge(
             "splitserve_gpu_utilization_percent", "Utilization per GPU.", ["gpu"], registry=r
         )
-        # The router labels its latency histograms with its strategy; so does this one.
+        # The router labels its latency histograms with its shape; so does this one.
         self.served = Counter(
             "splitserve_e2e_request_latency_seconds_count",
-            "Streamed requests by mode.",
-            ["mode"],
+            "Streamed requests by shape.",
+            ["shape"],
             registry=r,
-        ).labels(config.mode)
+        ).labels(config.shape)
         self.in_flight = 0
         self.gpus = config.gpus
         self.max_model_len = config.max_model_len

@@ -1,4 +1,4 @@
-"""Start and stop a server for the sweep: ``python -m deployments.serve <mode>`` by default.
+"""Start and stop a server for the sweep: ``python -m deployments.serve <shape>`` by default.
 
 The load generator is an external client: it runs the same command a person would,
 as a subprocess, waits until ``GET /health`` answers 200, and stops it with SIGINT
@@ -47,7 +47,7 @@ def serve_run_command(config_path: Path, port: int) -> list[str]:
 
 
 def command_from_template(template: str, **fields: object) -> list[str]:
-    """A ``--launch-command`` such as ``my-launcher --mode {mode} --port {port}``."""
+    """A ``--launch-command`` such as ``my-launcher --shape {shape} --port {port}``."""
     return shlex.split(template.format(**fields))
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from loadgen.report import _cdf, _pyplot, plot_figure1, plot_sweep_by_qps
 
 BIN_S = 1.0  # timeline resolution: one point per second, like a 1 s scrape
-TEXT_COLUMNS = ("run_id", "mode", "workload", "qps", "gpu_utilization_per_gpu")
+TEXT_COLUMNS = ("run_id", "shape", "workload", "qps", "gpu_utilization_per_gpu")
 
 
 class ReportError(ValueError):

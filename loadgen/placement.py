@@ -4,7 +4,7 @@ simulated engines (``python -m loadgen advise --simulate PROFILE --devices N``).
 Every way to lay the model out on ``N`` devices is a candidate:
 
 - one engine over all of them (``single``, ``tp``, ``pp``: a degree whose ranks are N);
-- replicas of one degree (``dp``, and ``auto``'s role-free engines, at least two);
+- replicas of one degree (``dp``, and ``auto``'s engines, at least two);
 - a prefill pool and a decode pool that together take the N devices, in every P:D
   ratio (``pd``, and ``pd_always``: every prompt prefilled remotely), DistServe's ratio
   search. DistServe also gives each phase its own degree; here both pools share one,
@@ -36,17 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadgen.advisor import PD_MODES, SIMPLICITY, TIE_SHARE, Objectives, simplest_near_best
+from loadgen.advisor import PD_SHAPES, SIMPLICITY, TIE_SHARE, Objectives, simplest_near_best
 from loadgen.deployment_plan import CPU_ONLY_POOL_KEYS, GPU_MODEL_DTYPE
 from loadgen.knee import KneeResult, KneeSearchConfig, KneeStep, find_knee
 from loadgen.runner import RunError
 from splitserve.latency.profile import load_profile, shipped_profiles
 
-SEARCH_MODES = ("single", "tp", "pp", "dp", "auto", "pd", "pd_always")
-# The template of each mode (a YAML under deployments/) and the strategy it serves.
-ONE_ENGINE_MODES = ("single", "tp", "pp")
-REPLICA_MODES = ("dp", "auto")
-# The fewest engines of a replica mode: dp of one engine is single; auto needs a peer.
+SEARCH_SHAPES = ("single", "tp", "pp", "dp", "auto", "pd", "pd_always")
+# The template of each shape (a YAML under deployments/) and the shape it serves.
+ONE_ENGINE_SHAPES = ("single", "tp", "pp")
+REPLICA_SHAPES = ("dp", "auto")
+# The fewest engines of a replica shape: dp of one engine is single; auto needs a peer.
 MIN_REPLICAS = 2
 
 
@@ -78,9 +78,9 @@ class PoolPlacement:
 
 @dataclass(frozen=True)
 class Placement:
-    """One candidate: a mode's template with these pools."""
+    """One candidate: a shape's template with these pools."""
 
-    mode: str
+    shape: str
     pools: tuple[PoolPlacement, ...]
 
     @property
@@ -95,10 +95,10 @@ class Placement:
     def label(self) -> str:
         """``dp 4 x TP2``, ``pd 6:2 x TP1``, ``tp TP4``."""
         degree = self.pools[0].degree
-        if self.mode in ONE_ENGINE_MODES:
-            return f"{self.mode} {degree}"
+        if self.shape in ONE_ENGINE_SHAPES:
+            return f"{self.shape} {degree}"
         counts = ":".join(str(pool.replicas) for pool in self.pools)
-        return f"{self.mode} {counts} x {degree}"
+        return f"{self.shape} {counts} x {degree}"
 
     @property
     def slug(self) -> str:
@@ -106,7 +106,7 @@ class Placement:
             f"{pool.role[0]}{pool.replicas}tp{pool.degree.tp}pp{pool.degree.pp}"
             for pool in self.pools
         )
-        return f"{self.mode}-{pools}"
+        return f"{self.shape}-{pools}"
 
 
 def profile_degrees(profile: str) -> list[Degree]:
@@ -125,34 +125,34 @@ def profile_degrees(profile: str) -> list[Degree]:
     return sorted(degrees)
 
 
-def placements(devices: int, degrees: Sequence[Degree], modes: Sequence[str]) -> list[Placement]:
-    """Every candidate that takes exactly ``devices`` devices, for the modes asked, as
-    the config's strategies allow them (one engine of TP and PP both has no strategy,
+def placements(devices: int, degrees: Sequence[Degree], shapes: Sequence[str]) -> list[Placement]:
+    """Every candidate that takes exactly ``devices`` devices, for the shapes asked, as
+    the config's shapes allow them (one engine of TP and PP both has no shape,
     and dp's engines are not pipelined)."""
     found: list[Placement] = []
-    for mode in modes:
-        if mode in ONE_ENGINE_MODES:
+    for shape in shapes:
+        if shape in ONE_ENGINE_SHAPES:
             found += [
-                Placement(mode, (PoolPlacement("mixed", 1, degree),))
+                Placement(shape, (PoolPlacement("mixed", 1, degree),))
                 for degree in degrees
-                if degree.devices == devices and _one_engine_mode(degree) == mode
+                if degree.devices == devices and _one_engine_shape(degree) == shape
             ]
-        elif mode in REPLICA_MODES:
+        elif shape in REPLICA_SHAPES:
             found += [
-                Placement(mode, (PoolPlacement("mixed", devices // degree.devices, degree),))
+                Placement(shape, (PoolPlacement("mixed", devices // degree.devices, degree),))
                 for degree in degrees
                 if devices % degree.devices == 0
                 and devices // degree.devices >= MIN_REPLICAS
-                and (mode != "dp" or degree.pp == 1)
+                and (shape != "dp" or degree.pp == 1)
             ]
-        elif mode in PD_MODES:
-            found += _split_placements(mode, devices, degrees)
+        elif shape in PD_SHAPES:
+            found += _split_placements(shape, devices, degrees)
         else:
-            raise ValueError(f"no placement search for mode {mode!r}; searched: {SEARCH_MODES}")
+            raise ValueError(f"no placement search for shape {shape!r}; searched: {SEARCH_SHAPES}")
     return found
 
 
-def _one_engine_mode(degree: Degree) -> str | None:
+def _one_engine_shape(degree: Degree) -> str | None:
     if degree.devices == 1:
         return "single"
     if degree.pp == 1:
@@ -160,7 +160,7 @@ def _one_engine_mode(degree: Degree) -> str | None:
     return "pp" if degree.tp == 1 else None
 
 
-def _split_placements(mode: str, devices: int, degrees: Sequence[Degree]) -> list[Placement]:
+def _split_placements(shape: str, devices: int, degrees: Sequence[Degree]) -> list[Placement]:
     found = []
     for degree in degrees:
         engines = devices // degree.devices if devices % degree.devices == 0 else 0
@@ -169,7 +169,7 @@ def _split_placements(mode: str, devices: int, degrees: Sequence[Degree]) -> lis
                 PoolPlacement("prefill", prefills, degree),
                 PoolPlacement("decode", engines - prefills, degree),
             )
-            found.append(Placement(mode, pools))
+            found.append(Placement(shape, pools))
     return found
 
 
@@ -183,13 +183,13 @@ def placement_document(
     accelerator: str = "gpu",
     model: str | None = None,
 ) -> dict[str, Any]:
-    """The mode's template with the placement's pools (each keeping its template pool's
+    """The shape's template with the placement's pools (each keeping its template pool's
     engine arguments), for ``accelerator``, with the router's objectives set to
     ``objectives``."""
     document = copy.deepcopy(template)
     args = document["applications"][0]["args"]
     by_role = {pool.get("role", "mixed"): pool for pool in args["pools"]}
-    args["strategy"] = _strategy(placement, args["strategy"])
+    args["shape"] = _shape(placement, args["shape"])
     args["pools"] = [
         _pool(by_role.get(pool.role, {}), pool, accelerator) for pool in placement.pools
     ]
@@ -202,10 +202,10 @@ def placement_document(
     return document
 
 
-def _strategy(placement: Placement, template_strategy: str) -> str:
-    if placement.mode in ONE_ENGINE_MODES:
-        return placement.mode
-    return template_strategy
+def _shape(placement: Placement, template_shape: str) -> str:
+    if placement.shape in ONE_ENGINE_SHAPES:
+        return placement.shape
+    return template_shape
 
 
 def _pool(template: dict[str, Any], pool: PoolPlacement, accelerator: str) -> dict[str, Any]:
@@ -347,5 +347,5 @@ def choose(searched: Sequence[Searched]) -> tuple[Searched, str]:
 
 def _simplicity(searched: Searched | Placement) -> tuple[int, int]:
     placement = searched.placement if isinstance(searched, Searched) else searched
-    order = SIMPLICITY.index(placement.mode) if placement.mode in SIMPLICITY else len(SIMPLICITY)
+    order = SIMPLICITY.index(placement.shape) if placement.shape in SIMPLICITY else len(SIMPLICITY)
     return order, placement.engines

@@ -35,7 +35,7 @@ class PlacementQuestion:
     devices: int
     run: RunConfig  # the workload, its request count and seed, and the SLOs
     objectives: Objectives
-    modes: tuple[str, ...]
+    shapes: tuple[str, ...]
     deployments_dir: Path
     devices_per_node: int = 8
     accelerator: str = "gpu"
@@ -52,11 +52,11 @@ def candidates_of(question: PlacementQuestion) -> list[Placement]:
         for degree in placement.profile_degrees(question.profile)
         if degree.tp <= question.devices_per_node
     ]
-    found = placement.placements(question.devices, degrees, question.modes)
+    found = placement.placements(question.devices, degrees, question.shapes)
     if not found:
         shown = ", ".join(str(d) for d in degrees)
         raise ValueError(
-            f"no placement of modes {','.join(question.modes)} takes exactly"
+            f"no placement of shapes {','.join(question.shapes)} takes exactly"
             f" {question.devices} devices with the profile's degrees ({shown})"
         )
     return found
@@ -77,7 +77,7 @@ def write_candidates(
 
 
 def _document(question: PlacementQuestion, candidate: Placement) -> dict[str, Any]:
-    template = yaml.safe_load((question.deployments_dir / f"{candidate.mode}.yaml").read_text())
+    template = yaml.safe_load((question.deployments_dir / f"{candidate.shape}.yaml").read_text())
     return placement.placement_document(
         template, candidate, question.objectives, question.accelerator, question.model
     )
@@ -243,7 +243,7 @@ def _jsonable(result: SearchResult) -> dict[str, Any]:
         "placements": [
             {
                 "placement": s.placement.label,
-                "mode": s.placement.mode,
+                "shape": s.placement.shape,
                 "pools": [asdict(pool) for pool in s.placement.pools],
                 "goodput": s.goodput,
                 "wall_s": s.wall_s,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadgen.config import WORKLOADS, WorkloadConfig
-from loadgen.workloads import LengthDraws, RequestShape, WorkloadPlan
+from loadgen.workloads import LengthDraws, RequestSize, WorkloadPlan
 
 RECORDED_WORKLOAD = "recorded-replay"
 SUPPORTED_VERSION = 1
@@ -31,7 +31,7 @@ class RecordError(ValueError):
 class RecordedTraffic:
     block_tokens: int
     arrivals: list[float]  # seconds from the first request
-    shapes: list[RequestShape]
+    sizes: list[RequestSize]
 
 
 def read_record(path: Path) -> RecordedTraffic:
@@ -54,8 +54,8 @@ def read_record(path: Path) -> RecordedTraffic:
     return RecordedTraffic(
         block_tokens=int(header["block_tokens"]),
         arrivals=[row["t"] - start for row in rows],
-        shapes=[
-            RequestShape(int(row["in"]), max(1, int(row["out"])), tuple(row["prefix"]))
+        sizes=[
+            RequestSize(int(row["in"]), max(1, int(row["out"])), tuple(row["prefix"]))
             for row in rows
         ],
     )
@@ -68,22 +68,22 @@ class RecordedReplay:
         if config.trace_file is None:
             raise RecordError("--trace recorded needs --trace-file, the router's record")
         record = read_record(config.trace_file)
-        count = min(draws.num_requests, len(record.shapes))
+        count = min(draws.num_requests, len(record.sizes))
         too_long = [
-            s for s in record.shapes[:count] if s.input_len + s.output_len > draws.max_model_len
+            s for s in record.sizes[:count] if s.input_len + s.output_len > draws.max_model_len
         ]
         if too_long:
             raise RecordError(
                 f"{len(too_long)} recorded requests exceed the server's context of"
                 f" {draws.max_model_len} tokens"
             )
-        shapes = record.shapes[:count]
+        sizes = record.sizes[:count]
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=shapes,
-            warmup_shapes=[
-                RequestShape(s.input_len, s.output_len) for s in shapes[: draws.warmup_requests]
+            sizes=sizes,
+            warmup_sizes=[
+                RequestSize(s.input_len, s.output_len) for s in sizes[: draws.warmup_requests]
             ],
             source=str(config.trace_file),
             trace_arrivals=record.arrivals[:count],
@@ -104,13 +104,13 @@ class PrefixedPrompts:
         self._blocks: dict[str, list[int]] = {}
         self._tails = random.Random(seed)
 
-    def prompt(self, shape: RequestShape) -> list[int]:
+    def prompt(self, size: RequestSize) -> list[int]:
         tokens: list[int] = []
-        for block in shape.prefix:
+        for block in size.prefix:
             tokens += self._block(block)
-        tail = max(0, shape.input_len - len(tokens))
+        tail = max(0, size.input_len - len(tokens))
         tokens += [self._tails.randrange(self._low, self._high) for _ in range(tail)]
-        return tokens[: shape.input_len]
+        return tokens[: size.input_len]
 
     def _block(self, block_hash: str) -> list[int]:
         if block_hash not in self._blocks:

@@ -22,7 +22,7 @@ from loadgen.runner import RunResult
 
 LATENCY_FIELDS = ("mean", "p50", "p90", "p95", "p99")
 SWEEP_TABLE_COLUMNS = (
-    ("mode", "mode"),
+    ("shape", "shape"),
     ("workload", "workload"),
     ("qps", "QPS"),
     ("completed", "done"),
@@ -44,7 +44,7 @@ def summary_row(result: RunResult) -> dict[str, Any]:
     server = result.server
     row: dict[str, Any] = {
         "run_id": result.run_id,
-        "mode": result.mode,
+        "shape": result.shape,
         "workload": result.workload.label,
         "qps": result.qps_label,
         "requests": s.requests,
@@ -135,7 +135,7 @@ def print_run_table(console: Console, results: Sequence[RunResult]) -> None:
     table.add_column("")
     rows = [summary_row(result) for result in results]
     for row in rows:
-        table.add_column(f"{row['mode']}\n{row['workload']}\nQPS {row['qps']}", justify="right")
+        table.add_column(f"{row['shape']}\n{row['workload']}\nQPS {row['qps']}", justify="right")
     for key, label, digits in RUN_TABLE_ROWS:
         if all(row.get(key) is None for row in rows):
             continue  # e.g. goodput without SLOs, server figures it does not export
@@ -178,7 +178,7 @@ def run_document(result: RunResult) -> dict[str, Any]:
         "run_id": result.run_id,
         "started_at": result.started_at,
         "clock_origin_s": result.clock_origin_s,
-        "mode": result.mode,
+        "shape": result.shape,
         "model": result.model,
         "max_model_len": result.max_model_len,
         "qps": result.qps_label,
@@ -285,33 +285,33 @@ def _qps_key(label: str) -> tuple[int, float]:
 
 
 def plot_figure1(rows: Sequence[dict[str, Any]], path: Path, qps: str) -> Path:
-    """The study's Figure 1: throughput and TTFT p95 per mode and workload at one QPS."""
+    """The study's Figure 1: throughput and TTFT p95 per shape and workload at one QPS."""
     import numpy as np
 
     plt = _pyplot()
     chosen = [r for r in rows if r["qps"] in (qps, "replay") and r.get("completed")]
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     figure, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(workloads)), 4.5))
-    width = 0.8 / max(len(modes), 1)
+    width = 0.8 / max(len(shapes), 1)
     metrics = (
         ("request_throughput", "(a) request throughput (req/s)"),
         ("ttft_p95_ms", "(b) TTFT p95 (ms)"),
     )
     for axis, (key, title) in zip(axes, metrics, strict=True):
-        for index, mode in enumerate(modes):
+        for index, shape in enumerate(shapes):
             values = [
-                next((r[key] for r in chosen if r["mode"] == mode and r["workload"] == w), np.nan)
+                next((r[key] for r in chosen if r["shape"] == shape and r["workload"] == w), np.nan)
                 for w in workloads
             ]
             positions = np.arange(len(workloads)) + index * width
-            axis.bar(positions, values, width, label=mode)
-        axis.set_xticks(np.arange(len(workloads)) + width * (len(modes) - 1) / 2)
+            axis.bar(positions, values, width, label=shape)
+        axis.set_xticks(np.arange(len(workloads)) + width * (len(shapes) - 1) / 2)
         axis.set_xticklabels(workloads, rotation=20, ha="right")
         axis.set_title(title)
         axis.grid(axis="y", alpha=0.3)
-    axes[0].legend(title="mode")
-    figure.suptitle(f"Figure 1: per mode and workload at QPS {qps} (T-burst-replay: its trace)")
+    axes[0].legend(title="shape")
+    figure.suptitle(f"Figure 1: per shape and workload at QPS {qps} (T-burst-replay: its trace)")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -320,10 +320,10 @@ def plot_figure1(rows: Sequence[dict[str, Any]], path: Path, qps: str) -> Path:
 
 
 def plot_sweep_by_qps(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Throughput and TTFT p95 against QPS, one panel per workload, one line per mode."""
+    """Throughput and TTFT p95 against QPS, one panel per workload, one line per shape."""
     plt = _pyplot()
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
     figure, axes = plt.subplots(
         2, max(len(workloads), 1), figsize=(3.6 * max(len(workloads), 1), 6.5), squeeze=False
     )
@@ -332,18 +332,18 @@ def plot_sweep_by_qps(rows: Sequence[dict[str, Any]], path: Path) -> Path:
             (("request_throughput", "req/s"), ("ttft_p95_ms", "TTFT p95 (ms)"))
         ):
             axis = axes[row_index][column]
-            for mode in modes:
+            for shape in shapes:
                 points = sorted(
-                    (r for r in rows if r["mode"] == mode and r["workload"] == workload),
+                    (r for r in rows if r["shape"] == shape and r["workload"] == workload),
                     key=lambda r: _qps_key(r["qps"]),
                 )
                 qps = [r["qps"] for r in points]
-                axis.plot(qps, [r[key] for r in points], marker="o", label=mode)
+                axis.plot(qps, [r[key] for r in points], marker="o", label=shape)
             axis.set_title(workload if row_index == 0 else "")
             axis.set_xlabel("QPS")
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)
-    axes[0][0].legend(title="mode")
+    axes[0][0].legend(title="shape")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -355,9 +355,9 @@ def plot_sweep_by_qps(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def print_sweep_table(console: Console, rows: Sequence[dict[str, Any]]) -> None:
-    table = Table(title="the study's table: per mode, workload and QPS")
+    table = Table(title="the study's table: per shape, workload and QPS")
     for _, header in SWEEP_TABLE_COLUMNS:
-        table.add_column(header, justify="left" if header in ("mode", "workload") else "right")
+        table.add_column(header, justify="left" if header in ("shape", "workload") else "right")
     for row in rows:
         table.add_row(
             *(_cell(row.get(key), 2 if "itl" in key else 1) for key, _ in SWEEP_TABLE_COLUMNS)

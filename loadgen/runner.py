@@ -41,7 +41,7 @@ from loadgen.config import RunConfig
 from loadgen.exposition import Exposition, RunMetrics
 from loadgen.progress import RunProgress
 from loadgen.recorded import PrefixedPrompts
-from loadgen.server_view import ServerView, ServerViewRecorder, discover_mode, parse_metrics
+from loadgen.server_view import ServerView, ServerViewRecorder, discover_shape, parse_metrics
 from loadgen.stats import (
     RequestMetrics,
     RunSummary,
@@ -53,7 +53,7 @@ from loadgen.stats import (
 from loadgen.workloads import (
     PROMPT_TOKEN_HIGH,
     PROMPT_TOKEN_LOW,
-    RequestShape,
+    RequestSize,
     TextCalibration,
     TextPrompts,
     TokenPrompts,
@@ -84,7 +84,7 @@ class RunError(RuntimeError):
 class RunResult:
     run_id: str
     config: RunConfig
-    mode: str
+    shape: str
     model: str
     max_model_len: int
     workload: WorkloadPlan
@@ -161,11 +161,11 @@ def pool_size(config: RunConfig) -> int:
     return max(min(config.num_requests, MAX_POOL_CONNECTIONS), WARMUP_CONCURRENCY)
 
 
-def run_identifier(config: RunConfig, mode: str) -> str:
+def run_identifier(config: RunConfig, shape: str) -> str:
     rate = "replay" if config.workload.is_replay else f"qps{format_qps(config.qps)}"
     if config.ramp_up is not None:
         rate = config.ramp_up.label
-    name = config.run_name or f"{mode}-{config.workload.label}-{rate}"
+    name = config.run_name or f"{shape}-{config.workload.label}-{rate}"
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
 
@@ -285,17 +285,17 @@ class Run:
             config.server_sample_interval_s,
             config.prometheus_url,
         )
-        mode = config.mode or await self._discover_mode(recorder) or "unknown"
-        run_id = run_identifier(config, mode)
+        shape = config.shape or await self._discover_shape(recorder) or "unknown"
+        run_id = run_identifier(config, shape)
         started_at = datetime.now(UTC).isoformat(timespec="seconds")
-        metrics, server = await self._measure(prepared, recorder, run_id, mode)
+        metrics, server = await self._measure(prepared, recorder, run_id, shape)
         return self.result(
-            mode, endpoint, prepared, metrics, server, started_at, warmups=warmup_metrics
+            shape, endpoint, prepared, metrics, server, started_at, warmups=warmup_metrics
         )
 
     def result(
         self,
-        mode: str,
+        shape: str,
         endpoint: Endpoint,
         prepared: PreparedRun,
         metrics: list[RequestMetrics],
@@ -306,9 +306,9 @@ class Run:
         """The run's result from its measured requests (``warmups`` are kept apart)."""
         config = self.config
         return RunResult(
-            run_id=run_identifier(config, mode),
+            run_id=run_identifier(config, shape),
             config=config,
-            mode=mode,
+            shape=shape,
             model=endpoint.model,
             max_model_len=endpoint.max_model_len,
             workload=prepared.plan,
@@ -328,16 +328,16 @@ class Run:
         )
 
     async def _measure(
-        self, prepared: PreparedRun, recorder: ServerViewRecorder, run_id: str, mode: str
+        self, prepared: PreparedRun, recorder: ServerViewRecorder, run_id: str, shape: str
     ) -> tuple[list[RequestMetrics], ServerView]:
         config = self.config
         plan = prepared.plan
         live = None
         if self.exposition is not None:
-            live = self.exposition.for_run(run_id, mode, plan.label, config.qps)
+            live = self.exposition.for_run(run_id, shape, plan.label, config.qps)
         if config.server_metrics:
             await recorder.start()
-        title = f"{mode} {plan.label} {prepared.arrivals.label}"
+        title = f"{shape} {plan.label} {prepared.arrivals.label}"
         metrics = await self._send_all(prepared.items, prepared.schedule, live, title)
         if not config.server_metrics:
             return metrics, ServerView(notes=["server metrics not scraped (--no-server-metrics)"])
@@ -359,14 +359,14 @@ class Run:
             config.seed,
             endpoint.max_model_len,
         )
-        needs_calibration = any(shape.text is None for shape in plan.shapes)
+        needs_calibration = any(size.text is None for size in plan.sizes)
         calibration = await self._chat_calibration(endpoint.model) if needs_calibration else None
         prompts = self._prompt_source(calibration, plan.prefix_block_tokens)
         arrivals = arrival_process(config, plan)
-        items = self._prepare(plan.shapes, endpoint.model, prompts, warmup=False)
+        items = self._prepare(plan.sizes, endpoint.model, prompts, warmup=False)
         return PreparedRun(
             plan=plan,
-            warmups=self._prepare(plan.warmup_shapes, endpoint.model, prompts, warmup=True),
+            warmups=self._prepare(plan.warmup_sizes, endpoint.model, prompts, warmup=True),
             items=items,
             arrivals=arrivals,
             schedule=arrivals.schedule(len(items)),
@@ -407,25 +407,25 @@ class Run:
 
     def _prepare(
         self,
-        shapes: list[RequestShape],
+        sizes: list[RequestSize],
         model: str,
         prompts: PromptSource,
         warmup: bool,
     ) -> PreparedItems:
         config = self.config
         # Warm-ups go to the base model without ids, as vLLM's client sends its own.
-        models = [model] * len(shapes) if warmup else self._models(model, len(shapes))
+        models = [model] * len(sizes) if warmup else self._models(model, len(sizes))
         items = []
-        for index, shape in enumerate(shapes):
+        for index, size in enumerate(sizes):
             payload = build_payload(
                 config.endpoint,
                 models[index],
-                _prompt(prompts, shape),
-                shape.output_len,
+                _prompt(prompts, size),
+                size.output_len,
                 self.sampling,
             )
             record = RequestRecord(
-                index=index, input_len=shape.input_len, output_len=shape.output_len, warmup=warmup
+                index=index, input_len=size.input_len, output_len=size.output_len, warmup=warmup
             )
             if config.request_id_prefix is not None and not warmup:
                 record.request_id = f"{config.request_id_prefix}{index}"
@@ -443,10 +443,10 @@ class Run:
         pick = random.Random(self.config.seed)
         return [pick.choice(modules) for _ in range(count)]
 
-    async def _discover_mode(self, recorder: ServerViewRecorder) -> str | None:
+    async def _discover_shape(self, recorder: ServerViewRecorder) -> str | None:
         text = await recorder.scrape_text()
         with contextlib.suppress(ValueError):
-            return discover_mode(parse_metrics(text)) if text else None
+            return discover_shape(parse_metrics(text)) if text else None
         return None
 
     # ---- sending -------------------------------------------------------------------------
@@ -520,12 +520,12 @@ def unscale(record: RequestRecord, run_start: float, scale: float) -> None:
     record.event_times = [own(at) for at in record.event_times]
 
 
-def _prompt(prompts: PromptSource, shape: RequestShape) -> list[int] | str:
-    if shape.text is not None:
-        return shape.text
+def _prompt(prompts: PromptSource, size: RequestSize) -> list[int] | str:
+    if size.text is not None:
+        return size.text
     if isinstance(prompts, PrefixedPrompts):
-        return prompts.prompt(shape)
-    return prompts.prompt(shape.input_len)
+        return prompts.prompt(size)
+    return prompts.prompt(size.input_len)
 
 
 async def _tick(progress: RunProgress, live: RunMetrics | None) -> None:

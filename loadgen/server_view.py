@@ -177,18 +177,18 @@ def _label_key(labels: dict[str, str], label: str | None) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "value"
 
 
-def discover_mode(samples: Samples | None) -> str | None:
-    """The router's strategy label (``mode``) on its own histograms, if it has served any."""
+def discover_shape(samples: Samples | None) -> str | None:
+    """The router's shape label (``shape``) on its own histograms, if it has served any."""
     if not samples:
         return None
-    modes = Counter(
-        labels["mode"]
+    shapes = Counter(
+        labels["shape"]
         for name, series in samples.items()
         if name.startswith("splitserve_")
         for labels, _ in series
-        if labels.get("mode")
+        if labels.get("shape")
     )
-    return modes.most_common(1)[0][0] if modes else None
+    return shapes.most_common(1)[0][0] if shapes else None
 
 
 class ServerViewRecorder:

@@ -203,7 +203,7 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
     metrics = [request_metrics(record, 0.0) for record in records]
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     return run.result(
-        config.mode or str(card["mode"]), endpoint, prepared, metrics, server, started_at
+        config.shape or str(card["shape"]), endpoint, prepared, metrics, server, started_at
     )
 
 

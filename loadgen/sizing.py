@@ -1,14 +1,14 @@
 """How many devices a split needs, and how to lay them out (the advisor's sizing).
 
-From what a sweep measured (each mode's goodput at its measured size) and what the
+From what a sweep measured (each shape's goodput at its measured size) and what the
 advisor fitted (PD's per-engine capacities), this sizes a deployment for a target
 request rate or a device budget:
 
 - **single, dp** (mixed engines): goodput grows with engines at the measured goodput per
   engine (fitted: the sweep measured one size);
-- **auto** (role-free engines, each able to prefill for another): grows like dp, from
+- **auto** (one mixed pool whose engines are each able to prefill for another): grows like dp, from
   two engines up (one engine alone has nobody to hand a prompt to);
-- **tp, pp**: one engine of the measured degree (the strategy holds one engine);
+- **tp, pp**: one engine of the measured degree (the shape holds one engine);
 - **pd, pd_always**: ``p`` prefill and ``d`` decode engines serve
   ``min(p x C_p, d x C_d)`` req/s, DistServe's ratio: for a rate, the fewest of each
   that reach it; for a budget, the pair with the highest goodput. ``C_p`` and ``C_d``
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MIXED_MODES = ("single", "dp")
-ROLE_FREE_MODES = ("auto",)
-MIN_ROLE_FREE_ENGINES = 2  # the fewest engines a role-free pool takes (the config's rule)
-ONE_ENGINE_MODES = ("tp", "pp")
-PD_MODES = ("pd", "pd_always")
+MIXED_SHAPES = ("single", "dp")
+AUTO_POOL_SHAPES = ("auto",)
+MIN_AUTO_POOL_ENGINES = 2  # the fewest engines an auto pool takes (the config's rule)
+ONE_ENGINE_SHAPES = ("tp", "pp")
+PD_SHAPES = ("pd", "pd_always")
 # The weights may take at most this share of what an engine may use of a device: the
 # rest holds the KV cache, without which the engine serves a handful of requests.
 WEIGHT_SHARE_MAX = 0.6
@@ -60,9 +60,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class MeasuredSize:
-    """One mode as the sweep measured it: its goodput at its YAML's layout."""
+    """One shape as the sweep measured it: its goodput at its YAML's layout."""
 
-    mode: str
+    shape: str
     goodput: float  # req/s within the objectives (the knee)
     layout: Layout
 
@@ -104,12 +104,12 @@ def calibrated(pd: PDCapacities, measured: MeasuredSize) -> PDCapacities:
 class Sizing:
     """A deployment: engines per pool role, their parallel degree, what it serves."""
 
-    mode: str
+    shape: str
     engines: dict[str, int]  # role -> replicas ("mixed", or "prefill" and "decode")
     ranks_per_engine: int
     goodput: float
     measured: bool  # the sweep measured this size; else it is extrapolated or fitted
-    measured_mode: str  # the mode whose measurement it is sized from
+    measured_shape: str  # the shape whose measurement it is sized from
 
     @property
     def devices(self) -> int:
@@ -119,9 +119,9 @@ class Sizing:
 def size_for_rate(
     measured: MeasuredSize, rate: float, pd: PDCapacities | None = None
 ) -> Sizing | None:
-    """The fewest devices that serve ``rate`` req/s in this mode; None where the mode
+    """The fewest devices that serve ``rate`` req/s in this shape; None where the shape
     cannot (it met the objectives at no rate, or it holds one engine and that is short)."""
-    if measured.mode in PD_MODES and pd is not None:
+    if measured.shape in PD_SHAPES and pd is not None:
         pd = calibrated(pd, measured)
         if min(pd.prefill, pd.decode) <= 0:
             return None
@@ -130,7 +130,7 @@ def size_for_rate(
     per_engine = measured.goodput / measured.engines
     if per_engine <= 0:
         return None
-    if measured.mode in ONE_ENGINE_MODES or measured.mode in PD_MODES:
+    if measured.shape in ONE_ENGINE_SHAPES or measured.shape in PD_SHAPES:
         if rate > measured.goodput:
             return None
         return _as_measured(measured)
@@ -141,11 +141,11 @@ def size_for_rate(
 def size_for_devices(
     measured: MeasuredSize, devices: int, pd: PDCapacities | None = None
 ) -> Sizing | None:
-    """The highest-goodput layout of at most ``devices`` devices in this mode."""
+    """The highest-goodput layout of at most ``devices`` devices in this shape."""
     ranks = measured.ranks_per_engine
     if devices < ranks:
         return None
-    if measured.mode in PD_MODES and pd is not None:
+    if measured.shape in PD_SHAPES and pd is not None:
         pd = calibrated(pd, measured)
         pairs = [
             (prefill, engines - prefill)
@@ -156,7 +156,7 @@ def size_for_devices(
             return None
         best = max(pairs, key=lambda pair: (_pd_goodput(pd, *pair), -sum(pair)))
         return _pd_sizing(measured, best[0], best[1], pd)
-    if measured.mode in MIXED_MODES or measured.mode in ROLE_FREE_MODES:
+    if measured.shape in MIXED_SHAPES or measured.shape in AUTO_POOL_SHAPES:
         engines = devices // ranks
         return _mixed_sizing(measured, engines) if engines >= _fewest_engines(measured) else None
     return _as_measured(measured) if devices >= measured.devices else None
@@ -165,7 +165,7 @@ def size_for_devices(
 def pareto_points(
     measured: list[MeasuredSize], max_devices: int, pd: PDCapacities | None = None
 ) -> list[Sizing]:
-    """Every mode's best layout at each device count up to ``max_devices``."""
+    """Every shape's best layout at each device count up to ``max_devices``."""
     points = []
     for size in measured:
         for devices in range(1, max_devices + 1):
@@ -192,38 +192,38 @@ def _pd_goodput(pd: PDCapacities, prefill: int, decode: int) -> float:
 def _pd_sizing(measured: MeasuredSize, prefill: int, decode: int, pd: PDCapacities) -> Sizing:
     engines = {"prefill": prefill, "decode": decode}
     return Sizing(
-        measured.mode,
+        measured.shape,
         engines,
         measured.ranks_per_engine,
         _pd_goodput(pd, prefill, decode),
         measured=engines == dict(measured.pools),
-        measured_mode=measured.mode,
+        measured_shape=measured.shape,
     )
 
 
 def _fewest_engines(measured: MeasuredSize) -> int:
-    return MIN_ROLE_FREE_ENGINES if measured.mode in ROLE_FREE_MODES else 1
+    return MIN_AUTO_POOL_ENGINES if measured.shape in AUTO_POOL_SHAPES else 1
 
 
 def _mixed_sizing(measured: MeasuredSize, engines: int) -> Sizing:
     per_engine = measured.goodput / measured.engines
-    mode = "single" if engines == 1 else "dp"
-    if measured.mode in ROLE_FREE_MODES:
-        mode = measured.mode
+    shape = "single" if engines == 1 else "dp"
+    if measured.shape in AUTO_POOL_SHAPES:
+        shape = measured.shape
     return Sizing(
-        mode,
+        shape,
         {"mixed": engines},
         measured.ranks_per_engine,
         per_engine * engines,
         measured=engines == measured.engines,
-        measured_mode=measured.mode,
+        measured_shape=measured.shape,
     )
 
 
 def _as_measured(measured: MeasuredSize) -> Sizing:
-    roles = {"prefill": 1, "decode": 1} if measured.mode in PD_MODES else {"mixed": 1}
+    roles = {"prefill": 1, "decode": 1} if measured.shape in PD_SHAPES else {"mixed": 1}
     return Sizing(
-        measured.mode, roles, measured.ranks_per_engine, measured.goodput, True, measured.mode
+        measured.shape, roles, measured.ranks_per_engine, measured.goodput, True, measured.shape
     )
 
 
@@ -231,7 +231,7 @@ def _as_measured(measured: MeasuredSize) -> Sizing:
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ModelDims:
     """What sizing needs of a model's ``config.json``."""
 
     attention_heads: int
@@ -258,7 +258,7 @@ class ModelShape:
         return None
 
 
-def model_shape(config: dict[str, Any]) -> ModelShape:
+def model_dims(config: dict[str, Any]) -> ModelDims:
     """Heads and weight bytes of a decoder-only transformer (Llama-shaped: attention,
     gated MLP, embeddings), from its Hugging Face ``config.json``."""
     try:
@@ -277,7 +277,7 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
     parameters = layers * (attention + mlp) + embeddings
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    return ModelShape(heads, kv_heads, parameters * DTYPE_BYTES.get(dtype, 2))
+    return ModelDims(heads, kv_heads, parameters * DTYPE_BYTES.get(dtype, 2))
 
 
 def read_model_config(model: str) -> dict[str, Any] | None:

@@ -1,16 +1,16 @@
-"""The study's matrix in one command: every mode x workload x QPS, 200 requests a cell.
+"""The study's matrix in one command: every shape x workload x QPS, 200 requests a cell.
 
-For each mode the sweep starts the Serve application itself (``python -m
-deployments.serve <mode>``, or ``--launch-command``), runs every workload at every
-rate against it, and stops it before the next mode; or it measures servers that are
-already up (``--urls tp=http://...``). Every cell of a mode uses the same seed, so
-all modes see the same requests at the same offsets. Results are written as they
+For each shape the sweep starts the Serve application itself (``python -m
+deployments.serve <shape>``, or ``--launch-command``), runs every workload at every
+rate against it, and stops it before the next shape; or it measures servers that are
+already up (``--urls tp=http://...``). Every cell of a shape uses the same seed, so
+all shapes see the same requests at the same offsets. Results are written as they
 come (one JSON and PNG per cell, the table CSV after every cell), so an interrupted
 sweep keeps what it measured.
 
 Outputs: ``sweep.csv`` (every column), ``table.md`` (the study's table: req/s, total
 tok/s, TTFT, ITL, GPU utilization per cell), ``figure1.png`` (the study's Figure 1:
-throughput and TTFT p95 per mode and workload at ``--figure-qps``) and
+throughput and TTFT p95 per shape and workload at ``--figure-qps``) and
 ``sweep_by_qps.png`` (the same against every QPS).
 """
 
@@ -50,7 +50,7 @@ from loadgen.runner import RunError, RunResult, execute_run
 from loadgen.vllm_result import write_vllm_result
 from loadgen.workloads import load_trace
 
-STUDY_MODES = ("tp", "pp", "dp", "pd_always")
+STUDY_SHAPES = ("tp", "pp", "dp", "pd_always")
 STUDY_WORKLOADS = (
     "general",
     "prefill-heavy",
@@ -69,16 +69,16 @@ SMOKE_WARMUP_REQUESTS = 1
 
 
 class SweepConfig(StrictModel):
-    """The matrix and how to reach each mode's server."""
+    """The matrix and how to reach each shape's server."""
 
-    modes: list[str] = Field(default_factory=lambda: list(STUDY_MODES), min_length=1)
+    shapes: list[str] = Field(default_factory=lambda: list(STUDY_SHAPES), min_length=1)
     workloads: list[str] = Field(default_factory=lambda: list(STUDY_WORKLOADS), min_length=1)
     qps: list[float] = Field(default_factory=lambda: list(STUDY_QPS), min_length=1)
     urls: dict[str, str] = Field(
-        default_factory=dict, description="mode -> base URL of a server that is already up"
+        default_factory=dict, description="shape -> base URL of a server that is already up"
     )
     launch_command: str | None = Field(
-        None, description="instead of serve run: a template with {mode}, {config}, {port}"
+        None, description="instead of serve run: a template with {shape}, {config}, {port}"
     )
     deployments_dir: Path = DEFAULT_DEPLOYMENTS_DIR
     port: int = Field(8000, gt=0, lt=65536)
@@ -96,8 +96,8 @@ class SweepResult:
     outputs: dict[str, Path] = field(default_factory=dict)
 
 
-def cell_configs(sweep: SweepConfig, base: RunConfig, mode: str, base_url: str) -> list[RunConfig]:
-    """The runs of one mode: every workload at every QPS (the replay once, at its own pace)."""
+def cell_configs(sweep: SweepConfig, base: RunConfig, shape: str, base_url: str) -> list[RunConfig]:
+    """The runs of one shape: every workload at every QPS (the replay once, at its own pace)."""
     configs = []
     for workload in sweep.workloads:
         workload_config = WorkloadConfig.model_validate(
@@ -106,7 +106,7 @@ def cell_configs(sweep: SweepConfig, base: RunConfig, mode: str, base_url: str) 
         rates = [math.inf] if workload_config.is_replay else sweep.qps
         for qps in rates:
             fields = {**base.model_dump(), "workload": workload_config, "qps": qps}
-            fields.update(mode=mode, base_url=base_url, run_name=None)
+            fields.update(shape=shape, base_url=base_url, run_name=None)
             configs.append(RunConfig.model_validate(fields))
     return configs
 
@@ -131,34 +131,38 @@ async def run_sweep(
     check_workloads(sweep, base)
     result = SweepResult()
     runs_dir = sweep.out_dir / "runs"
-    for mode in sweep.modes:
-        console.rule(f"[bold]mode {mode}")
+    for shape in sweep.shapes:
+        console.rule(f"[bold]shape {shape}")
         try:
-            await _run_mode(sweep, base, mode, console, exposition, result, runs_dir)
+            await _run_shape(sweep, base, shape, console, exposition, result, runs_dir)
         except (LaunchError, RunError) as error:
-            result.failures[mode] = str(error)
-            console.print(f"[red]mode {mode} failed:[/] {error}")
+            result.failures[shape] = str(error)
+            console.print(f"[red]shape {shape} failed:[/] {error}")
     _write_outputs(sweep, result, console)
     return result
 
 
-async def _run_mode(
+async def _run_shape(
     sweep: SweepConfig,
     base: RunConfig,
-    mode: str,
+    shape: str,
     console: Console,
     exposition: Exposition | None,
     result: SweepResult,
     runs_dir: Path,
 ) -> None:
-    if mode in sweep.urls:
-        await _run_cells(sweep, base, mode, sweep.urls[mode], console, exposition, result, runs_dir)
+    if shape in sweep.urls:
+        await _run_cells(
+            sweep, base, shape, sweep.urls[shape], console, exposition, result, runs_dir
+        )
         return
-    config_path = sweep.deployments_dir / f"{mode}.yaml"
+    config_path = sweep.deployments_dir / f"{shape}.yaml"
     if sweep.launch_command is None and not config_path.exists():
-        raise LaunchError(f"no {config_path}: mode {mode} has no Serve application to start")
+        raise LaunchError(f"no {config_path}: shape {shape} has no Serve application to start")
     command = (
-        command_from_template(sweep.launch_command, mode=mode, config=config_path, port=sweep.port)
+        command_from_template(
+            sweep.launch_command, shape=shape, config=config_path, port=sweep.port
+        )
         if sweep.launch_command
         else serve_run_command(config_path, sweep.port)
     )
@@ -167,25 +171,25 @@ async def _run_mode(
     with launched_server(
         command,
         base_url,
-        sweep.out_dir / "logs" / f"server-{mode}.log",
+        sweep.out_dir / "logs" / f"server-{shape}.log",
         ready_timeout_s=sweep.ready_timeout_s,
         stop_timeout_s=sweep.stop_timeout_s,
     ):
-        await _run_cells(sweep, base, mode, base_url, console, exposition, result, runs_dir)
-        console.print(f"stopping mode {mode}")
+        await _run_cells(sweep, base, shape, base_url, console, exposition, result, runs_dir)
+        console.print(f"stopping shape {shape}")
 
 
 async def _run_cells(
     sweep: SweepConfig,
     base: RunConfig,
-    mode: str,
+    shape: str,
     base_url: str,
     console: Console,
     exposition: Exposition | None,
     result: SweepResult,
     runs_dir: Path,
 ) -> None:
-    for config in cell_configs(sweep, base, mode, base_url):
+    for config in cell_configs(sweep, base, shape, base_url):
         run = await execute_run(config, console, exposition)
         _save_cell(run, runs_dir, sweep.plots_per_run)
         result.rows.append(summary_row(run))
@@ -217,7 +221,7 @@ def _write_outputs(sweep: SweepConfig, result: SweepResult, console: Console) ->
     out.mkdir(parents=True, exist_ok=True)
     if result.failures:
         (out / "failures.txt").write_text(
-            "".join(f"{mode}: {error}\n" for mode, error in result.failures.items())
+            "".join(f"{shape}: {error}\n" for shape, error in result.failures.items())
         )
     if not result.rows:
         return

@@ -30,7 +30,7 @@ from loadgen.config import (
     WORKLOADS,
     WorkloadConfig,
 )
-from loadgen.workloads import LengthDraws, RequestShape, WorkloadPlan
+from loadgen.workloads import LengthDraws, RequestSize, WorkloadPlan
 
 
 class PrefixRepetition:
@@ -50,23 +50,23 @@ class PrefixRepetition:
                 f"{config.label}: {input_len} + {config.output_len} tokens exceed the"
                 f" server's context of {draws.max_model_len}"
             )
-        shapes = [
-            RequestShape(input_len, config.output_len, (f"prefix-{index}",))
+        sizes = [
+            RequestSize(input_len, config.output_len, (f"prefix-{index}",))
             for index in range(config.num_prefixes)
             for _ in range(per_prefix)
         ]
         if config.shuffle:
-            shapes = [shapes[i] for i in draws.main_rng.permutation(len(shapes))]
+            sizes = [sizes[i] for i in draws.main_rng.permutation(len(sizes))]
         # Warm-ups get a prefix of their own, so that no measured prefix starts cached.
         warmups = [
-            RequestShape(input_len, config.output_len, ("warmup-prefix",))
+            RequestSize(input_len, config.output_len, ("warmup-prefix",))
             for _ in range(draws.warmup_requests)
         ]
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=shapes,
-            warmup_shapes=warmups,
+            sizes=sizes,
+            warmup_sizes=warmups,
             source="synthetic",
             prefix_block_tokens=config.prefix_len,
         )
@@ -119,18 +119,18 @@ class PromptFile:
         if config.oversample and len(chosen) < draws.num_requests:
             again = random.Random(draws.seed)
             chosen += [again.choice(chosen) for _ in range(draws.num_requests - len(chosen))]
-        shapes = [self._shape(row, config) for row in chosen]
+        sizes = [self._shape(row, config) for row in chosen]
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=shapes,
+            sizes=sizes,
             # vLLM warms up with its first request; so do we, with the first rows.
-            warmup_shapes=[shapes[i % len(shapes)] for i in range(draws.warmup_requests)],
+            warmup_sizes=[sizes[i % len(sizes)] for i in range(draws.warmup_requests)],
             source=str(config.prompt_file),
         )
 
     @staticmethod
-    def _shape(row: PromptRow, config: WorkloadConfig) -> RequestShape:
+    def _shape(row: PromptRow, config: WorkloadConfig) -> RequestSize:
         output_len = config.output_len or row.output_tokens
         if output_len is None:
             raise PromptFileError(
@@ -138,7 +138,7 @@ class PromptFile:
                 " given (--custom-output-len)"
             )
         # The prompt's tokens are unknown until the server counts them (input_len 0).
-        return RequestShape(0, output_len, text=row.prompt)
+        return RequestSize(0, output_len, text=row.prompt)
 
 
 WORKLOADS.register(PREFIX_REPETITION_WORKLOAD)(PrefixRepetition())

@@ -17,7 +17,7 @@
 
 ``<run>.vllm.json`` is written for every run as ``--save-detailed --percentile-metrics
 ttft,tpot,itl,e2el --metric-percentiles 50,90,95,99`` would write it (flags given win)
-and is labelled with the serving mode; ``--save-result`` writes vLLM's own file
+and is labelled with the serving shape; ``--save-result`` writes vLLM's own file
 (``save_vllm_result``) with vLLM's defaults. Only measured requests count.
 """
 
@@ -113,7 +113,7 @@ def _as_vllm(metrics: RequestMetrics, clock_origin_s: float) -> _Request:
 
 def vllm_result(result: RunResult, options: VllmResultOptions | None = None) -> dict[str, Any]:
     """The document ``vllm bench serve --save-result`` would have written for this run."""
-    options = options or VllmResultOptions(label=result.mode)
+    options = options or VllmResultOptions(label=result.shape)
     requests = [_as_vllm(m, result.clock_origin_s) for m in result.requests if not m.warmup]
     document = _setup(result, options)
     document.update(_counts(result, requests))
@@ -308,9 +308,9 @@ def write_vllm_result(
     result: RunResult, directory: Path, options: VllmResultOptions | None = None
 ) -> Path:
     """``<run id>.vllm.json`` beside the run's own records: always detailed, labelled
-    with the serving mode unless ``options`` say otherwise."""
+    with the serving shape unless ``options`` say otherwise."""
     options = options or VllmResultOptions()
-    options = replace(options, detailed=True, label=options.label or result.mode)
+    options = replace(options, detailed=True, label=options.label or result.shape)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{result.run_id}.vllm.json"
     path.write_text(json.dumps(vllm_result(result, options), indent=1))

@@ -48,7 +48,7 @@ LENGTHS_STREAM, WARMUP_STREAM, TOKENS_STREAM, TEXT_STREAM, ARRIVALS_STREAM = ran
 
 
 @dataclass(frozen=True)
-class RequestShape:
+class RequestSize:
     input_len: int
     output_len: int
     # Names of the prefix blocks the prompt starts with (a recorded request's salted
@@ -63,19 +63,19 @@ class WorkloadPlan:
 
     name: str
     label: str
-    shapes: list[RequestShape]
-    warmup_shapes: list[RequestShape]
+    sizes: list[RequestSize]
+    warmup_sizes: list[RequestSize]
     source: str
     synthetic_trace: bool = False
     trace_arrivals: list[float] | None = None  # replays: the trace's own seconds
     prefix_block_tokens: int | None = None  # recorded replays: tokens per prefix block
 
     def mean_lengths(self) -> tuple[float, float]:
-        if not self.shapes:
+        if not self.sizes:
             return (0.0, 0.0)
         return (
-            float(np.mean([s.input_len for s in self.shapes])),
-            float(np.mean([s.output_len for s in self.shapes])),
+            float(np.mean([s.input_len for s in self.sizes])),
+            float(np.mean([s.output_len for s in self.sizes])),
         )
 
 
@@ -145,25 +145,25 @@ class FixedLengths:
                 f" exceed the server's context of {draws.max_model_len}"
             )
         if config.input_range_ratio is not None or config.output_range_ratio is not None:
-            shapes = _vllm_random_shapes(config, draws, input_len, output_len)
-            warmups = _synthetic_shapes(
+            sizes = _vllm_random_sizes(config, draws, input_len, output_len)
+            warmups = _synthetic_sizes(
                 draws.warmup_rng, draws.warmup_requests, input_len, output_len, 0.0
             )
         else:
             spread = config.spread
-            shapes = _synthetic_shapes(
+            sizes = _synthetic_sizes(
                 draws.main_rng, draws.num_requests, input_len, output_len, spread
             )
-            warmups = _synthetic_shapes(
+            warmups = _synthetic_sizes(
                 draws.warmup_rng, draws.warmup_requests, input_len, output_len, spread
             )
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=_with_shared_prefix(shapes, config.prefix_len, SHARED_PREFIX),
+            sizes=_with_shared_prefix(sizes, config.prefix_len, SHARED_PREFIX),
             # Warm-ups get a prefix of their own: they must not put the measured one in
             # the server's prefix cache.
-            warmup_shapes=_with_shared_prefix(warmups, config.prefix_len, WARMUP_PREFIX),
+            warmup_sizes=_with_shared_prefix(warmups, config.prefix_len, WARMUP_PREFIX),
             source="synthetic",
             prefix_block_tokens=config.prefix_len or None,
         )
@@ -173,18 +173,16 @@ SHARED_PREFIX = "shared-prefix"
 WARMUP_PREFIX = "warmup-prefix"
 
 
-def _with_shared_prefix(
-    shapes: list[RequestShape], prefix_len: int, name: str
-) -> list[RequestShape]:
+def _with_shared_prefix(sizes: list[RequestSize], prefix_len: int, name: str) -> list[RequestSize]:
     """Every prompt starts with the same ``prefix_len`` tokens (vLLM's random prefix)."""
     if not prefix_len:
-        return shapes
-    return [RequestShape(s.input_len + prefix_len, s.output_len, (name,)) for s in shapes]
+        return sizes
+    return [RequestSize(s.input_len + prefix_len, s.output_len, (name,)) for s in sizes]
 
 
-def _vllm_random_shapes(
+def _vllm_random_sizes(
     config: WorkloadConfig, draws: LengthDraws, input_len: int, output_len: int
-) -> list[RequestShape]:
+) -> list[RequestSize]:
     """Lengths as vLLM's random dataset draws them (``get_sampling_params``): integers
     uniform in [floor(L(1-r)), ceil(L(1+r))], prompts first, from ``default_rng(seed)``;
     the same ``--seed`` gives the same lengths as vLLM's client (for a tokenizer that
@@ -205,7 +203,7 @@ def _vllm_random_shapes(
     rng = np.random.default_rng(draws.seed)
     inputs = rng.integers(input_low, input_high + 1, size=draws.num_requests)
     outputs = rng.integers(output_low, output_high + 1, size=draws.num_requests)
-    return [RequestShape(int(i), int(o)) for i, o in zip(inputs, outputs, strict=True)]
+    return [RequestSize(int(i), int(o)) for i, o in zip(inputs, outputs, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -218,32 +216,30 @@ class MixedClasses:
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=self._shapes(draws.main_rng, draws.num_requests, draws.max_model_len),
-            warmup_shapes=self._shapes(
-                draws.warmup_rng, draws.warmup_requests, draws.max_model_len
-            ),
+            sizes=self._sizes(draws.main_rng, draws.num_requests, draws.max_model_len),
+            warmup_sizes=self._sizes(draws.warmup_rng, draws.warmup_requests, draws.max_model_len),
             source="synthetic",
         )
 
-    def _shapes(self, rng: np.random.Generator, count: int, max_len: int) -> list[RequestShape]:
+    def _sizes(self, rng: np.random.Generator, count: int, max_len: int) -> list[RequestSize]:
         shares = np.array([share for _, _, share in self.classes])
         picks = rng.choice(len(self.classes), size=count, p=shares / shares.sum())
-        shapes = [RequestShape(*self.classes[i][:2]) for i in picks]
-        too_long = [s for s in shapes if s.input_len + s.output_len > max_len]
+        sizes = [RequestSize(*self.classes[i][:2]) for i in picks]
+        too_long = [s for s in sizes if s.input_len + s.output_len > max_len]
         if too_long:
             raise ValueError(
                 f"mixed: {too_long[0].input_len} + {too_long[0].output_len} tokens exceed the"
                 f" server's context of {max_len}"
             )
-        return shapes
+        return sizes
 
 
-def _synthetic_shapes(
+def _synthetic_sizes(
     rng: np.random.Generator, count: int, input_len: int, output_len: int, spread: float
-) -> list[RequestShape]:
+) -> list[RequestSize]:
     inputs = _spread_lengths(rng, count, input_len, spread)
     outputs = _spread_lengths(rng, count, output_len, spread)
-    return [RequestShape(int(i), int(o)) for i, o in zip(inputs, outputs, strict=True)]
+    return [RequestSize(int(i), int(o)) for i, o in zip(inputs, outputs, strict=True)]
 
 
 def _spread_lengths(rng: np.random.Generator, count: int, length: int, spread: float) -> np.ndarray:
@@ -291,8 +287,8 @@ class TraceSubset:
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=_trace_shapes(_sample_rows(subset, draws.main_rng, draws.num_requests)),
-            warmup_shapes=_trace_shapes(
+            sizes=_trace_sizes(_sample_rows(subset, draws.main_rng, draws.num_requests)),
+            warmup_sizes=_trace_sizes(
                 _sample_rows(subset, draws.warmup_rng, draws.warmup_requests)
             ),
             source=trace.source,
@@ -306,12 +302,12 @@ class TraceReplay:
     def plan(self, config: WorkloadConfig, draws: LengthDraws) -> WorkloadPlan:
         trace = load_trace(config)
         window = replay_window(trace, config.trace_start, draws.num_requests, draws.max_model_len)
-        shapes = _trace_shapes(window)
+        sizes = _trace_sizes(window)
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=shapes,
-            warmup_shapes=shapes[: draws.warmup_requests],
+            sizes=sizes,
+            warmup_sizes=sizes[: draws.warmup_requests],
             source=trace.source,
             synthetic_trace=trace.synthetic,
             trace_arrivals=window.timestamps.tolist(),
@@ -323,9 +319,9 @@ def _sample_rows(trace: BurstGPTTrace, rng: np.random.Generator, count: int) -> 
     return trace.select(rows)
 
 
-def _trace_shapes(trace: BurstGPTTrace) -> list[RequestShape]:
+def _trace_sizes(trace: BurstGPTTrace) -> list[RequestSize]:
     return [
-        RequestShape(int(i), int(o))
+        RequestSize(int(i), int(o))
         for i, o in zip(trace.request_tokens, trace.response_tokens, strict=True)
     ]
 
@@ -361,9 +357,9 @@ class MultiTurnChat:
         return WorkloadPlan(
             name=config.name,
             label=config.label,
-            shapes=self._turns(config, draws.num_requests, turn, system_blocks, turns, "chat"),
+            sizes=self._turns(config, draws.num_requests, turn, system_blocks, turns, "chat"),
             # Conversations of their own: warm-ups must not cache the measured history.
-            warmup_shapes=self._turns(
+            warmup_sizes=self._turns(
                 config, draws.warmup_requests, turn, system_blocks, turns, "warmup"
             ),
             source="synthetic",
@@ -373,24 +369,24 @@ class MultiTurnChat:
     @staticmethod
     def _turns(
         config: WorkloadConfig, count: int, turn: int, system_blocks: int, turns: int, name: str
-    ) -> list[RequestShape]:
+    ) -> list[RequestSize]:
         """``count`` requests: ``turn`` tokens a past turn, ``turns`` turns a conversation."""
         assert config.input_len is not None and config.output_len is not None
         system = tuple(f"{name}-system-{block}" for block in range(system_blocks))
-        shapes = []
+        sizes = []
         for index in range(count):
             conversation, nth = index % config.conversations, index // config.conversations
             generation, at = divmod(nth, turns)
             history = tuple(f"{name}-{conversation}.{generation}-turn-{t}" for t in range(at))
             prefix = system + history
             input_len = len(prefix) * turn + config.input_len
-            shapes.append(RequestShape(input_len, config.output_len, prefix))
-        return shapes
+            sizes.append(RequestSize(input_len, config.output_len, prefix))
+        return sizes
 
 
 # ---- the built-in workloads ----------------------------------------------------------------
 
-# The study's Table 2 shapes (input, output tokens).
+# The study's Table 2 sizes (input, output tokens).
 SYNTHETIC_WORKLOADS: dict[str, tuple[int, int]] = {
     "general": (1024, 128),
     "prefill-heavy": (2048, 32),

@@ -24,7 +24,7 @@ from router.settings import IngressSettings, Priority
 REPLICA_HEADER = "x-splitserve-replica"
 PREFILL_REPLICA_HEADER = "x-splitserve-prefill-replica"
 PREFILL_HEADER = "x-splitserve-prefill"
-# How a role-free pool picks the engine that prefills for another (Choice.reason too).
+# How an auto pool picks the engine that prefills for another (Choice.reason too).
 PEER_CHOICE = "soonest_first_token"
 
 
@@ -86,11 +86,11 @@ class Dispatcher:
         kv: KVRouterSide | None = None,
         transfer_s: Callable[[int], float | None] | None = None,
     ) -> None:
-        """``kv``: the KV backend's router side, for PD and role-free pools;
+        """``kv``: the KV backend's router side, for PD and auto pools;
         ``transfer_s``: a prompt's expected KV hand-over time, None until measured."""
-        # Role-free (strategy auto): one mixed pool, any engine prefills for any other.
-        self._role_free = settings.strategy == "auto"
-        self._disaggregated = kv is not None and not self._role_free
+        # The auto pool: one mixed pool, any engine prefills for any other.
+        self._auto_pool = settings.shape == "auto"
+        self._disaggregated = kv is not None and not self._auto_pool
         # Read at every request: members may join and leave while the router serves.
         self._pool = pool
         router = settings.router
@@ -108,7 +108,7 @@ class Dispatcher:
     def policy_of(self, choice: Choice, prefill: bool = False) -> str:
         """The replica choice that picked ``choice`` for a plan (``prefill``: the replica
         that computes the prompt remotely)."""
-        if self._role_free and (prefill or choice.reason == PEER_CHOICE):
+        if self._auto_pool and (prefill or choice.reason == PEER_CHOICE):
             return PEER_CHOICE
         return self._choice_names[choice.replica.role]
 
@@ -144,13 +144,13 @@ class Dispatcher:
             if (stays := _stays_on_one_engine(request)) is not None:
                 decision, prefill = PrefillDecision("local", stays), None
             elif prefill is None:
-                unavailable = "no_peer" if self._role_free else "prefill_unavailable"
+                unavailable = "no_peer" if self._auto_pool else "prefill_unavailable"
                 decision = PrefillDecision("local", unavailable)
             else:
                 decision = self._prefill_policy.decide(
                     self._prefill_inputs(prompt, priority, main.replica, prefill.replica)
                 )
-                if decision.remote and self._role_free and decision.whole_on_peer:
+                if decision.remote and self._auto_pool and decision.whole_on_peer:
                     # A split would not pay: the peer computes and generates it all.
                     main, decision = prefill, PrefillDecision("local", decision.whole_on_peer)
                 prefill = prefill if decision.remote else None
@@ -173,10 +173,10 @@ class Dispatcher:
         self, decode: EngineClient, prompt: PromptBlocks, priority: Priority, adapter: str | None
     ) -> Choice | None:
         """Who would compute the prompt remotely: the prefill pool's choice, or in a
-        role-free pool the other healthy engine whose first token would come soonest
+        auto pool the other healthy engine whose first token would come soonest
         for this priority (the engines schedule by priority: only work of the same or a
         higher priority is ahead of it)."""
-        if not self._role_free:
+        if not self._auto_pool:
             return self._choose("prefill", prompt, adapter)
         peers = [r for r in self._pool.of_role("mixed") if r.healthy and r is not decode]
         peers = _holding(peers, adapter)

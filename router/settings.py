@@ -423,7 +423,7 @@ class IngressSettings(StrictModel):
     """What the application builder hands one router process: the settings objects of
     the YAML that concern it, validated once by the builder, never dumped and re-read."""
 
-    strategy: str
+    shape: str
     model: ModelConfig
     router: RouterConfig
     prefill_policy: PrefillPolicyConfig
@@ -441,8 +441,8 @@ class IngressSettings(StrictModel):
 
     @property
     def disaggregated(self) -> bool:
-        """Separate prefill and decode pools (PD); auto's one pool is role-free."""
-        return self.kv_transfer is not None and self.strategy == "pd"
+        """Separate prefill and decode pools (PD); auto's one pool is auto."""
+        return self.kv_transfer is not None and self.shape == "pd"
 
 
 @dataclass

@@ -216,14 +216,14 @@ def _no_idle_app_beside_other_serving_tests(request: pytest.FixtureRequest) -> N
 
 
 # Serving modules in the order that lets consecutive ones share a started application
-# (served_apps.py): single.yaml, then the strategies (single first: it is their
+# (served_apps.py): single.yaml, then the shapes (single first: it is their
 # reference), pd_always, pd, a synthetic DP. Modules not named here keep pytest's order
 # after them; modules that need no cluster run first.
 SERVING_ORDER = (
     "tests.router.pool.test_engine_in_router_served",
     "tests.router.http.test_hostile_served",
     "tests.loadgen.test_agreement_served",
-    "tests.deployments.test_strategies_served",
+    "tests.deployments.test_shapes_served",
     "tests.deployments.test_pd_served",
     "tests.deployments.test_auto_served",
     "tests.deployments.test_auto_scaled_served",

@@ -227,7 +227,7 @@ class ServedModel:
             if profile
             else None
         )
-        self._mode = settings.strategy
+        self._mode = settings.shape
         # Observed once per relayed token: the labelled child is looked up once.
         self._itl = metrics.itl.labels(self._mode)
         self.engine_state = EngineStatePoller(

@@ -92,7 +92,7 @@ class RouterMetrics:
         self.queue = Histogram(
             "splitserve_queue_seconds",
             "Router-side time from request arrival until an engine accepted it.",
-            ["model", "mode"],
+            ["model", "shape"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
@@ -153,21 +153,21 @@ class RouterMetrics:
         self.ttft = Histogram(
             "splitserve_time_to_first_token_seconds",
             "Router-side time from request arrival to the first token, streamed requests.",
-            ["model", "mode", "prefill"],
+            ["model", "shape", "prefill"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.itl = Histogram(
             "splitserve_inter_token_latency_seconds",
             "Router-side time between consecutive streamed tokens.",
-            ["model", "mode"],
+            ["model", "shape"],
             buckets=ITL_BUCKETS_S,
             registry=r,
         )
         self.e2e = Histogram(
             "splitserve_e2e_request_latency_seconds",
             "Router-side time from request arrival to the last token.",
-            ["model", "mode"],
+            ["model", "shape"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )

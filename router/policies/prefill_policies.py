@@ -8,7 +8,7 @@ not full (sending more work to a saturated pool lengthens everyone's TTFT, which
 chapter's own argument for the queue check), and the priority rules of its QoS section
 are part of the same decision.
 
-``cost`` is for role-free pools (strategy ``auto``), where the engine that would prefill
+``cost`` is for auto pools (shape ``auto``), where the engine that would prefill
 remotely is decoding too: it weighs where the first token comes sooner, counting the
 KV hand-over at its measured rate, and whose decodes the prefill would stall.
 """
@@ -23,7 +23,7 @@ from router.policies.prefill_policy import PREFILL_POLICIES, PrefillDecision, Pr
 from router.settings import QoSConfig
 from splitserve.config_base import StrictModel
 
-# In a role-free pool the engine chosen to prefill can decode too, and for these two
+# In an auto pool the engine chosen to prefill can decode too, and for these two
 # reasons a split would not pay: its decode request would queue on the planned decode
 # engine behind the very work that made the peer sooner (remote_sooner; in
 # bench/auto.py's summarization phase TPOT p50 109 ms against dp's 28), or join the

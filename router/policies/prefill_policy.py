@@ -26,12 +26,12 @@ Where = Literal["local", "remote"]
 @dataclass(slots=True)
 class PrefillDecision:
     """Where a request's prompt is computed and why: ``remote`` (on a prefill engine, or
-    in a role-free pool on a peer, its KV then handed to the engine that generates) or
+    in an auto pool on a peer, its KV then handed to the engine that generates) or
     ``local`` (on the engine that generates). A policy returns a new one per request;
     the PD flow amends it where a remote prefill cannot run, so that what is counted and
     answered (``x-splitserve-prefill``) is where the prompt ran.
 
-    ``whole_on_peer``: in a role-free pool, for a remote decision whose peer would serve
+    ``whole_on_peer``: in an auto pool, for a remote decision whose peer would serve
     the whole request better than a split, the reason it then runs there (local)."""
 
     where: Where
@@ -54,7 +54,7 @@ class PrefillInputs:
     prompt_len: prompt tokens; prefix_cached_len: of those, expected in the decode
     replica's prefix cache; prefill_queue: prefills queued or running on the prefill
     replica that would take it; decode_active: requests active on the decode replica;
-    prefill_active: requests active on the prefill replica (in a role-free pool, the
+    prefill_active: requests active on the prefill replica (in an auto pool, the
     decodes a remote prefill would stall there); the two TTFT estimates count only the
     work queued ahead of this priority; transfer_s: the KV hand-over's expected time
     for this prompt, at the rate the object store measured (None until measured).

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from splitserve.latency.profile import LatencyProfile, StepShape
-from splitserve.latency.roofline import GIB, DeviceSpec, Efficiency, ModelShape, roofline_profile
+from splitserve.latency.roofline import GIB, DeviceSpec, Efficiency, ModelDims, roofline_profile
 
 MIB = 1024**2
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -82,7 +82,7 @@ def host_path_bytes_per_s(pcie: float) -> float:
 
 # --- Models: config.json on Hugging Face ---------------------------------------------
 
-LLAMA_3_2_1B = ModelShape(
+LLAMA_3_2_1B = ModelDims(
     name="Llama-3.2-1B-Instruct",
     num_layers=16,
     hidden_size=2048,
@@ -97,7 +97,7 @@ LLAMA_3_2_1B = ModelShape(
         " vocab 128256, tie_word_embeddings true)",
     ],
 )
-LLAMA_3_1_8B = ModelShape(
+LLAMA_3_1_8B = ModelDims(
     name="Llama-3.1-8B",
     num_layers=32,
     hidden_size=4096,
@@ -110,7 +110,7 @@ LLAMA_3_1_8B = ModelShape(
         " hidden 4096, 32 heads, 8 KV heads, intermediate 14336, vocab 128256, untied)",
     ],
 )
-LLAMA_3_1_70B = ModelShape(
+LLAMA_3_1_70B = ModelDims(
     name="Llama-3.1-70B",
     num_layers=80,
     hidden_size=8192,
@@ -186,7 +186,7 @@ def _residual(profile: LatencyProfile, measured: Measurement) -> float:
 
 
 def calibrated_overhead(
-    device: DeviceSpec, model: ModelShape, efficiency: Efficiency, measured: Measurement
+    device: DeviceSpec, model: ModelDims, efficiency: Efficiency, measured: Measurement
 ) -> Efficiency:
     """``efficiency`` whose step overhead is what a TP=1 measurement leaves over."""
     bare = roofline_profile(device, model, _without_fixed_costs(efficiency))
@@ -200,7 +200,7 @@ def calibrated_overhead(
 
 def calibrated_link_latency(
     device: DeviceSpec,
-    model: ModelShape,
+    model: ModelDims,
     efficiency: Efficiency,
     tensor_parallel_size: int,
     measured: Measurement,
@@ -376,7 +376,7 @@ DEVICES: dict[str, tuple[DeviceSpec, Efficiency]] = {
     "a100": (A100_SXM_80GB, A100_EFFICIENCY),
     "h100": (H100_SXM_80GB, H100_EFFICIENCY),
 }
-MODELS: dict[str, ModelShape] = {
+MODELS: dict[str, ModelDims] = {
     "llama-3.2-1b": LLAMA_3_2_1B,
     "llama-3.1-8b": LLAMA_3_1_8B,
     "llama-3.1-70b": LLAMA_3_1_70B,

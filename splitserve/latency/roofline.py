@@ -39,7 +39,7 @@ class DeviceSpec(StrictModel):
     sources: list[str] = Field(min_length=1)
 
 
-class ModelShape(StrictModel):
+class ModelDims(StrictModel):
     """A decoder-only transformer's published shape."""
 
     name: str
@@ -97,7 +97,7 @@ class Efficiency(StrictModel):
 
 def roofline_profile(
     device: DeviceSpec,
-    model: ModelShape,
+    model: ModelDims,
     efficiency: Efficiency,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,

@@ -163,7 +163,7 @@ def _has_data(prometheus: RunningPrometheus, expr: str) -> bool:
 def test_run_completed_and_all_targets_up(stack: tuple) -> None:
     _, prometheus, result = stack
     assert result.summary.completed == REQUESTS, result.notes
-    assert result.mode == "pd"
+    assert result.shape == "pd"
     health = target_health(prometheus.url)
     assert {t["job"] for t in health} >= {"splitserve-router", "ray", "loadgen"}
     # Each target as of its last scrape: on a loaded box one of Ray's endpoints can miss

@@ -15,7 +15,7 @@ from tests.support.served_apps import ServedApps
 def single_answers(request: pytest.FixtureRequest, served_apps: ServedApps) -> dict[str, Any]:
     """What single.yaml answers to every collected module's reference prompts, by module.
 
-    A module that compares another strategy with one engine defines
+    A module that compares another shape with one engine defines
     ``single_reference(base_url)``. All of them are asked at once, while single.yaml
     runs for the first of them, so no later module starts single.yaml again (about a
     minute and a half each) only for its reference.

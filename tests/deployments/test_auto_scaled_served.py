@@ -1,4 +1,4 @@
-"""``serve run deployments/auto_scaled.yaml``: role-free engines in a pool that Serve
+"""``serve run deployments/auto_scaled.yaml``: an auto pool that Serve
 scales, answering the API corpus as bare `vllm serve` does (the shipped shape the
 other parity tests do not start)."""
 

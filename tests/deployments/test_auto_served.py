@@ -1,4 +1,4 @@
-"""A role-free pool (``deployments/auto.yaml``) on real vLLM engines: every engine runs
+"""An auto pool (``deployments/auto.yaml``) on real vLLM engines: every engine runs
 the KV connector both ways, and the KV a prompt computed on one engine is loaded by the
 other with the same greedy tokens as one engine gives.
 
@@ -6,7 +6,7 @@ The YAML's cost policy decides by load, which a test cannot steer; this module s
 auto.yaml with ``prefill_policy.name: always`` (every prompt prefilled on the engine that
 does not decode it), so each engine is producer and consumer many times over. The cost
 policy's decisions are tested without a cluster (tests/router/policies/test_cost_split.py,
-test_role_free.py).
+test_auto_pool.py).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_streams_and_chat_match_single_engine(auto_app: RunningApp, reference: d
 def test_every_kind_of_request_is_answered_as_bare_vllm(
     auto_app: RunningApp, vllm_answers: dict[str, Any]
 ) -> None:
-    """Role-free engines that always split: as one engine answers."""
+    """An auto pool that always prefills remotely: as one engine answers."""
     assert_answers_as(vllm_answers, auto_app.base_url)
 
 

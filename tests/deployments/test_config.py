@@ -29,27 +29,27 @@ DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 )
 def test_shipped_configs_are_valid(name: str) -> None:
     config = load_app_config(DEPLOYMENTS / f"{name}.yaml")
-    assert config.strategy == name.split("_")[0]
+    assert config.shape == name.split("_")[0]
     # What the router is handed is the validated objects themselves, not a dump.
     settings = config.ingress_settings()
     assert settings.router is config.router and settings.qos is config.qos
-    assert settings.disaggregated == (config.strategy == "pd")
+    assert settings.disaggregated == (config.shape == "pd")
 
 
 def test_auto_engines_hand_kv_both_ways_and_weigh_the_cost_by_default() -> None:
 
-    config = parse_app_config({"strategy": "auto", "pools": [{"replicas": 2}]})
+    config = parse_app_config({"shape": "auto", "pools": [{"replicas": 2}]})
     assert config.prefill_policy.name == "cost"
     assert config.ingress_settings().kv_transfer is not None
     for name, pool, index in engine_names(config):
         spec = engine_spec(config, name, pool, index)
         assert spec.kv_transfer is not None and spec.kv_transfer["kv_role"] == "kv_both"
     chosen = parse_app_config(
-        {"strategy": "auto", "pools": [{"replicas": 2}], "prefill_policy": {"name": "always"}}
+        {"shape": "auto", "pools": [{"replicas": 2}], "prefill_policy": {"name": "always"}}
     )
     assert chosen.prefill_policy.name == "always"
     tuned = parse_app_config(
-        {"strategy": "auto", "pools": [{"replicas": 2}], "prefill_policy": {"max_transfer_s": 1}}
+        {"shape": "auto", "pools": [{"replicas": 2}], "prefill_policy": {"max_transfer_s": 1}}
     )
     assert tuned.prefill_policy.flat()["max_transfer_s"] == 1
 
@@ -69,7 +69,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
     # writes it); each engine's ranks are its devices.
     config = parse_app_config(
         {
-            "strategy": "dp",
+            "shape": "dp",
             "accelerator": "gpu",
             "pools": [{"replicas": 2, "tensor_parallel_size": 4}],
         }
@@ -80,27 +80,27 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"strategy": "dq", "pools": [{}]}, "strategy: Input should be 'single', 'dp'"),
-        ({"strategy": "dp", "pools": [{"replicas": 1}]}, "needs replicas >= 2"),
+        ({"shape": "dq", "pools": [{}]}, "shape: Input should be 'single', 'dp'"),
+        ({"shape": "dp", "pools": [{"replicas": 1}]}, "needs replicas >= 2"),
         (
-            {"strategy": "dp", "pools": [{"replicas": 2, "pipeline_parallel_size": 2}]},
+            {"shape": "dp", "pools": [{"replicas": 2, "pipeline_parallel_size": 2}]},
             "needs pipeline_parallel_size = 1",
         ),
-        ({"strategy": "tp", "pools": [{"tensor_parallel_size": 1}]}, "tensor_parallel_size >= 2"),
-        ({"strategy": "single", "pools": [{"replicas": 2}]}, "needs replicas = 1"),
-        ({"strategy": "pd", "pools": [{"role": "mixed"}]}, "one 'prefill' and one 'decode'"),
+        ({"shape": "tp", "pools": [{"tensor_parallel_size": 1}]}, "tensor_parallel_size >= 2"),
+        ({"shape": "single", "pools": [{"replicas": 2}]}, "needs replicas = 1"),
+        ({"shape": "pd", "pools": [{"role": "mixed"}]}, "one 'prefill' and one 'decode'"),
         (
-            {"strategy": "dp", "pools": [{"replicas": 2, "cpu_binds": ["0"]}]},
+            {"shape": "dp", "pools": [{"replicas": 2, "cpu_binds": ["0"]}]},
             "cpu_binds has 1 entries but replicas is 2",
         ),
         (
-            {"strategy": "tp", "pools": [{"tensor_parallel_size": 2, "cpu_binds": ["0"]}]},
+            {"shape": "tp", "pools": [{"tensor_parallel_size": 2, "cpu_binds": ["0"]}]},
             "names 1 rank(s)",
         ),
-        ({"strategy": "single", "pools": [{"replica": 1}]}, "pools.0.replica: Extra inputs"),
+        ({"shape": "single", "pools": [{"replica": 1}]}, "pools.0.replica: Extra inputs"),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [
                     {"role": "prefill", "engine_kwargs": {"kv_cache_dtype": "fp8"}},
                     {"role": "decode"},
@@ -109,17 +109,17 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             "must share one KV layout, but (prefill != decode): engine_kwargs.kv_cache_dtype",
         ),
         (
-            {"strategy": "single", "pools": [{"engine_kwargs": {"max_num_seq": 8}}]},
+            {"shape": "single", "pools": [{"engine_kwargs": {"max_num_seq": 8}}]},
             "pools.0.engine_kwargs: engine_kwargs: 'max_num_seq' is not one of"
             " vLLM's engine arguments (did you mean 'max_num_seqs'",
         ),
         (
-            {"strategy": "single", "pools": [{"engine_kwargs": {"dtype": "half"}}]},
+            {"shape": "single", "pools": [{"engine_kwargs": {"dtype": "half"}}]},
             "'dtype' is set by model.dtype; use that",
         ),
         (
             {
-                "strategy": "auto",
+                "shape": "auto",
                 "pools": [
                     {"replicas": 2, "engine_kwargs": {"speculative_config": {"method": "ngram"}}}
                 ],
@@ -127,55 +127,55 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             "vLLM refuses logits processors beside speculative decoding",
         ),
         (
-            {"strategy": "single", "model": {"tool_call_parser": "hermez"}},
+            {"shape": "single", "model": {"tool_call_parser": "hermez"}},
             "tool_call_parser 'hermez' is not one of vLLM's",
         ),
         (
-            {"strategy": "single", "model": {"enable_auto_tool_choice": True}},
+            {"shape": "single", "model": {"enable_auto_tool_choice": True}},
             "enable_auto_tool_choice needs a tool_call_parser",
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [{"replicas": 2, "engine_kwargs": {"tensor_parallel_size": 2}}],
             },
             "'tensor_parallel_size' is set by the pool's tensor_parallel_size",
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill", "tensor_parallel_size": 2}, {"role": "decode"}],
             },
             "tensor_parallel_size 2 != 1",
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "kv_transfer": {"ttl_s": 0},
             },
             "kv_transfer.ttl_s",
         ),
-        ({"strategy": "single", "pools": [{}], "model": {"max_model_len": 0}}, "max_model_len"),
+        ({"shape": "single", "pools": [{}], "model": {"max_model_len": 0}}, "max_model_len"),
         (
-            {"strategy": "auto", "pools": [{"replicas": 1}]},
-            "strategy 'auto' needs replicas >= 2 (an engine to hand KV to), got 1",
+            {"shape": "auto", "pools": [{"replicas": 1}]},
+            "shape 'auto' needs replicas >= 2 (an engine to hand KV to), got 1",
         ),
         (
-            {"strategy": "auto", "pools": [{"replicas": 2, "pipeline_parallel_size": 2}]},
+            {"shape": "auto", "pools": [{"replicas": 2, "pipeline_parallel_size": 2}]},
             "kv_transfer backend 'object_store' does not support pipeline parallelism",
         ),
         (
-            {"strategy": "auto", "pools": [{"role": "prefill"}, {"role": "decode"}]},
-            "strategy 'auto' needs one 'mixed' pool",
+            {"shape": "auto", "pools": [{"role": "prefill"}, {"role": "decode"}]},
+            "shape 'auto' needs one 'mixed' pool",
         ),
         (
-            {"strategy": "dp", "pools": [{"replicas": 2}], "prefill_policy": {"name": "never"}},
-            "prefill_policy is for strategies 'pd' and 'auto', not 'dp'",
+            {"shape": "dp", "pools": [{"replicas": 2}], "prefill_policy": {"name": "never"}},
+            "prefill_policy is for shapes 'pd' and 'auto', not 'dp'",
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "prefill_policy": {"name": "sometimes"},
             },
@@ -184,7 +184,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "prefill_policy": {"prompt_length_threshold": 0},
             },
@@ -193,7 +193,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "kv_transfer": {"backend": "nixl"},
             },
@@ -202,82 +202,82 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "kv_transfer": {"backend": "object_store", "storage_path": "/tmp/x"},
             },
             "kv_transfer.storage_path: Extra inputs are not permitted",
         ),
         (
-            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
+            {"shape": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
             "router.replica_choice: unknown replica choice 'random'; registered: least_loaded,"
             " prefix_affinity, round_robin",
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [{"replicas": 2}],
                 "router": {"replica_choice_settings": {"prefix_affinity": {"min_hit_tokens": 0}}},
             },
             "replica_choice_settings.prefix_affinity.min_hit_tokens: Input should be greater",
         ),
         (
-            {"strategy": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "tgi"}},
+            {"shape": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "tgi"}},
             "engine.backend: unknown engine backend 'tgi'; registered: simulated, synthetic, vllm",
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [{"replicas": 2}],
                 "router": {"replica_choice": {"decode": "least_loaded"}},
             },
-            "names roles ['decode'] this strategy has no pool for",
+            "names roles ['decode'] this shape has no pool for",
         ),
         (
-            {"strategy": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
+            {"shape": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
             "router.replica_choice",
         ),
         (
-            {"strategy": "single", "pools": [{}], "qos": {"queue_caps": {"high": 5}}},
+            {"shape": "single", "pools": [{}], "qos": {"queue_caps": {"high": 5}}},
             "queue_caps needs a cap for every priority; missing ['normal', 'low']",
         ),
         (
-            {"strategy": "single", "pools": [{}], "qos": {"early_rejection_s": {"low": 3.0}}},
+            {"shape": "single", "pools": [{}], "qos": {"early_rejection_s": {"low": 3.0}}},
             "early_rejection_s must be above 0 and at most ttft_slo_s (2 s); got {'low': 3.0}",
         ),
         (
-            {"strategy": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
+            {"shape": "single", "pools": [{}], "qos": {"ttft_slo_s": 0}},
             "qos.ttft_slo_s: Input should be greater than 0",
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "engine": {"backend": "synthetic"},
             },
-            "engine.backend 'synthetic' serves strategies single and dp, not 'pd'",
+            "engine.backend 'synthetic' serves shapes single and dp, not 'pd'",
         ),
         (
-            {"strategy": "single", "pools": [{}], "engine": {"backend": "fake"}},
+            {"shape": "single", "pools": [{}], "engine": {"backend": "fake"}},
             "engine.backend: unknown engine backend 'fake'; registered: simulated, synthetic, vllm",
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [{"replicas": 2, "autoscaling": {"min_replicas": 3, "max_replicas": 2}}],
             },
             "min_replicas (3) is above max_replicas (2)",
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [{"replicas": 4, "autoscaling": {"max_replicas": 3}}],
             },
             "replicas (4), the count a scaled pool starts with, must be within",
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [
                     {
                         "replicas": 2,
@@ -293,7 +293,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [
                     {"replicas": 2, "cpu_binds": ["0", "1"], "autoscaling": {"max_replicas": 3}}
                 ],
@@ -301,12 +301,12 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
             "cpu_binds has 2 entries but autoscaling.max_replicas is 3",
         ),
         (
-            {"strategy": "single", "pools": [{"autoscaling": {"max_replicas": 2}}]},
-            "strategy 'single' serves one engine; pools grow and shrink",
+            {"shape": "single", "pools": [{"autoscaling": {"max_replicas": 2}}]},
+            "shape 'single' serves one engine; pools grow and shrink",
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [{"replicas": 2, "autoscaling": {"max_replicas": 3}}],
                 "router": {"engine_in_router": True},
             },
@@ -314,7 +314,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [
                     {"replicas": 2, "engines_per_process": 2, "autoscaling": {"max_replicas": 3}}
                 ],
@@ -323,7 +323,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
-                "strategy": "dp",
+                "shape": "dp",
                 "pools": [{"replicas": 4, "engines_per_process": 2}],
                 "router": {"engine_in_router": True},
             },
@@ -332,7 +332,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         # Renamed keys name their new name, not just "extra inputs".
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "split_policy": {"name": "always"},
             },
@@ -340,7 +340,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "prefill_policy": {"mode": "always"},
             },
@@ -420,7 +420,7 @@ def test_serve_overrides_of_an_engine_deployment_are_refused(
 def _pd_args(**router: object) -> dict:
     placed = {"node_labels": {"splitserve-pool": "prefill"}}
     return {
-        "strategy": "pd",
+        "shape": "pd",
         "pools": [
             {"role": "prefill", "placement": placed},
             {"role": "decode", "placement": {"resources": {"decode_node": 1}}},
@@ -507,7 +507,7 @@ def test_pd_refuses_pipeline_parallelism(prefill_pp: int, decode_pp: int, messag
     """README: the KV connector does not support pipeline parallelism; the config says so
     before any engine starts (the connector itself would only fail inside vLLM)."""
     args: dict[str, Any] = {
-        "strategy": "pd",
+        "shape": "pd",
         "pools": [
             {"role": "prefill", "pipeline_parallel_size": prefill_pp},
             {"role": "decode", "pipeline_parallel_size": decode_pp},
@@ -525,20 +525,20 @@ def test_pd_refuses_pipeline_parallelism(prefill_pp: int, decode_pp: int, messag
 
 def test_a_scaled_pool_runs_apart_and_may_start_below_dps_two_engines() -> None:
     config = parse_app_config(
-        {"strategy": "dp", "pools": [{"replicas": 1, "autoscaling": {"max_replicas": 4}}]}
+        {"shape": "dp", "pools": [{"replicas": 1, "autoscaling": {"max_replicas": 4}}]}
     )
     assert config.scaled and not config.hosts_engines_in_router
     assert engine_names(config) == []  # Serve names its engines, by replica id
     with pytest.raises(ConfigError, match="needs replicas >= 2"):
         parse_app_config(
-            {"strategy": "dp", "pools": [{"replicas": 1, "autoscaling": {"max_replicas": 1}}]}
+            {"shape": "dp", "pools": [{"replicas": 1, "autoscaling": {"max_replicas": 1}}]}
         )
 
 
 def test_a_scaled_pools_engine_takes_its_name_and_its_ranks_cores() -> None:
     config = parse_app_config(
         {
-            "strategy": "dp",
+            "shape": "dp",
             "pools": [{"replicas": 1, "cpu_binds": ["0", "1"], "autoscaling": {"max_replicas": 2}}],
         }
     )
@@ -554,22 +554,22 @@ def test_a_scaled_pools_engine_takes_its_name_and_its_ranks_cores() -> None:
 
 
 def _two_models(**second: Any) -> dict[str, Any]:
-    one = {"strategy": "single", "pools": [{}]}
-    return {"models": [one, {"strategy": "dp", "pools": [{"replicas": 2}], **second}]}
+    one = {"shape": "single", "pools": [{}]}
+    return {"models": [one, {"shape": "dp", "pools": [{"replicas": 2}], **second}]}
 
 
 def test_a_yaml_without_models_serves_its_args_as_one_model() -> None:
     application = parse_application(shipped_args("pd"))
     (model,) = application.models
-    assert model.strategy == "pd" and model.served_name == "splitserve-tiny-llama"
+    assert model.shape == "pd" and model.served_name == "splitserve-tiny-llama"
     assert application.engine_prefix(model) == ""
 
 
 def test_models_yaml_serves_two_models_each_with_its_own_split() -> None:
     application = load_application(DEPLOYMENTS / "models.yaml")
     chat, split = application.models
-    assert (chat.served_name, chat.strategy) == ("tiny-chat", "single")
-    assert (split.served_name, split.strategy) == ("tiny-code", "pd")
+    assert (chat.served_name, chat.shape) == ("tiny-chat", "single")
+    assert (split.served_name, split.shape) == ("tiny-code", "pd")
     assert split.model.source == "embedded:1" and chat.accelerator == split.accelerator == "cpu"
     assert split.ingress_settings().disaggregated and not chat.ingress_settings().disaggregated
     assert application.engine_prefix(split) == "-tiny-code"
@@ -590,7 +590,7 @@ def test_an_embedded_variant_is_another_model_with_its_own_name() -> None:
     [
         (_two_models(), "served twice; set model.served_model_name"),
         (
-            {**_two_models(model={"source": "embedded:1"}), "strategy": "dp"},
+            {**_two_models(model={"source": "embedded:1"}), "shape": "dp"},
             "belong inside each model's entry",
         ),
         (

@@ -56,12 +56,12 @@ def _replicas_left() -> list[str]:
     return [c for c in command_lines().values() if c.startswith("ray::ServeReplica:")]
 
 
-def _synthetic_copy(mode: str, folder: Path) -> Path:
-    """deployments/<mode>.yaml with synthetic engines, in ``folder``."""
+def _synthetic_copy(shape: str, folder: Path) -> Path:
+    """deployments/<shape>.yaml with synthetic engines, in ``folder``."""
     folder.mkdir(exist_ok=True)
-    document = yaml.safe_load((DEPLOYMENTS_DIR / f"{mode}.yaml").read_text())
+    document = yaml.safe_load((DEPLOYMENTS_DIR / f"{shape}.yaml").read_text())
     document["applications"][0]["args"]["engine"] = {"backend": "synthetic"}
-    (folder / f"{mode}.yaml").write_text(yaml.safe_dump(document))
+    (folder / f"{shape}.yaml").write_text(yaml.safe_dump(document))
     return folder
 
 
@@ -75,9 +75,9 @@ def test_the_demo_serves_measures_and_stops(ray_address: str, tmp_path: Path) ->
     )  # fmt: skip
     assert result.returncode == 0, _output(result)
     runs = [json.loads(p.read_text()) for p in out.glob("*.json")]
-    summaries = [run["summary"] for run in runs if "summary" in run and "mode" in run]
+    summaries = [run["summary"] for run in runs if "summary" in run and "shape" in run]
     assert [s["completed"] for s in summaries] == [REQUESTS], _output(result)
-    assert [run["mode"] for run in runs if "summary" in run and "mode" in run] == ["single"]
+    assert [run["shape"] for run in runs if "summary" in run and "shape" in run] == ["single"]
     assert not _replicas_left(), "the demo's application outlived it"
 
 
@@ -85,7 +85,7 @@ def test_a_sweep_starts_each_mode_it_measures(ray_address: str, tmp_path: Path) 
     deployments = _synthetic_copy("dp", tmp_path / "deployments")
     out = tmp_path / "sweep"
     result = _loadgen(
-        ["sweep", "--modes", "dp", "--deployments-dir", str(deployments),
+        ["sweep", "--shapes", "dp", "--deployments-dir", str(deployments),
          "--workloads", "general", "--qps", "4", "--num-requests", str(REQUESTS),
          "--warmup-requests", "0", "--out", str(out), "--no-plots", "--no-progress"],
         ray_address,
@@ -93,7 +93,7 @@ def test_a_sweep_starts_each_mode_it_measures(ray_address: str, tmp_path: Path) 
     assert result.returncode == 0, _output(result)
     with (out / "sweep.csv").open() as rows:
         cells = list(csv.DictReader(rows))
-    assert [(c["mode"], c["completed"]) for c in cells] == [("dp", str(REQUESTS))], cells
+    assert [(c["shape"], c["completed"]) for c in cells] == [("dp", str(REQUESTS))], cells
     assert (out / "logs" / "server-dp.log").exists()
 
 

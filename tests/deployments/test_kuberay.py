@@ -574,12 +574,12 @@ def test_it_is_a_rayservice_for_our_ray_version(path: Path) -> None:
 
 def test_the_embedded_applications_are_valid(tmp_path: Path) -> None:
     expected = {MANIFEST: ("pd", False), AUTO_SCALED: ("auto", True)}
-    for path, (strategy, scaled) in expected.items():
+    for path, (shape, scaled) in expected.items():
         serve_config = _serve_config(_manifest(path))
         (application,) = serve_config["applications"]
         assert application["import_path"] == "deployments.app:build_app"
         config = parse_app_config(application["args"], origin=str(path))
-        assert (config.strategy, config.accelerator, config.scaled) == (strategy, "gpu", scaled)
+        assert (config.shape, config.accelerator, config.scaled) == (shape, "gpu", scaled)
         assert config.placed and not config.hosts_engines_in_router
         copy_ = tmp_path / f"{path.stem}.yaml"
         copy_.write_text(yaml.safe_dump(serve_config))

@@ -115,7 +115,7 @@ def test_the_simulator_runs_in_the_repository_whatever_the_callers_folder(
     (tmp_path / "kv_transfer.py").write_text("raise ImportError('the caller's module')\n")
     load_profile(f"{PROFILE}-tp1-pp1").save(tmp_path / "mine.yaml")
     monkeypatch.chdir(tmp_path)
-    assert describe(SimulatedTarget("dp", "mine.yaml"))["mode"] == "dp"
+    assert describe(SimulatedTarget("dp", "mine.yaml"))["shape"] == "dp"
 
 
 def test_advise_simulate_chooses_a_split_from_offline_cells(tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ def test_advise_simulate_chooses_a_split_from_offline_cells(tmp_path: Path) -> N
         "advise",
         "--simulate",
         PROFILE,
-        "--modes",
+        "--shapes",
         "single,dp",
         "--qps",
         "8,64",

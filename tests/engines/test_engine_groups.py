@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:coroutine 'EngineGroupReplica.__
 
 CONFIG = parse_app_config(
     {
-        "strategy": "dp",
+        "shape": "dp",
         "pools": [{"replicas": 2, "engines_per_process": 2}],
         "engine": {"backend": "synthetic"},
     }

@@ -11,7 +11,7 @@ from engines.protocol import GenerateRequest
 from engines.synthetic import SyntheticEngineHost
 
 CONFIG = parse_app_config(
-    {"strategy": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "synthetic"}}
+    {"shape": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "synthetic"}}
 )
 
 
@@ -89,7 +89,7 @@ def test_abort_stops_a_request_and_duplicates_are_refused() -> None:
 def test_a_capped_batch_serves_the_oldest_requests_and_the_rest_wait() -> None:
     config = parse_app_config(
         {
-            "strategy": "dp",
+            "shape": "dp",
             "pools": [{"replicas": 2}],
             "engine": {"backend": "synthetic", "max_num_seqs": 1},
         }

@@ -56,7 +56,7 @@ from router.pool.engine_client import (
 )
 
 CONFIG = parse_app_config(
-    {"strategy": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "synthetic"}}
+    {"shape": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "synthetic"}}
 )
 WAIT_S = 10
 

@@ -1,4 +1,4 @@
-"""The split advisor picks the known-best mode from results built to have one, fits
+"""The split advisor picks the known-best shape from results built to have one, fits
 PD's thresholds by its formulas, and writes a YAML that validates and a report."""
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ OBJECTIVES = Objectives(ttft_s=0.5, tpot_s=0.02, attainment=0.9)
 DEVICES = {"single": 1, "dp": 2, "pd_always": 2, "pd": 2}
 
 
-def _curve(mode: str, knee: float, **figures: float) -> list[RunPoint]:
+def _curve(shape: str, knee: float, **figures: float) -> list[RunPoint]:
     """Runs at 1, 2, 4, 8 req/s that meet the objectives up to ``knee``."""
     return [
         RunPoint(
-            mode, "general", qps, 1.0 if qps <= knee else 0.4, min(qps, knee), 1024, 128, **figures
+            shape, "general", qps, 1.0 if qps <= knee else 0.4, min(qps, knee), 1024, 128, **figures
         )
         for qps in (1.0, 2.0, 4.0, 8.0)
     ]
@@ -49,7 +49,7 @@ def test_the_best_goodput_per_device_wins_and_near_ties_go_to_the_simpler() -> N
     near = [Candidate("dp", 2, 4.0, []), Candidate("pd", 2, 4.1, [])]
     assert choose(near)[0] == "dp"  # within 5%: the simpler one
     nobody = [Candidate("pd", 2, 0.0, []), Candidate("dp", 2, 0.0, [])]
-    assert choose(nobody) == ("dp", "no mode met the objectives at any measured rate")
+    assert choose(nobody) == ("dp", "no shape met the objectives at any measured rate")
 
 
 def test_pd_thresholds_follow_from_the_measured_rates() -> None:
@@ -82,11 +82,11 @@ def test_pd_thresholds_follow_from_the_measured_rates() -> None:
     assert fit_pd(dear, OBJECTIVES).thresholds["prompt_length_threshold"] >= 1_000_000
 
 
-def _run_document(mode: str, qps: float, met: bool) -> dict:
+def _run_document(shape: str, qps: float, met: bool) -> dict:
     ttft = 0.1 if met else 2.0
     request = {"warmup": False, "outcome": "ok", "ttft_s": ttft, "tpot_s": 0.01}
     return {
-        "mode": mode, "qps": f"{qps:g}",
+        "shape": shape, "qps": f"{qps:g}",
         "workload": {"label": "general", "mean_input_tokens": 1024, "mean_output_tokens": 128},
         "summary": {"request_throughput": qps},
         "summary_row": {"tpot_p50_ms": 10.0 + qps, "prefill_s_per_token": 5e-5,
@@ -100,7 +100,7 @@ def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: P
     _write_sweep(tmp_path / "sweep", {"single": 1, "dp": 2, "pd_always": 2, "pd": 4}, 5e-5)
     yaml_path, report = _advise(tmp_path)
     config = load_app_config(yaml_path)
-    assert config.strategy == "pd" and config.prefill_policy.name == "conditional"
+    assert config.shape == "pd" and config.prefill_policy.name == "conditional"
     assert config.qos.enabled and config.qos.ttft_slo_s == pytest.approx(0.5)
     # What the split was chosen for, so the router can tell when traffic drifts from it:
     # pd met the objectives up to 4 req/s and missed them all at 8 (knee 4 + 4 x 0.1).
@@ -116,11 +116,11 @@ def test_advise_on_a_sweep_writes_a_yaml_that_validates_and_a_report(tmp_path: P
 def _write_sweep(folder: Path, knees: dict[str, float], prefill_s_per_token: float) -> None:
     runs = folder / "runs"
     runs.mkdir(parents=True)
-    for mode, knee in knees.items():
+    for shape, knee in knees.items():
         for qps in (1, 2, 4, 8):
-            document = _run_document(mode, qps, met=qps <= knee)
+            document = _run_document(shape, qps, met=qps <= knee)
             document["summary_row"]["prefill_s_per_token"] = prefill_s_per_token
-            (runs / f"{mode}-general-qps{qps}.json").write_text(json.dumps(document))
+            (runs / f"{shape}-general-qps{qps}.json").write_text(json.dumps(document))
 
 
 def _advise(tmp_path: Path, *extra: str) -> tuple[Path, str]:
@@ -141,7 +141,7 @@ def test_a_gpu_yaml_validates_and_its_pools_follow_the_fitted_ratio(tmp_path: Pa
     model = "meta-llama/Llama-3.2-1B-Instruct"
     yaml_path, report = _advise(tmp_path, "--target", "gpu", "--model", model, "--devices", "4")
     config = load_app_config(yaml_path)
-    assert config.strategy == "pd" and config.accelerator == "gpu"
+    assert config.shape == "pd" and config.accelerator == "gpu"
     assert config.model.source == model and config.model.dtype == "auto"
     replicas = {pool.role: pool.replicas for pool in config.pools}
     assert replicas == {"prefill": 3, "decode": 1}
@@ -156,18 +156,18 @@ def test_a_target_rate_sets_how_many_engines_from_the_measured_level(tmp_path: P
     yaml_path, report = _advise(tmp_path, "--target-rate", "9")
     config = load_app_config(yaml_path)
     # dp served 4.4 req/s on two engines (measured): 9 req/s needs five engines of 2.2.
-    assert config.strategy == "dp" and config.pools[0].replicas == 5
+    assert config.shape == "dp" and config.pools[0].replicas == 5
     assert config.pools[0].cpu_binds is None  # the template's two binds fit two engines
     assert "5 device(s): 5 mixed engine(s)" in report and "fitted from dp" in report
 
 
-def test_role_free_engines_win_when_they_serve_more_and_keep_their_strategy(
+def test_auto_pool_engines_win_when_they_serve_more_and_keep_their_shape(
     tmp_path: Path,
 ) -> None:
     _write_sweep(tmp_path / "sweep", {"single": 1, "dp": 2, "pd": 2, "auto": 8}, 5e-5)
     yaml_path, report = _advise(tmp_path, "--target", "gpu", "--target-rate", "12")
     config = load_app_config(yaml_path)
-    assert config.strategy == "auto" and config.accelerator == "gpu"
+    assert config.shape == "auto" and config.accelerator == "gpu"
     # auto served 8.8 req/s on two engines (measured): 12 req/s needs three of 4.4.
     assert [(pool.role, pool.replicas) for pool in config.pools] == [("mixed", 3)]
     assert "3 device(s): 3 mixed engine(s)" in report and "fitted from auto" in report
@@ -188,7 +188,7 @@ def test_the_model_sets_the_tensor_parallel_degree_each_engine_needs(tmp_path: P
     )
     config = load_app_config(yaml_path)
     # 80 GiB x 0.9 x 0.6 for weights: TP 2 (66 GiB a device) does not fit, TP 4 does.
-    assert config.strategy == "dp" and config.pools[0].tensor_parallel_size == 4
+    assert config.shape == "dp" and config.pools[0].tensor_parallel_size == 4
     assert config.pools[0].replicas == 2
     assert "each engine needs tensor parallel 4" in report
     assert "[1, 2, 4, 8]" in report

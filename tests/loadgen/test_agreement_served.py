@@ -55,8 +55,8 @@ def test_counts_and_latencies_agree_with_vllm_client(
     assert s["length_mismatches"] == 0
     assert s["itl"]["count"] == REQUESTS * (OUTPUT_LEN - 1)
     # Another Serve application on the same port would share the traffic (Serve's
-    # proxy binds with SO_REUSEPORT); the router's own mode label catches that.
-    assert run["mode"] == "single", f"measured a {run['mode']!r} server, not ours"
+    # proxy binds with SO_REUSEPORT); the router's own shape label catches that.
+    assert run["shape"] == "single", f"measured a {run['shape']!r} server, not ours"
     assert run["server"]["requests_by_status"].get("200", 0) >= REQUESTS
     assert theirs["completed"] == REQUESTS and theirs["failed"] == 0
 

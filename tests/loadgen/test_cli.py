@@ -33,7 +33,7 @@ def loadgen(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    with fake_server_in_thread(FakeServerConfig(port=0, ttft_ms=2, itl_ms=1, mode="fake")) as url:
+    with fake_server_in_thread(FakeServerConfig(port=0, ttft_ms=2, itl_ms=1, shape="fake")) as url:
         yield url
 
 
@@ -156,13 +156,13 @@ sys.exit(code)
 """
 
 
-def test_sweep_launches_and_stops_each_mode(tmp_path: Path) -> None:
+def test_sweep_launches_and_stops_each_shape(tmp_path: Path) -> None:
     port = free_port()
     server, stops = tmp_path / "noting_fake_server.py", tmp_path / "stops.txt"
     server.write_text(NOTING_FAKE_SERVER.format(repo=str(REPO)))
-    command = f"{sys.executable} {server} {stops} --port {{port}} --mode {{mode}} --ttft-ms 2"
+    command = f"{sys.executable} {server} {stops} --port {{port}} --shape {{shape}} --ttft-ms 2"
     result = loadgen(
-        "sweep", "--smoke", "--modes", "tp,dp,pd", "--qps", "20,inf", "--num-requests", "4",
+        "sweep", "--smoke", "--shapes", "tp,dp,pd", "--qps", "20,inf", "--num-requests", "4",
         "--workloads", "general,T-general,T-burst-replay", "--time-scale", "0.0001",
         "--launch-command", command, "--port", str(port), "--out", str(tmp_path),
         "--no-progress", "--no-plots", "--deployments-dir", str(tmp_path / "none"),
@@ -171,11 +171,11 @@ def test_sweep_launches_and_stops_each_mode(tmp_path: Path) -> None:
         "--ready-timeout", "120", "--stop-timeout", "60", timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    # Each mode's server stopped on the sweep's SIGINT and exited cleanly, rather than
+    # Each shape's server stopped on the sweep's SIGINT and exited cleanly, rather than
     # being waited out for --stop-timeout and killed (what a time bound used to catch).
     assert stops.read_text().splitlines() == ["stopped 0"] * 3
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
-    cells = {(r["mode"], r["workload"], r["qps"]) for r in rows}
+    cells = {(r["shape"], r["workload"], r["qps"]) for r in rows}
     assert len(rows) == 3 * (2 + 2 + 1)
     assert ("pd", "T-burst-replay (synthetic)", "replay") in cells
     assert all(r["completed"] == "4" for r in rows)
@@ -189,7 +189,7 @@ def test_sweep_launches_and_stops_each_mode(tmp_path: Path) -> None:
 
 def test_sweep_reports_a_mode_without_application(tmp_path: Path, server: str) -> None:
     result = loadgen(
-        "sweep", "--modes", "pd", "--workloads", "general", "--qps", "inf", "--num-requests", "2",
+        "sweep", "--shapes", "pd", "--workloads", "general", "--qps", "inf", "--num-requests", "2",
         "--deployments-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--no-progress",
     )  # fmt: skip
     assert result.returncode == 1
@@ -203,7 +203,7 @@ def test_sweep_against_given_urls(tmp_path: Path, server: str) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
-    assert [(r["mode"], r["workload"], r["completed"]) for r in rows] == [("dp", "general", "3")]
+    assert [(r["shape"], r["workload"], r["completed"]) for r in rows] == [("dp", "general", "3")]
 
 
 def test_demo_without_its_application_is_a_clear_error() -> None:
@@ -212,7 +212,9 @@ def test_demo_without_its_application_is_a_clear_error() -> None:
 
 
 def test_demo_runs_a_burstgpt_shaped_load_and_names_the_plot(tmp_path: Path) -> None:
-    command = f"{sys.executable} -m loadgen fake-server --port {{port}} --mode {{mode}} --ttft-ms 1"
+    command = (
+        f"{sys.executable} -m loadgen fake-server --port {{port}} --shape {{shape}} --ttft-ms 1"
+    )
     result = loadgen(
         "demo", "--config", "pd", "--launch-command", command, "--port", str(free_port()),
         "--num-requests", "12", "--rate", "50", "--out", str(tmp_path),
@@ -229,5 +231,5 @@ def test_a_placement_search_refuses_a_target_rate(tmp_path: Path) -> None:
         "--slo-ttft-ms", "250", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 1
-    assert "--target-rate sizes a measured mode" in result.stdout + result.stderr
+    assert "--target-rate sizes a measured shape" in result.stdout + result.stderr
     assert "Traceback" not in result.stderr

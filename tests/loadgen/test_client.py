@@ -35,7 +35,7 @@ CLOCK_SLACK_S = 1e-6
 
 @pytest.fixture(scope="module")
 def paced_server() -> Iterator[str]:
-    config = FakeServerConfig(port=0, ttft_ms=TTFT_MS, itl_ms=ITL_MS, mode="fake-tp")
+    config = FakeServerConfig(port=0, ttft_ms=TTFT_MS, itl_ms=ITL_MS, shape="fake-tp")
     with fake_server_in_thread(config) as url:
         yield url
 
@@ -76,7 +76,7 @@ async def test_run_counts_latencies_and_server_view(paced_server: str) -> None:
         assert m.ttft_s + sum(m.itl_s) <= m.e2e_s + CLOCK_SLACK_S, m
     # The client tells the long wait for the first token from the short gaps after it.
     assert s.itl.p50 < s.ttft.p50
-    assert result.mode == "fake-tp" and result.model == "fake-model"
+    assert result.shape == "fake-tp" and result.model == "fake-model"
     assert len([m for m in result.requests if m.warmup]) == 1
     # Where the router computed each prompt, from its x-splitserve-prefill header.
     assert {m.prefill for m in result.requests} == {"local:fake"}
@@ -84,7 +84,11 @@ async def test_run_counts_latencies_and_server_view(paced_server: str) -> None:
     assert set(result.server.gpu_utilization_pct) == {"0", "1"}
     assert result.server.gpu_imbalance_pct is not None
     text = generate_latest(exposition.registry).decode()
-    assert 'loadgen_time_to_first_token_seconds_count{mode="fake-tp"' in text
+    assert any(
+        line.startswith("loadgen_time_to_first_token_seconds_count{") and 'shape="fake-tp"' in line
+        for line in text.splitlines()
+    )
+
     assert 'outcome="ok"' in text and "loadgen_inter_token_latency_seconds_bucket" in text
 
 
@@ -96,7 +100,7 @@ async def test_same_seed_same_requests_and_schedule(paced_server: str) -> None:
         return [m.scheduled_s for m in result.requests if not m.warmup]
 
     assert schedule(first) == pytest.approx(schedule(second), abs=1e-9)
-    assert first.workload.shapes == second.workload.shapes
+    assert first.workload.sizes == second.workload.sizes
 
 
 async def test_max_concurrency_is_respected(paced_server: str) -> None:

@@ -25,7 +25,7 @@ def test_batched_histogram_uses_le_buckets() -> None:
     histogram.observe_many(labels, [0.0005, 0.001, 0.002])
     histogram.observe_many(labels, [5.0])
     samples = _samples(registry)
-    base = (("mode", "tp"), ("qps", "8"), ("run", "run"), ("workload", "general"))
+    base = (("qps", "8"), ("run", "run"), ("shape", "tp"), ("workload", "general"))
 
     def bucket(le: str) -> float:
         return samples[("x_seconds_bucket", tuple(sorted((*base, ("le", le)))))]
@@ -44,8 +44,8 @@ def test_runs_have_their_own_series() -> None:
     first.request_sent(sent=3, in_flight=2)
     second.live_ttft_p50(0.25)
     samples = _samples(exposition.registry)
-    a = (("mode", "tp"), ("qps", "inf"), ("run", "a"), ("workload", "general"))
-    b = (("mode", "dp"), ("qps", "8"), ("run", "b"), ("workload", "general"))
+    a = (("qps", "inf"), ("run", "a"), ("shape", "tp"), ("workload", "general"))
+    b = (("qps", "8"), ("run", "b"), ("shape", "dp"), ("workload", "general"))
     assert samples[("loadgen_sent_requests", a)] == 3
     assert samples[("loadgen_in_flight_requests", a)] == 2
     assert samples[("loadgen_live_ttft_p50_seconds", b)] == 0.25

@@ -79,9 +79,9 @@ def test_report_of_a_sweep_folder(result: RunResult, tmp_path: Path) -> None:
     runs = sweep / "runs"
     write_run_json(result, runs)
     rows = []
-    for mode in ("dp", "pd"):  # two modes' rows, as a sweep writes them
+    for shape in ("dp", "pd"):  # two shapes' rows, as a sweep writes them
         row = summary_row(result)
-        row["mode"] = mode
+        row["shape"] = shape
         rows.append(row)
     write_summary_csv(rows, sweep / "sweep.csv")
     written = render_report(sweep, tmp_path / "out")
@@ -99,7 +99,7 @@ def test_sweep_csv_numbers_are_read_back(result: RunResult, tmp_path: Path) -> N
     [row] = read_rows(path)
     assert row["qps"] == "40" and isinstance(row["request_throughput"], float)
     with path.open() as file:
-        assert next(csv.DictReader(file))["mode"] == row["mode"]
+        assert next(csv.DictReader(file))["shape"] == row["shape"]
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path: Path) -> None:

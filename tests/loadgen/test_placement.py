@@ -14,7 +14,7 @@ from loadgen.advisor import Objectives
 from loadgen.eventloop import run_event_loop
 from loadgen.knee import KneeSearchConfig, KneeStep
 from loadgen.placement import (
-    SEARCH_MODES,
+    SEARCH_SHAPES,
     Degree,
     Placement,
     PoolPlacement,
@@ -42,36 +42,36 @@ def test_a_shipped_family_offers_its_members_degrees_and_a_file_its_own(tmp_path
 
 
 def test_every_candidate_takes_the_whole_budget_once() -> None:
-    found = placements(8, H100_DEGREES, SEARCH_MODES)
+    found = placements(8, H100_DEGREES, SEARCH_SHAPES)
     assert all(candidate.devices == 8 for candidate in found)
     labels = [candidate.label for candidate in found]
     assert len(labels) == len(set(labels))
-    by_mode = {mode: [c.label for c in found if c.mode == mode] for mode in SEARCH_MODES}
-    assert by_mode["single"] == by_mode["tp"] == by_mode["pp"] == []  # no degree of 8
-    assert by_mode["dp"] == ["dp 8 x TP1", "dp 4 x TP2", "dp 2 x TP4"]
-    assert by_mode["auto"] == ["auto 8 x TP1", "auto 4 x TP2", "auto 2 x TP4"]
+    by_shape = {shape: [c.label for c in found if c.shape == shape] for shape in SEARCH_SHAPES}
+    assert by_shape["single"] == by_shape["tp"] == by_shape["pp"] == []  # no degree of 8
+    assert by_shape["dp"] == ["dp 8 x TP1", "dp 4 x TP2", "dp 2 x TP4"]
+    assert by_shape["auto"] == ["auto 8 x TP1", "auto 4 x TP2", "auto 2 x TP4"]
     # Every P:D ratio at each degree, both pools of one degree.
-    assert len(by_mode["pd"]) == 7 + 3 + 1 == len(by_mode["pd_always"])
-    assert "pd 6:2 x TP1" in by_mode["pd"] and "pd 1:1 x TP4" in by_mode["pd"]
+    assert len(by_shape["pd"]) == 7 + 3 + 1 == len(by_shape["pd_always"])
+    assert "pd 6:2 x TP1" in by_shape["pd"] and "pd 1:1 x TP4" in by_shape["pd"]
 
 
 def test_one_engine_modes_take_the_degree_of_the_whole_budget() -> None:
     degrees = [Degree(1), Degree(4), Degree(2, 2), Degree(1, 4)]
     found = {c.label for c in placements(4, degrees, ("single", "tp", "pp"))}
-    assert found == {"tp TP4", "pp TP1xPP4"}  # no strategy serves one TP x PP engine
+    assert found == {"tp TP4", "pp TP1xPP4"}  # no shape serves one TP x PP engine
     assert {c.label for c in placements(1, degrees, ("single", "dp"))} == {"single TP1"}
 
 
 def test_an_unknown_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="no placement search for mode 'ep'"):
+    with pytest.raises(ValueError, match="no placement search for shape 'ep'"):
         placements(8, H100_DEGREES, ("ep",))
 
 
-@pytest.mark.parametrize("mode", SEARCH_MODES)
-def test_every_candidate_yaml_is_a_valid_config(mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", SEARCH_SHAPES)
+def test_every_candidate_yaml_is_a_valid_config(shape: str, tmp_path: Path) -> None:
     degrees = [*H100_DEGREES, Degree(8), Degree(4, 2), Degree(1, 8)]
-    for candidate in placements(8, degrees, (mode,)):
-        template = yaml.safe_load((DEPLOYMENTS / f"{mode}.yaml").read_text())
+    for candidate in placements(8, degrees, (shape,)):
+        template = yaml.safe_load((DEPLOYMENTS / f"{shape}.yaml").read_text())
         document = placement_document(template, candidate, OBJECTIVES)
         path = tmp_path / f"{candidate.slug}.yaml"
         path.write_text(yaml.safe_dump(document))

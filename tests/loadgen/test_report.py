@@ -73,15 +73,17 @@ def test_csv_and_console_table(result: RunResult, tmp_path: Path) -> None:
 def test_plots_are_pngs(result: RunResult, tmp_path: Path) -> None:
     assert plot_run(result, tmp_path / "run.png").read_bytes().startswith(PNG_MAGIC)
     rows = []
-    for mode in ("tp", "dp"):
+    for shape in ("tp", "dp"):
         for qps in ("4", "8", "inf"):
-            row = summary_row(result) | {"mode": mode, "qps": qps}
+            row = summary_row(result) | {"shape": shape, "qps": qps}
             rows.append(row)
-    rows.append(summary_row(result) | {"mode": "tp", "qps": "replay", "workload": "T-burst-replay"})
+    rows.append(
+        summary_row(result) | {"shape": "tp", "qps": "replay", "workload": "T-burst-replay"}
+    )
     assert plot_figure1(rows, tmp_path / "f1.png", "8").read_bytes().startswith(PNG_MAGIC)
     assert plot_sweep_by_qps(rows, tmp_path / "q.png").read_bytes().startswith(PNG_MAGIC)
     table = write_sweep_markdown(rows, tmp_path / "table.md").read_text().splitlines()
-    assert table[0].startswith("| mode | workload | QPS | done | req/s | total tok/s")
+    assert table[0].startswith("| shape | workload | QPS | done | req/s | total tok/s")
     assert len(table) == 2 + len(rows)
     console = Console(record=True, width=160)
     print_sweep_table(console, rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadgen.server_view import ServerViewRecorder, build_view, discover_mode, parse_metrics
+from loadgen.server_view import ServerViewRecorder, build_view, discover_shape, parse_metrics
 
 BEFORE = """
 # TYPE splitserve_requests_total counter
@@ -84,10 +84,10 @@ def test_counter_reset_counts_from_zero() -> None:
 def test_mode_comes_from_the_router_histograms() -> None:
     text = (
         "# TYPE splitserve_time_to_first_token_seconds histogram\n"
-        'splitserve_time_to_first_token_seconds_count{mode="dp",prefill="local"} 4\n'
+        'splitserve_time_to_first_token_seconds_count{shape="dp",prefill="local"} 4\n'
     )
-    assert discover_mode(parse_metrics(text)) == "dp"
-    assert discover_mode(parse_metrics(BEFORE)) is None
+    assert discover_shape(parse_metrics(text)) == "dp"
+    assert discover_shape(parse_metrics(BEFORE)) is None
 
 
 async def test_prometheus_figures_replace_the_router_samples() -> None:

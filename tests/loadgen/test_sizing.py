@@ -12,7 +12,7 @@ from loadgen.sizing import (
     MeasuredSize,
     PDCapacities,
     calibrated,
-    model_shape,
+    model_dims,
     pareto_front,
     pareto_points,
     size_for_devices,
@@ -35,17 +35,17 @@ LLAMA_1B = {
 def test_mixed_engines_grow_at_the_measured_goodput_per_engine() -> None:
     sized = size_for_rate(DP, 9.0)
     assert sized is not None and sized.engines == {"mixed": 5} and sized.goodput == 10.0
-    assert not sized.measured and sized.mode == "dp"
+    assert not sized.measured and sized.shape == "dp"
     one = size_for_rate(DP, 1.5)
-    assert one is not None and one.mode == "single" and one.devices == 1
+    assert one is not None and one.shape == "single" and one.devices == 1
     assert size_for_devices(DP, 2).measured  # the size the sweep ran
 
 
-def test_role_free_engines_grow_like_dp_and_never_below_two() -> None:
+def test_auto_pool_engines_grow_like_dp_and_never_below_two() -> None:
     sized = size_for_rate(AUTO, 9.0)  # 2.5 req/s an engine: four engines
-    assert sized is not None and sized.mode == "auto" and sized.engines == {"mixed": 4}
+    assert sized is not None and sized.shape == "auto" and sized.engines == {"mixed": 4}
     low = size_for_rate(AUTO, 1.0)  # one engine would serve it, but has no peer
-    assert low is not None and low.mode == "auto" and low.engines == {"mixed": 2}
+    assert low is not None and low.shape == "auto" and low.engines == {"mixed": 2}
     assert low.measured
     assert size_for_devices(AUTO, 1) is None
     budget = size_for_devices(AUTO, 3)
@@ -71,19 +71,19 @@ def test_a_one_engine_mode_cannot_be_sized_past_what_it_served() -> None:
 def test_the_front_keeps_only_layouts_that_more_devices_improve() -> None:
     front = pareto_front(pareto_points([DP, PD, TP], 4, FIT))
     # dp adds 2 req/s an engine; pd's 3:1 serves 9 on four devices, more than dp's 8.
-    assert [(p.devices, p.mode, p.goodput) for p in front] == [
+    assert [(p.devices, p.shape, p.goodput) for p in front] == [
         (1, "single", 2.0), (2, "dp", 4.0), (3, "dp", 6.0), (4, "pd", 9.0),
     ]  # fmt: skip
     assert all(b.goodput > a.goodput for a, b in itertools.pairwise(front))
 
 
 def test_a_models_tensor_parallel_degrees_and_the_one_that_fits() -> None:
-    shape = model_shape(LLAMA_1B)
+    shape = model_dims(LLAMA_1B)
     assert shape.tp_degrees(8) == [1, 2, 4, 8]
     assert shape.weight_bytes / 2**30 == pytest.approx(2.3, abs=0.1)  # 1.24 B parameters
     assert shape.smallest_fitting_tp(8, 80, 0.9) == 1
     assert shape.smallest_fitting_tp(8, 2, 0.9) == 4  # 0.97 GiB for weights a device
-    odd = model_shape({**LLAMA_1B, "num_attention_heads": 24, "num_key_value_heads": 6})
+    odd = model_dims({**LLAMA_1B, "num_attention_heads": 24, "num_key_value_heads": 6})
     assert odd.tp_degrees(8) == [1, 2, 3, 6]
     with pytest.raises(ValueError, match="no 'hidden_size'"):
-        model_shape({"num_hidden_layers": 2})
+        model_dims({"num_hidden_layers": 2})

@@ -310,7 +310,7 @@ def test_the_documented_lines_reader_fails_loudly(page: str, tmp_path: Path) -> 
 )
 def test_documented_command_lines_run(line: str, server: str, tmp_path: Path) -> None:
     assert main(documented_argv(line, server, tmp_path)) == 0
-    # Our own files are named after the fake server's mode; vLLM's after the backend.
+    # Our own files are named after the fake server's shape; vLLM's after the backend.
     (saved,) = [p for p in (tmp_path / "out").glob("*.json") if not p.name.startswith("fake-")]
     result: dict[str, Any] = json.loads(saved.read_text())
     assert result["completed"] == result["num_prompts"] == 16 and result["failed"] == 0

@@ -70,7 +70,7 @@ def test_failures_in_vllms_terms(result: RunResult) -> None:
 
 def test_our_file_carries_the_mode_and_every_list(result: RunResult, tmp_path: Path) -> None:
     document = json.loads(write_vllm_result(result, tmp_path).read_text())
-    assert document["label"] == result.mode and len(document["start_times"]) == 14
+    assert document["label"] == result.shape and len(document["start_times"]) == 14
     assert {"p50_itl_ms", "p95_e2el_ms", "splitserve_p99_itl_per_token_ms"} <= set(document)
 
 

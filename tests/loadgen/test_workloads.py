@@ -13,7 +13,7 @@ from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.recorded import PrefixedPrompts
 from loadgen.workloads import (
     MIXED_CLASSES,
-    RequestShape,
+    RequestSize,
     TextCalibration,
     TextPrompts,
     TokenPrompts,
@@ -29,18 +29,18 @@ CONTEXT = 4096
 )
 def test_study_workloads_have_exact_lengths(name: str, lengths: tuple[int, int]) -> None:
     plan = plan_workload(WorkloadConfig(name=name), 200, 2, seed=0, max_model_len=CONTEXT)
-    assert len(plan.shapes) == 200 and len(plan.warmup_shapes) == 2
-    assert {(s.input_len, s.output_len) for s in plan.shapes} == {lengths}
+    assert len(plan.sizes) == 200 and len(plan.warmup_sizes) == 2
+    assert {(s.input_len, s.output_len) for s in plan.sizes} == {lengths}
 
 
 def test_mixed_workload_draws_its_classes_in_their_shares() -> None:
     plan = plan_workload(WorkloadConfig(name="mixed"), 2000, 2, seed=3, max_model_len=CONTEXT)
-    shapes = [(s.input_len, s.output_len) for s in plan.shapes]
-    assert set(shapes) == {(i, o) for i, o, _ in MIXED_CLASSES}
+    sizes = [(s.input_len, s.output_len) for s in plan.sizes]
+    assert set(sizes) == {(i, o) for i, o, _ in MIXED_CLASSES}
     for input_len, output_len, share in MIXED_CLASSES:
-        assert shapes.count((input_len, output_len)) / 2000 == pytest.approx(share, abs=0.03)
+        assert sizes.count((input_len, output_len)) / 2000 == pytest.approx(share, abs=0.03)
     again = plan_workload(WorkloadConfig(name="mixed"), 2000, 2, seed=3, max_model_len=CONTEXT)
-    assert again.shapes == plan.shapes
+    assert again.sizes == plan.sizes
     with pytest.raises(ValueError, match="exceed the server's context of 1024"):
         plan_workload(WorkloadConfig(name="mixed"), 50, 0, seed=3, max_model_len=1024)
 
@@ -48,14 +48,14 @@ def test_mixed_workload_draws_its_classes_in_their_shares() -> None:
 def test_custom_spread_stays_in_range_and_is_reproducible() -> None:
     config = WorkloadConfig(name="custom", input_len=500, output_len=100, spread=0.2)
     plan = plan_workload(config, 500, 0, seed=5, max_model_len=CONTEXT)
-    inputs = [s.input_len for s in plan.shapes]
-    outputs = [s.output_len for s in plan.shapes]
+    inputs = [s.input_len for s in plan.sizes]
+    outputs = [s.output_len for s in plan.sizes]
     assert min(inputs) >= 400 and max(inputs) <= 600 and len(set(inputs)) > 50
     assert min(outputs) >= 80 and max(outputs) <= 120
-    assert plan.shapes == plan_workload(config, 500, 0, seed=5, max_model_len=CONTEXT).shapes
-    assert plan.shapes != plan_workload(config, 500, 0, seed=6, max_model_len=CONTEXT).shapes
+    assert plan.sizes == plan_workload(config, 500, 0, seed=5, max_model_len=CONTEXT).sizes
+    assert plan.sizes != plan_workload(config, 500, 0, seed=6, max_model_len=CONTEXT).sizes
     # More warm-ups do not change the measured requests.
-    assert plan.shapes == plan_workload(config, 500, 7, seed=5, max_model_len=CONTEXT).shapes
+    assert plan.sizes == plan_workload(config, 500, 7, seed=5, max_model_len=CONTEXT).sizes
 
 
 def test_workload_validation_names_the_problem() -> None:
@@ -74,7 +74,7 @@ def test_trace_subsets_from_a_file(tmp_path: Path) -> None:
     write_trace_csv(BurstGPTShapedGenerator(seed=2).generate(20_000), path)
     config = WorkloadConfig(name="T-prefill-heavy", trace_file=path)
     plan = plan_workload(config, 200, 2, seed=0, max_model_len=CONTEXT)
-    assert all(s.input_len >= 1400 and s.output_len <= 384 for s in plan.shapes)
+    assert all(s.input_len >= 1400 and s.output_len <= 384 for s in plan.sizes)
     assert not plan.synthetic_trace and plan.source == str(path)
     assert plan.trace_arrivals is None
 
@@ -86,7 +86,7 @@ def test_replay_plan_carries_the_trace_arrivals(tmp_path: Path) -> None:
     plan = plan_workload(config, 50, 2, seed=0, max_model_len=CONTEXT)
     assert plan.trace_arrivals is not None and len(plan.trace_arrivals) == 50
     assert plan.trace_arrivals == sorted(plan.trace_arrivals)
-    assert all(s.input_len + s.output_len <= CONTEXT for s in plan.shapes)
+    assert all(s.input_len + s.output_len <= CONTEXT for s in plan.sizes)
 
 
 def test_synthetic_trace_is_labelled() -> None:
@@ -121,18 +121,18 @@ MULTI_TURN = WorkloadConfig(
 )
 
 
-def _prompts(shapes: list[RequestShape]) -> list[list[int]]:
+def _prompts(sizes: list[RequestSize]) -> list[list[int]]:
     source = PrefixedPrompts(seed=1, block_tokens=TURN, low=0, high=256)
-    return [source.prompt(shape) for shape in shapes]
+    return [source.prompt(size) for size in sizes]
 
 
 def test_a_conversations_turn_starts_with_its_previous_turn_s_prompt_and_grows() -> None:
     plan = plan_workload(MULTI_TURN, 6, 2, seed=0, max_model_len=CONTEXT)
     assert plan.prefix_block_tokens == TURN and plan.label == "multi-turn-2x20+10x5"
     # The conversations take turns: 0, 1, 0, 1, ...; the system prompt is two turns long.
-    assert [s.input_len for s in plan.shapes] == [40, 40, 55, 55, 70, 70]
-    assert {s.output_len for s in plan.shapes} == {5}
-    prompts = _prompts(plan.shapes)
+    assert [s.input_len for s in plan.sizes] == [40, 40, 55, 55, 70, 70]
+    assert {s.output_len for s in plan.sizes} == {5}
+    prompts = _prompts(plan.sizes)
     for conversation in (0, 1):
         turns = prompts[conversation::2]
         for before, after in itertools.pairwise(turns):
@@ -147,18 +147,18 @@ def test_a_conversation_that_would_outgrow_the_context_starts_over() -> None:
     # Room for the system prompt (30) and two turns of history before a new turn.
     context = 30 + 2 * TURN + TURN
     plan = plan_workload(MULTI_TURN, 10, 0, seed=0, max_model_len=context)
-    lengths = [s.input_len for s in plan.shapes]
+    lengths = [s.input_len for s in plan.sizes]
     assert lengths == [40, 40, 55, 55, 70, 70, 40, 40, 55, 55]
     assert max(length + 5 for length in lengths) <= context
-    assert plan.shapes[6].prefix == plan.shapes[0].prefix  # the system prompt alone, again
+    assert plan.sizes[6].prefix == plan.sizes[0].prefix  # the system prompt alone, again
     # A new conversation: its history is not the old one's.
-    assert plan.shapes[8].prefix[-1] != plan.shapes[2].prefix[-1]
+    assert plan.sizes[8].prefix[-1] != plan.sizes[2].prefix[-1]
 
 
 def test_warm_up_turns_share_nothing_with_the_measured_conversations() -> None:
     plan = plan_workload(MULTI_TURN, 4, 4, seed=0, max_model_len=CONTEXT)
-    measured = {block for shape in plan.shapes for block in shape.prefix}
-    warmup = {block for shape in plan.warmup_shapes for block in shape.prefix}
+    measured = {block for size in plan.sizes for block in size.prefix}
+    warmup = {block for size in plan.warmup_sizes for block in size.prefix}
     assert warmup and not measured & warmup
 
 

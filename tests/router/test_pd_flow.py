@@ -29,7 +29,7 @@ class Cluster:
     def __init__(self, policy: str = "always") -> None:
         config = parse_app_config(
             {
-                "strategy": "pd",
+                "shape": "pd",
                 "pools": [{"role": "prefill"}, {"role": "decode"}],
                 "prefill_policy": {"name": policy},
             }

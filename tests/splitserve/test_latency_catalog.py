@@ -27,7 +27,7 @@ from splitserve.latency.catalog import (
     profile_name,
 )
 from splitserve.latency.profile import LatencyProfile, StepShape, load_profile, shipped_profiles
-from splitserve.latency.roofline import GIB, ModelShape, roofline_profile
+from splitserve.latency.roofline import GIB, ModelDims, roofline_profile
 
 LAMBDA = "github.com/LambdaLabsML/vllm-benchmark results/prompt_10"
 
@@ -73,10 +73,10 @@ def test_main_writes_the_shipped_files_byte_for_byte(tmp_path: Path):
         (LLAMA_3_1_8B, 8.03e9, 131072),
         (LLAMA_3_1_70B, 70.6e9, 2 * 80 * 8 * 128 * 2),
     ],
-    ids=lambda value: value.name if isinstance(value, ModelShape) else None,
+    ids=lambda value: value.name if isinstance(value, ModelDims) else None,
 )
 def test_model_shapes_give_the_published_sizes(
-    model: ModelShape, published_params: float, kv_bytes_per_token: int
+    model: ModelDims, published_params: float, kv_bytes_per_token: int
 ):
     assert model.params == pytest.approx(published_params, rel=0.03)
     assert model.kv_bytes_per_token == kv_bytes_per_token
@@ -189,7 +189,7 @@ def test_a_pd_decode_engine_keeps_the_studys_itl_under_10_ms():
 
 
 def test_pp_decodes_slowest_as_in_the_study():
-    """Section 4.1: PP's ITL was above the other strategies' (general workload): each
+    """Section 4.1: PP's ITL was above the other shapes' (general workload): each
     token passes both stages in turn, plus the hand-off between them."""
     pp = decode_ms(catalog_profile("rtx2080s", "llama-3.2-1b", 1, 2), 8, 1024)
     single = decode_ms(catalog_profile("rtx2080s", "llama-3.2-1b"), 8, 1024)

@@ -104,9 +104,9 @@ class _RecordingKVBackend:
 
 
 def _config(args: dict[str, Any]) -> AppConfig:
-    """The application's config; for strategy pd with its synthetic engines, which the
+    """The application's config; for shape pd with its synthetic engines, which the
     config refuses there (they move no KV, so a real deployment could not hand over)."""
-    if args["strategy"] != "pd" or args["engine"].get("backend") != "synthetic":
+    if args["shape"] != "pd" or args["engine"].get("backend") != "synthetic":
         return parse_app_config(args)
     engine = EngineBackendConfig.model_validate(args["engine"])
     config = parse_app_config({key: value for key, value in args.items() if key != "engine"})
@@ -122,13 +122,11 @@ def only_model(router: Any) -> ServedModel:
 @asynccontextmanager
 async def in_process_router(**args: Any) -> AsyncIterator[Any]:
     """A started router with synthetic engines; ``args``: YAML args beside or instead
-    of the defaults (strategy single, one pool, synthetic engines): ``router``, ``auth``,
-    ``qos``, ``engine`` (e.g. ``step_interval_s``), ``strategy`` and ``pools`` for dp
+    of the defaults (shape single, one pool, synthetic engines): ``router``, ``auth``,
+    ``qos``, ``engine`` (e.g. ``step_interval_s``), ``shape`` and ``pools`` for dp
     (``[{"replicas": 2}]``) or pd (``[{"role": "prefill"}, {"role": "decode"}]``, with
     a KV backend that records releases in ``router._kv``)."""
-    config = _config(
-        {"strategy": "single", "pools": [{}], "engine": {"backend": "synthetic"}, **args}
-    )
+    config = _config({"shape": "single", "pools": [{}], "engine": {"backend": "synthetic"}, **args})
     names = engine_names(config)
     specs = {name: engine_spec(config, name, pool, index) for name, pool, index in names}
     roles = {name: pool.role for name, pool, _ in names}

@@ -62,10 +62,10 @@ async def _complete(client: Any, max_tokens: int = 5, **fields: Any) -> tuple[fl
 @pytest.mark.parametrize(
     "shape",
     [
-        {"strategy": "single", "pools": [{}]},
-        {"strategy": "dp", "pools": [{"replicas": 2}]},
-        {"strategy": "pd", "pools": [{"role": "prefill"}, {"role": "decode"}]},
-        {"strategy": "auto", "pools": [{"replicas": 2}]},
+        {"shape": "single", "pools": [{}]},
+        {"shape": "dp", "pools": [{"replicas": 2}]},
+        {"shape": "pd", "pools": [{"role": "prefill"}, {"role": "decode"}]},
+        {"shape": "auto", "pools": [{"replicas": 2}]},
     ],
     ids=["single", "dp", "pd", "auto"],
 )
@@ -106,7 +106,7 @@ async def test_pd_decode_waits_for_the_hand_over_of_the_prompts_kv(tmp_path: Pat
     split = {"name": "always"}
     engine = _engine(tmp_path)
     async with in_process_router(
-        strategy="pd", pools=pools, engine=engine, prefill_policy=split
+        shape="pd", pools=pools, engine=engine, prefill_policy=split
     ) as router:
         async with http_client(router) as client:
             await ready(client, timeout_s=20)
@@ -141,7 +141,7 @@ async def test_the_prefix_cache_reaches_the_router_through_kv_events(tmp_path: P
 
 def test_a_profile_for_other_parallel_degrees_is_refused(tmp_path: Path) -> None:
     args = {
-        "strategy": "tp",
+        "shape": "tp",
         "pools": [{"tensor_parallel_size": 2}],
         "engine": _engine(tmp_path),
     }
@@ -151,4 +151,4 @@ def test_a_profile_for_other_parallel_degrees_is_refused(tmp_path: Path) -> None
 
 def test_simulated_engines_need_a_profile() -> None:
     with pytest.raises(ValueError, match=r"needs engine\.profile"):
-        parse_app_config({"strategy": "single", "engine": {"backend": "simulated"}})
+        parse_app_config({"shape": "single", "engine": {"backend": "simulated"}})

@@ -1,4 +1,4 @@
-"""Simulated engines under real Ray Serve: auto_scaled.yaml's role-free pool, whose
+"""Simulated engines under real Ray Serve: auto_scaled.yaml's auto pool, whose
 engines are Serve replicas of their own reached over the engine transport, keeping an
 H100's time for Llama 3.1 8B (deployments.serve --simulate)."""
 

@@ -237,7 +237,7 @@ def test_metrics_and_health_stay_open_by_default_as_vllms_do() -> None:
 
 
 def _args(auth: dict[str, Any]) -> dict[str, Any]:
-    return {"strategy": "single", "pools": [{}], "auth": auth}
+    return {"shape": "single", "pools": [{}], "auth": auth}
 
 
 @pytest.mark.parametrize(

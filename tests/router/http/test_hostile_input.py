@@ -65,8 +65,8 @@ def _of_declared_type(spec: dict[str, Any]) -> st.SearchStrategy[Any]:
         "object": st.dictionaries(st.text(max_size=8), JSON, max_size=3),
         "null": st.none(),
     }
-    strategies = [by_kind[kind] for kind in kinds if kind in by_kind]
-    return st.one_of(strategies) if strategies else JSON
+    shapes = [by_kind[kind] for kind in kinds if kind in by_kind]
+    return st.one_of(shapes) if shapes else JSON
 
 
 VALID = {

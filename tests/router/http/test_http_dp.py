@@ -1,4 +1,4 @@
-"""DP over HTTP, in this process: synthetic engines behind one router (strategy dp),
+"""DP over HTTP, in this process: synthetic engines behind one router (shape dp),
 each replica choice observable in ``x-splitserve-replica``, and what a client sees
 when an engine dies: a request is tried once more on another replica before its first
 byte, the other engines keep serving, and the dead one is restarted in the router's
@@ -42,7 +42,7 @@ def completion(prompt: list[int] | None = None, **fields: Any) -> dict[str, Any]
 @asynccontextmanager
 async def dp(replicas: int = 2, **args: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """A ready DP router over ``replicas`` synthetic engines, and an HTTP client of it."""
-    args = {"strategy": "dp", "pools": [{"replicas": replicas}], **args}
+    args = {"shape": "dp", "pools": [{"replicas": replicas}], **args}
     async with in_process_router(**args) as router, http_client(router) as client:
         await ready(client)
         yield router, client

@@ -1,5 +1,5 @@
 """PD over HTTP, in this process: a synthetic prefill engine and a synthetic decode
-engine behind one router (strategy pd), with a KV side that records releases in place
+engine behind one router (shape pd), with a KV side that records releases in place
 of Ray's object store (tests/support/in_process_router.py). Synthetic engines move no
 KV, so what is checked is the router's part: where each prompt runs, what each engine
 is asked, the headers that say so, and that a request outlives its prefill replica.
@@ -64,7 +64,7 @@ async def pd(mode: str = "always", **args: Any) -> AsyncIterator[tuple[Any, http
     pools = [{"role": "prefill"}, {"role": "decode"}]
     split = {"name": mode}
     async with (
-        in_process_router(strategy="pd", pools=pools, prefill_policy=split, **args) as router,
+        in_process_router(shape="pd", pools=pools, prefill_policy=split, **args) as router,
         http_client(router) as client,
     ):
         await ready(client)

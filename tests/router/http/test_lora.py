@@ -56,7 +56,7 @@ def completion(model: str, **fields: Any) -> dict[str, Any]:
 async def test_the_yamls_adapters_are_listed_loaded_and_served_by_name(
     submitted: list[tuple[str, GenerateRequest]],
 ) -> None:
-    async with router_with_adapters(strategy="dp", pools=[{"replicas": 2}]) as (router, client):
+    async with router_with_adapters(shape="dp", pools=[{"replicas": 2}]) as (router, client):
         listed = (await client.get("/v1/models")).json()["data"]
         assert [(card["id"], card["parent"]) for card in listed] == [
             (EMBEDDED_MODEL_NAME, None),
@@ -78,7 +78,7 @@ async def test_the_yamls_adapters_are_listed_loaded_and_served_by_name(
 async def test_a_request_goes_to_an_engine_that_holds_its_adapter(
     submitted: list[tuple[str, GenerateRequest]],
 ) -> None:
-    async with router_with_adapters(strategy="dp", pools=[{"replicas": 2}]) as (router, client):
+    async with router_with_adapters(shape="dp", pools=[{"replicas": 2}]) as (router, client):
         engine_1 = only_model(router).pool.get("engine-1")
         engine_1.adapters.discard("sql")  # as if it had restarted since
         for _ in range(4):

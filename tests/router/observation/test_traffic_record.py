@@ -42,11 +42,11 @@ def test_a_replay_has_the_recorded_lengths_gaps_and_shared_prefixes(tmp_path: Pa
     prompts = _record(path)
     config = WorkloadConfig(name="recorded-replay", trace="recorded", trace_file=path)
     plan = plan_workload(config, 10, 0, seed=3, max_model_len=4096)
-    assert [s.input_len for s in plan.shapes] == [len(p) for p in prompts]
-    assert [s.output_len for s in plan.shapes] == [8, 9, 10, 11]
+    assert [s.input_len for s in plan.sizes] == [len(p) for p in prompts]
+    assert [s.output_len for s in plan.sizes] == [8, 9, 10, 11]
     assert plan.trace_arrivals == pytest.approx([0.0, 0.25, 0.5, 0.75], abs=1e-3)
     replay = PrefixedPrompts(seed=3, block_tokens=BLOCK, low=0, high=256)
-    replayed = [replay.prompt(shape) for shape in plan.shapes]
+    replayed = [replay.prompt(size) for size in plan.sizes]
     assert [len(p) for p in replayed] == [len(p) for p in prompts]
 
     def sharing(batch: list[list[int]]) -> list[list[int]]:

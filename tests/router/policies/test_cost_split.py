@@ -1,4 +1,4 @@
-"""The role-free pool's prefill policy (``cost``) and the measured KV hand-over cost it
+"""The auto pool's prefill policy (``cost``) and the measured KV hand-over cost it
 reads, as pure functions."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from router.pool.engine_pool import EnginePool
 
 CONFIG = parse_app_config(
     {
-        "strategy": "dp",
+        "shape": "dp",
         "pools": [{"replicas": 3}],
         "engine": {"backend": "synthetic", "step_interval_s": 0.005},
     }

@@ -1,4 +1,4 @@
-"""A role-free pool (strategy auto) through the dispatcher, against fake engine links:
+"""An auto pool (shape auto) through the dispatcher, against fake engine links:
 which engine decodes, which prefills, and why; no Ray, no vLLM engine."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class RoleFreePool:
     ) -> None:
         config = parse_app_config(
             {
-                "strategy": "auto",
+                "shape": "auto",
                 "pools": [{"role": "mixed", "replicas": engines}],
                 "router": {"replica_choice": "round_robin"},
                 "prefill_policy": {"name": split},

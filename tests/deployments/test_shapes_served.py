@@ -1,4 +1,4 @@
-"""Every strategy, started with ``serve run deployments/<strategy>.yaml`` on real vLLM engines.
+"""Every shape, started with ``serve run deployments/<shape>.yaml`` on real vLLM engines.
 
 With temperature 0 the generated token ids must be the same whichever way the engines
 are split: ``single`` runs first and sets the reference the others are held to.
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.serving
 
 # dp_apart: dp.yaml with each engine a Serve replica of its own, over the engine transport.
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
-STRATEGIES = ["single", "dp", "dp_apart", "tp", "pp"]
+SHAPES = ["single", "dp", "dp_apart", "tp", "pp"]
 MODEL = "splitserve-tiny-llama"
 MAX_TOKENS = 12
 TOKEN_PROMPTS = {
@@ -45,13 +45,13 @@ CHAT_PROMPTS = {
 # Ray titles a Serve replica's process after its application and deployment.
 REPLICA_TITLE = re.compile(r"ServeReplica:splitserve:([\w-]+)")
 
-# (kind, prompt name) -> token ids the 'single' strategy generated.
+# (kind, prompt name) -> token ids the 'single' shape generated.
 _REFERENCE: dict[tuple[str, str], list[int]] = {}
 
 
-def _config(strategy: str, folder: Path) -> str:
-    if strategy != "dp_apart":
-        return strategy
+def _config(shape: str, folder: Path) -> str:
+    if shape != "dp_apart":
+        return shape
     document = yaml.safe_load((DEPLOYMENTS / "dp.yaml").read_text())
     document["applications"][0]["args"]["router"]["engine_in_router"] = False
     path = folder / "dp_apart.yaml"
@@ -59,7 +59,7 @@ def _config(strategy: str, folder: Path) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=STRATEGIES)
+@pytest.fixture(scope="module", params=SHAPES)
 def app(request: pytest.FixtureRequest, served_apps: ServedApps, serve_logs: Path) -> RunningApp:
     if request.param == "single":
         # Other modules' references too, while single.yaml runs (conftest.py).
@@ -83,7 +83,7 @@ def _check_reference(app: RunningApp, key: tuple[str, str], token_ids: list[int]
     elif key in _REFERENCE:
         assert token_ids == _REFERENCE[key], f"{app.config_path.stem} differs from single on {key}"
     else:
-        pytest.fail(f"no reference from 'single' for {key}: did the single strategy run first?")
+        pytest.fail(f"no reference from 'single' for {key}: did the single shape run first?")
 
 
 def _completion_kwargs() -> dict[str, Any]:
@@ -167,7 +167,7 @@ def test_every_kind_of_request_is_answered_as_bare_vllm(
     assert_answers_as(vllm_answers, app.base_url)
 
 
-def test_engines_run_where_the_strategy_puts_them(app: RunningApp) -> None:
+def test_engines_run_where_the_shape_puts_them(app: RunningApp) -> None:
     """Every engine's front end runs in the router's process, DP's two as well, unless
     the engines run apart: then each in a Serve replica of its own."""
     owners = set()
@@ -208,7 +208,7 @@ def test_replicas_share_requests_evenly(app: RunningApp) -> None:
         )
 
 
-# ---- bad input: the OpenAI error body with the right status, on every strategy ----------
+# ---- bad input: the OpenAI error body with the right status, on every shape ----------
 
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, None),
