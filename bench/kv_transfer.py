@@ -79,12 +79,10 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _H
 from deployments.config import load_app_config  # noqa: E402
 from deployments.launcher import cluster_env, serve_run  # noqa: E402
 from engines.tiny_model import TinyLlamaSpec, embedded_model_path  # noqa: E402
-from kv_transfer.metrics import BYTES_TOTAL as TRANSFER_BYTES  # noqa: E402
-from kv_transfer.metrics import LOADS_TOTAL, TRANSFERS_TOTAL  # noqa: E402
-from kv_transfer.metrics import SECONDS as TRANSFER_SECONDS  # noqa: E402
 from loadgen.config import RunConfig, WorkloadConfig  # noqa: E402
 from loadgen.runner import execute_run  # noqa: E402
 from loadgen.server_view import parse_metrics  # noqa: E402
+from splitserve import metric_catalogue as catalogue  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 console = Console()
@@ -480,9 +478,9 @@ def case_figures(run: Any, before: dict[str, Any], after: dict[str, Any]) -> dic
 
 def transfer_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
     """Mean put and get per transfer from the connector's histogram, this run only."""
-    sums = _delta(before, after, f"{TRANSFER_SECONDS}_sum", "op")
-    counts = _delta(before, after, f"{TRANSFER_SECONDS}_count", "op")
-    nbytes = _delta(before, after, TRANSFER_BYTES, "op")
+    sums = _delta(before, after, catalogue.KV_SECONDS.sum, "op")
+    counts = _delta(before, after, catalogue.KV_SECONDS.count, "op")
+    nbytes = _delta(before, after, catalogue.KV_BYTES.total, "op")
     if not all(counts.get(op) for op in ("put", "get")):
         return None
     ops = {
@@ -493,13 +491,13 @@ def transfer_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
         }
         for op in ("put", "get")
     }
-    outcomes = _delta(before, after, TRANSFERS_TOTAL, "outcome")
+    outcomes = _delta(before, after, catalogue.KV_TRANSFERS.total, "outcome")
     return {
         **ops,
         "put_plus_get_ms": ops["put"]["mean_ms"] + ops["get"]["mean_ms"],
         "outcomes": outcomes,
         # Decode ranks' loads: "pushed" ahead of the request, or "claimed" when due.
-        "loads": _delta(before, after, LOADS_TOTAL, "path"),
+        "loads": _delta(before, after, catalogue.KV_LOADS.total, "path"),
     }
 
 

@@ -51,6 +51,7 @@ from rich.table import Table
 
 from deployments.config import load_app_config
 from deployments.launcher import REPO_ROOT, config_path, niced_like_ray_workers, serve_run
+from splitserve.metric_catalogue import PRIORITY_HEADER
 
 console = Console(width=150)
 PRIORITIES = ("high", "normal", "low")
@@ -157,7 +158,7 @@ async def one_request(
     outcome.sent_at = time.perf_counter()
     try:
         async with session.post(
-            f"{url}/v1/completions", json=body, headers={"x-priority": priority}
+            f"{url}/v1/completions", json=body, headers={PRIORITY_HEADER: priority}
         ) as response:
             outcome.status = response.status
             outcome.answered_s = time.perf_counter() - outcome.sent_at

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve import metric_catalogue as c
+
 DASHBOARD_PATH = Path(__file__).with_name("splitserve.json")
 DASHBOARD_UID = "splitserve"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -118,21 +120,21 @@ CLIENT = Row(
         latency(
             "Client TTFT",
             "Time to first token as the client saw it.",
-            "loadgen_time_to_first_token_seconds_bucket",
+            c.LOADGEN_TTFT.bucket,
             RUN,
             "shape",
         ),
         latency(
             "Client ITL",
             "Gaps between consecutive tokens as the client saw them.",
-            "loadgen_inter_token_latency_seconds_bucket",
+            c.LOADGEN_ITL.bucket,
             RUN,
             "shape",
         ),
         latency(
             "Client TPOT",
             "Per request (last - first token) / (n - 1).",
-            "loadgen_time_per_output_token_seconds_bucket",
+            c.LOADGEN_TPOT.bucket,
             RUN,
             "shape",
         ),
@@ -142,7 +144,7 @@ CLIENT = Row(
             "reqps",
             (
                 Target(
-                    rate_by("loadgen_requests_total", RUN, "shape, outcome"),
+                    rate_by(c.LOADGEN_REQUESTS.total, RUN, "shape, outcome"),
                     legend("shape, outcome"),
                 ),
             ),
@@ -151,7 +153,7 @@ CLIENT = Row(
             "Client tokens per second",
             "Input and output tokens of completed requests.",
             "short",
-            (Target(rate_by("loadgen_tokens_total", RUN, "shape, kind"), legend("shape, kind")),),
+            (Target(rate_by(c.LOADGEN_TOKENS.total, RUN, "shape, kind"), legend("shape, kind")),),
         ),
         Panel(
             "Client in flight and target QPS",
@@ -159,16 +161,19 @@ CLIENT = Row(
             "short",
             (
                 Target(
-                    f"sum by (shape) (loadgen_in_flight_requests{{{RUN}}})", "in flight {{shape}}"
+                    f"sum by (shape) ({c.LOADGEN_IN_FLIGHT.name}{{{RUN}}})", "in flight {{shape}}"
                 ),
-                Target(f"max by (shape) (loadgen_target_qps{{{RUN}}})", "target QPS {{shape}}"),
+                Target(
+                    f"max by (shape) ({c.LOADGEN_TARGET_QPS.name}{{{RUN}}})",
+                    "target QPS {{shape}}",
+                ),
             ),
         ),
         latency(
             "Client send lag",
             "Actual minus scheduled send time: a large lag means the client, not the"
             " server, is the bottleneck.",
-            "loadgen_send_lag_seconds_bucket",
+            c.LOADGEN_SEND_LAG.bucket,
             RUN,
             "shape",
         ),
@@ -184,7 +189,7 @@ ROUTER = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_requests_total", MODEL, "model, route, status"),
+                    rate_by(c.REQUESTS.total, MODEL, "model, route, status"),
                     legend("model, route, status"),
                 ),
             ),
@@ -192,28 +197,28 @@ ROUTER = Row(
         latency(
             "Server TTFT by prefill place",
             "Router arrival to first token; prefill=remote is PD's prefill replica.",
-            "splitserve_time_to_first_token_seconds_bucket",
+            c.TTFT.bucket,
             SHAPE,
             "model, shape, prefill",
         ),
         latency(
             "Server ITL",
             "Router-side gap between streamed tokens.",
-            "splitserve_inter_token_latency_seconds_bucket",
+            c.ITL.bucket,
             SHAPE,
             "shape",
         ),
         latency(
             "Server end-to-end",
             "Router arrival to last token.",
-            "splitserve_e2e_request_latency_seconds_bucket",
+            c.E2E.bucket,
             SHAPE,
             "shape",
         ),
         latency(
             "Queue time",
             "Router arrival until an engine accepted the request.",
-            "splitserve_queue_seconds_bucket",
+            c.QUEUE.bucket,
             SHAPE,
             "shape",
         ),
@@ -223,7 +228,7 @@ ROUTER = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_replica_choices_total", MODEL, "pool, policy, replica"),
+                    rate_by(c.REPLICA_CHOICES.total, MODEL, "pool, policy, replica"),
                     legend("pool, policy, replica"),
                 ),
             ),
@@ -234,8 +239,7 @@ ROUTER = Row(
             "short",
             (
                 Target(
-                    "sum by (replica, role)"
-                    f" (splitserve_replica_in_flight_requests{{{ROUTER_REPLICA}}})",
+                    f"sum by (replica, role) ({c.REPLICA_IN_FLIGHT.name}{{{ROUTER_REPLICA}}})",
                     legend("replica, role"),
                 ),
             ),
@@ -246,7 +250,7 @@ ROUTER = Row(
             "short",
             (
                 Target(
-                    f"sum by (replica, state) (splitserve_engine_requests{{{ROUTER_REPLICA}}})",
+                    f"sum by (replica, state) ({c.ENGINE_REQUESTS.name}{{{ROUTER_REPLICA}}})",
                     legend("replica, state"),
                 ),
             ),
@@ -255,11 +259,7 @@ ROUTER = Row(
             "Tokens per second (router)",
             "Prompt and generated tokens the router counted.",
             "short",
-            (
-                Target(
-                    rate_by("splitserve_tokens_total", MODEL, "model, kind"), legend("model, kind")
-                ),
-            ),
+            (Target(rate_by(c.TOKENS.total, MODEL, "model, kind"), legend("model, kind")),),
         ),
     ),
 )
@@ -424,7 +424,7 @@ KV_TRANSFER = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_prefill_decisions_total", MODEL, "model, where, reason"),
+                    rate_by(c.PREFILL_DECISIONS.total, MODEL, "model, where, reason"),
                     legend("model, where, reason"),
                 ),
             ),
@@ -433,12 +433,12 @@ KV_TRANSFER = Row(
             "KV bytes per second",
             "Bytes put by prefill replicas and read by decode replicas.",
             "Bps",
-            (Target(rate_by("splitserve_kv_transfer_bytes_total", "", "op"), legend("op")),),
+            (Target(rate_by(c.KV_BYTES.total, "", "op"), legend("op")),),
         ),
         latency(
             "KV put and get time",
             "One put (prefill) or get and write (decode).",
-            "splitserve_kv_transfer_seconds_bucket",
+            c.KV_SECONDS.bucket,
             "",
             "op",
         ),
@@ -448,9 +448,9 @@ KV_TRANSFER = Row(
             "decode ranks got what they loaded: pushed ahead of the request, or claimed.",
             "short",
             (
-                Target(rate_by("splitserve_kv_transfers_total", "", "outcome"), legend("outcome")),
+                Target(rate_by(c.KV_TRANSFERS.total, "", "outcome"), legend("outcome")),
                 Target(
-                    rate_by("splitserve_kv_transfer_loads_total", "", "path"),
+                    rate_by(c.KV_LOADS.total, "", "path"),
                     "load {{path}}",
                 ),
             ),
@@ -459,7 +459,7 @@ KV_TRANSFER = Row(
             "KV held in the object store",
             "Bytes of transferred KV not yet freed (TTL or release pending).",
             "bytes",
-            (Target("sum(splitserve_kv_transfer_live_bytes)", "bytes"),),
+            (Target(f"sum({c.KV_LIVE_BYTES.name})", "bytes"),),
         ),
     ),
 )
@@ -473,7 +473,7 @@ QOS = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_rejections_total", MODEL, "model, reason, priority"),
+                    rate_by(c.REJECTIONS.total, MODEL, "model, reason, priority"),
                     legend("model, reason, priority"),
                 ),
             ),
@@ -484,7 +484,7 @@ QOS = Row(
             "reqps",
             (
                 Target(
-                    rate_by("splitserve_requests_total", MODEL, "priority, status"),
+                    rate_by(c.REQUESTS.total, MODEL, "priority, status"),
                     legend("priority, status"),
                 ),
             ),
@@ -495,7 +495,7 @@ QOS = Row(
             "s",
             (
                 Target(
-                    f"max by (replica) (splitserve_ttft_estimate_seconds{{{ROUTER_REPLICA}}})",
+                    f"max by (replica) ({c.TTFT_ESTIMATE.name}{{{ROUTER_REPLICA}}})",
                     legend("replica"),
                 ),
             ),
@@ -506,14 +506,14 @@ QOS = Row(
 
 def busy_percent(device: str, by: str) -> str:
     """Busy share in percent from the sampler's busy-seconds counter of ``device``."""
-    return f"100 * {engine_rate_by(f'splitserve_{device}_busy_seconds_total', REPLICA, by)}"
+    return f"100 * {engine_rate_by(c.BUSY_SECONDS[device].total, REPLICA, by)}"
 
 
-def sampled(metric: str) -> str:
+def sampled(families: dict[str, c.Family]) -> str:
     """The sampler's latest gauge: per GPU where NVML answers, else per engine process."""
     return (
-        f"{engine_gauge('max', f'splitserve_gpu_{metric}', 'replica, gpu')}"
-        f" or {engine_gauge('max', f'splitserve_cpu_{metric}', 'replica, process')}"
+        f"{engine_gauge('max', families['gpu'].name, 'replica, gpu')}"
+        f" or {engine_gauge('max', families['cpu'].name, 'replica, process')}"
     )
 
 
@@ -553,13 +553,13 @@ UTILIZATION = Row(
             "Latest sample",
             "The sampler's gauges: the latest 200 ms sample each time Ray exports.",
             "percent",
-            (Target(sampled("utilization_percent"), "{{replica}} {{gpu}}{{process}}"),),
+            (Target(sampled(c.UTILIZATION), "{{replica}} {{gpu}}{{process}}"),),
         ),
         Panel(
             "Memory used",
             "GPU memory in use per GPU; on CPU the resident memory of each engine process.",
             "bytes",
-            (Target(sampled("memory_used_bytes"), "{{replica}} {{gpu}}{{process}}"),),
+            (Target(sampled(c.MEMORY_USED), "{{replica}} {{gpu}}{{process}}"),),
         ),
         Panel(
             "Sampler ticks per second",
@@ -567,9 +567,7 @@ UTILIZATION = Row(
             "short",
             (
                 Target(
-                    engine_rate_by(
-                        "splitserve_utilization_samples_total", REPLICA, "replica, source"
-                    ),
+                    engine_rate_by(c.UTILIZATION_SAMPLES.total, REPLICA, "replica, source"),
                     legend("replica, source"),
                 ),
             ),
@@ -614,13 +612,15 @@ def templating() -> dict[str, Any]:
                 "current": {},
                 "refresh": 1,
             },
-            _variable("run", "load generator run", "label_values(loadgen_requests_total, run)"),
-            _variable("model", "served model", "label_values(splitserve_tokens_total, model)"),
+            _variable(
+                "run", "load generator run", f"label_values({c.LOADGEN_REQUESTS.total}, run)"
+            ),
+            _variable("model", "served model", f"label_values({c.TOKENS.total}, model)"),
             # A histogram has no series under its bare name: its _count has them all.
             _variable(
                 "shape",
                 "router shape",
-                "label_values(splitserve_e2e_request_latency_seconds_count, shape)",
+                f"label_values({c.E2E.count}, shape)",
             ),
             _variable("replica", "engine replica", f"label_values({REPLICA_VALUES}, replica)"),
         ]

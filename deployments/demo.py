@@ -13,6 +13,7 @@ import openai
 from rich.console import Console
 
 from deployments.launcher import serve_run
+from splitserve.metric_catalogue import REPLICA_HEADER
 
 console = Console()
 
@@ -30,7 +31,7 @@ def ask(base_url: str, model: str, question: str, max_tokens: int) -> None:
         stream_options={"include_usage": True},
         extra_body={"return_token_ids": True},
     ) as response:
-        replica = response.headers.get("x-splitserve-replica", "?")
+        replica = response.headers.get(REPLICA_HEADER, "?")
         for chunk in response.parse():
             for choice in chunk.choices:
                 token_ids.extend(getattr(choice, "token_ids", None) or [])

@@ -1,7 +1,11 @@
-"""What crosses between the router and an engine replica.
+"""What crosses between the router and an engine.
 
-Kept small on purpose: token ids in, token deltas out. The router owns the OpenAI
-surface; an engine replica only runs vLLM on token ids.
+Token ids and vLLM's ``SamplingParams`` in; per engine step, every request's token
+deltas out (with their logprobs, each of ``n`` completions by index, and a remote
+prefill's KV handle), and alongside them the engine's stats and its prefix cache's
+changes (KV events). Control calls load and free LoRA adapters. The router owns the
+OpenAI surface (its own path, or vLLM's serving layer over the dispatch); an engine
+runs vLLM, or a simulated or synthetic backend, on token ids only.
 
 Every type is a msgspec struct, as vLLM's own engine messages are: the engine transport
 (engines/transport.py) sends them as msgpack, data only, and decodes each frame into

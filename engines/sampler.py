@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from splitserve import metric_catalogue as catalogue
+
 logger = logging.getLogger("splitserve.sampler")
 
 # The study samples NVML every 200 ms; NVML's own utilization window is 1/6 s to 1 s.
@@ -178,29 +180,23 @@ class RayMetricsSink:
     def __init__(self, replica: str, role: str) -> None:
         from ray.util import metrics
 
-        self._tags = {"replica": replica, "role": role}
-        keys = ("replica", "role")
+        self._tags = {catalogue.REPLICA: replica, catalogue.ROLE: role}
         self._gauges: dict[tuple[str, str], Any] = {}
         self._counters: dict[str, Any] = {}
-        for kind, device in (("gpu", "gpu"), ("cpu", "process")):
-            tag_keys = (*keys, device)
-            self._gauges[kind, "utilization"] = metrics.Gauge(
-                f"splitserve_{kind}_utilization_percent",
-                UTILIZATION_HELP[kind],
-                tag_keys=tag_keys,
-            )
-            self._gauges[kind, "memory"] = metrics.Gauge(
-                f"splitserve_{kind}_memory_used_bytes", MEMORY_HELP[kind], tag_keys=tag_keys
-            )
-            self._counters[kind] = metrics.Counter(
-                f"splitserve_{kind}_busy_seconds", BUSY_HELP[kind], tag_keys=tag_keys
-            )
-        self._samples = metrics.Counter(
-            "splitserve_utilization_samples",
-            "Utilization sampler ticks per replica; source says what was read (nvml or cpu).",
-            tag_keys=(*keys, "source"),
-        )
-        self._device_label = {"gpu": "gpu", "cpu": "process"}
+        for kind in ("gpu", "cpu"):
+            for name, families in (
+                ("utilization", catalogue.UTILIZATION),
+                ("memory", catalogue.MEMORY_USED),
+            ):
+                family = families[kind]
+                self._gauges[kind, name] = metrics.Gauge(
+                    family.name, family.help, tag_keys=family.labels
+                )
+            busy = catalogue.BUSY_SECONDS[kind]
+            self._counters[kind] = metrics.Counter(busy.name, busy.help, tag_keys=busy.labels)
+        samples = catalogue.UTILIZATION_SAMPLES
+        self._samples = metrics.Counter(samples.name, samples.help, tag_keys=samples.labels)
+        self._device_label = catalogue.DEVICE_LABEL
 
     def record(self, source: UtilizationSource, samples: list[DeviceSample]) -> None:
         label = self._device_label[source.kind]
@@ -211,21 +207,6 @@ class RayMetricsSink:
             if sample.busy_seconds > 0:
                 self._counters[source.kind].inc(sample.busy_seconds, tags)
         self._samples.inc(1, {**self._tags, "source": source.source})
-
-
-UTILIZATION_HELP = {
-    "gpu": "GPU utilization (NVML), percent, latest 200 ms sample, per GPU of the replica.",
-    "cpu": "CPU use of the replica's engine processes, percent of one core, latest sample"
-    " (exported where no GPU or NVML is available).",
-}
-MEMORY_HELP = {
-    "gpu": "GPU memory in use (NVML), bytes, per GPU of the replica.",
-    "cpu": "Resident memory of the replica's engine processes, bytes.",
-}
-BUSY_HELP = {
-    "gpu": "Sum of GPU utilization x sample period, seconds: rate() is mean utilization.",
-    "cpu": "CPU seconds of the replica's engine processes: rate() is cores in use.",
-}
 
 
 class UtilizationSampler:

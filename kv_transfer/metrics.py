@@ -1,4 +1,4 @@
-"""Transfer metrics: their names (defined only here), the aggregate, and a Prometheus view.
+"""Transfer metrics: the aggregate, and a Prometheus view of the catalogue's KV families.
 
 Transfers happen in vLLM engine processes, which nobody scrapes. Each put and each load
 is therefore reported to the directory actor, which aggregates plain numbers in a
@@ -12,12 +12,7 @@ import bisect
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-BYTES_TOTAL = "splitserve_kv_transfer_bytes_total"
-SECONDS = "splitserve_kv_transfer_seconds"
-TRANSFERS_TOTAL = "splitserve_kv_transfers_total"
-LOADS_TOTAL = "splitserve_kv_transfer_loads_total"
-LIVE_TRANSFERS = "splitserve_kv_transfer_live_transfers"
-LIVE_BYTES = "splitserve_kv_transfer_live_bytes"
+from splitserve import metric_catalogue as catalogue
 
 Operation = Literal["put", "get"]
 OPERATIONS: tuple[Operation, ...] = ("put", "get")
@@ -30,21 +25,6 @@ OUTCOMES: tuple[Outcome, ...] = ("loaded", "expired", "failed", "released")
 # fetched then), or claimed from the directory when the load was due.
 LoadPath = Literal["pushed", "claimed"]
 LOAD_PATHS: tuple[LoadPath, ...] = ("pushed", "claimed")
-# One part of a 2k-token prompt is tens of MiB; puts and gets take 1 ms to 1 s.
-SECONDS_BUCKETS: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
 
 
 class _Histogram:
@@ -72,7 +52,7 @@ class TransferStats:
 
     def __init__(self) -> None:
         self._bytes = dict.fromkeys(OPERATIONS, 0)
-        self._seconds = {op: _Histogram(SECONDS_BUCKETS) for op in OPERATIONS}
+        self._seconds = {op: _Histogram(catalogue.KV_SECONDS.buckets) for op in OPERATIONS}
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
         self._loads = dict.fromkeys(LOAD_PATHS, 0)
 
@@ -128,37 +108,32 @@ class KVTransferCollector:
         snapshot = self._snapshot_source()
         if snapshot is None:
             return
-        nbytes = CounterMetricFamily(
-            BYTES_TOTAL, "KV bytes moved through Ray's object store", labels=["op"]
-        )
+        family = catalogue.KV_BYTES
+        nbytes = CounterMetricFamily(family.name, family.help, labels=family.labels)
         for op, value in snapshot["bytes_total"].items():
             nbytes.add_metric([op], value)
         yield nbytes
-        seconds = HistogramMetricFamily(
-            SECONDS, "Time of one KV put (prefill) or get+write (decode)", labels=["op"]
-        )
+        family = catalogue.KV_SECONDS
+        seconds = HistogramMetricFamily(family.name, family.help, labels=family.labels)
         for op, hist in snapshot["seconds"].items():
             buckets = [(_bound_label(bound), count) for bound, count in hist["buckets"]]
             seconds.add_metric([op], buckets, sum_value=hist["sum"])
         yield seconds
-        outcomes = CounterMetricFamily(
-            TRANSFERS_TOTAL, "KV transfers by how they ended", labels=["outcome"]
-        )
+        family = catalogue.KV_TRANSFERS
+        outcomes = CounterMetricFamily(family.name, family.help, labels=family.labels)
         for outcome, value in snapshot["transfers_total"].items():
             outcomes.add_metric([outcome], value)
         yield outcomes
-        loads = CounterMetricFamily(
-            LOADS_TOTAL, "KV parts loaded by decode ranks, by how they got them", labels=["path"]
-        )
+        family = catalogue.KV_LOADS
+        loads = CounterMetricFamily(family.name, family.help, labels=family.labels)
         for path, value in snapshot.get("loads_total", {}).items():
             loads.add_metric([path], value)
         yield loads
-        yield GaugeMetricFamily(
-            LIVE_TRANSFERS, "KV transfers held in the object store", snapshot["live_transfers"]
-        )
-        yield GaugeMetricFamily(
-            LIVE_BYTES, "Bytes of KV held in the object store", snapshot["live_bytes"]
-        )
+        for family, value in (
+            (catalogue.KV_LIVE_TRANSFERS, snapshot["live_transfers"]),
+            (catalogue.KV_LIVE_BYTES, snapshot["live_bytes"]),
+        ):
+            yield GaugeMetricFamily(family.name, family.help, value)
 
 
 def _bound_label(bound: float) -> str:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import aiohttp
 
 from loadgen.sse import read_stream
+from splitserve.metric_catalogue import PREFILL_HEADER, REQUEST_ID_HEADER
 
 Endpoint = Literal["completions", "chat"]
 Outcome = Literal["pending", "ok", "rejected", "error"]
@@ -35,9 +36,6 @@ ENDPOINT_PATHS: dict[str, str] = {
 ERROR_BODY_LIMIT = 2000
 JSON_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 API_KEY_VARIABLE = "OPENAI_API_KEY"
-REQUEST_ID_HEADER = "x-request-id"
-# The router's (router/dispatch.py); loadgen imports no server package.
-PREFILL_HEADER = "x-splitserve-prefill"
 
 
 def request_headers(

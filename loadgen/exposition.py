@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
@@ -20,39 +20,20 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from loadgen.stats import RequestMetrics
+from splitserve import metric_catalogue as catalogue
+from splitserve.metric_catalogue import Family
 
-RUN_LABELS = ("run", "shape", "workload", "qps")
-LATENCY_BUCKETS_S = (
-    0.0005,
-    0.001,
-    0.002,
-    0.005,
-    0.01,
-    0.02,
-    0.05,
-    0.1,
-    0.2,
-    0.5,
-    1.0,
-    2.0,
-    5.0,
-    10.0,
-    20.0,
-    60.0,
-    120.0,
-)
 LabelValues = tuple[str, ...]
 
 
 class BatchedHistogram(Collector):
     """A labelled histogram fed in batches and bucketed only when collected."""
 
-    def __init__(
-        self, name: str, documentation: str, buckets: Sequence[float] = LATENCY_BUCKETS_S
-    ) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._edges = np.asarray(buckets, dtype=float)
+    def __init__(self, family: Family) -> None:
+        self._name = family.name
+        self._documentation = family.help
+        self._labels = family.labels
+        self._edges = np.asarray(family.buckets, dtype=float)
         self._lock = threading.Lock()
         self._pending: dict[LabelValues, list[float]] = defaultdict(list)
         self._counts: dict[LabelValues, np.ndarray] = {}
@@ -69,7 +50,7 @@ class BatchedHistogram(Collector):
                 self._add(labels, np.asarray(values, dtype=float))
             snapshot = {labels: counts.copy() for labels, counts in self._counts.items()}
             sums = dict(self._sums)
-        family = HistogramMetricFamily(self._name, self._documentation, labels=RUN_LABELS)
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labels)
         for labels, counts in snapshot.items():
             cumulative = np.cumsum(counts)
             bounds = [*(f"{edge:g}" for edge in self._edges), "+Inf"]
@@ -81,7 +62,7 @@ class BatchedHistogram(Collector):
         yield family
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self._name, self._documentation, labels=RUN_LABELS)
+        yield HistogramMetricFamily(self._name, self._documentation, labels=self._labels)
 
     def _add(self, labels: LabelValues, values: np.ndarray) -> None:
         counts = self._counts.setdefault(labels, np.zeros(len(self._edges) + 1, dtype=np.int64))
@@ -92,52 +73,29 @@ class BatchedHistogram(Collector):
         self._sums[labels] += float(values.sum())
 
 
+def _described(family: Family) -> tuple[str, str, tuple[str, ...]]:
+    return family.name, family.help, family.labels
+
+
 class Exposition:
     """One registry for the process; each run gets its own label set."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = BatchedHistogram(
-            "loadgen_time_to_first_token_seconds", "Client-side time to the first token."
-        )
-        self.itl = BatchedHistogram(
-            "loadgen_inter_token_latency_seconds", "Client-side gaps between consecutive tokens."
-        )
-        self.tpot = BatchedHistogram(
-            "loadgen_time_per_output_token_seconds", "Per request: (last - first token) / (n - 1)."
-        )
-        self.e2e = BatchedHistogram(
-            "loadgen_e2e_request_latency_seconds", "Client-side time to the end of the stream."
-        )
-        self.send_lag = BatchedHistogram(
-            "loadgen_send_lag_seconds", "Actual minus scheduled send time."
-        )
+        self.ttft = BatchedHistogram(catalogue.LOADGEN_TTFT)
+        self.itl = BatchedHistogram(catalogue.LOADGEN_ITL)
+        self.tpot = BatchedHistogram(catalogue.LOADGEN_TPOT)
+        self.e2e = BatchedHistogram(catalogue.LOADGEN_E2E)
+        self.send_lag = BatchedHistogram(catalogue.LOADGEN_SEND_LAG)
         for histogram in (self.ttft, self.itl, self.tpot, self.e2e, self.send_lag):
             r.register(histogram)
-        labels = [*RUN_LABELS]
-        self.requests = Counter(
-            "loadgen_requests",
-            "Finished requests by outcome (ok, rejected, error) and status.",
-            [*labels, "outcome", "status"],
-            registry=r,
-        )
-        self.tokens = Counter(
-            "loadgen_tokens", "Tokens of completed requests.", [*labels, "kind"], registry=r
-        )
-        self.in_flight = Gauge(
-            "loadgen_in_flight_requests", "Requests sent, not done.", labels, registry=r
-        )
-        self.sent = Gauge(
-            "loadgen_sent_requests", "Requests sent so far in the run.", labels, registry=r
-        )
-        self.target_qps = Gauge("loadgen_target_qps", "The run's request rate.", labels, registry=r)
-        self.live_ttft_p50 = Gauge(
-            "loadgen_live_ttft_p50_seconds",
-            "Median TTFT of the most recent completed requests.",
-            labels,
-            registry=r,
-        )
+        self.requests = Counter(*_described(catalogue.LOADGEN_REQUESTS), registry=r)
+        self.tokens = Counter(*_described(catalogue.LOADGEN_TOKENS), registry=r)
+        self.in_flight = Gauge(*_described(catalogue.LOADGEN_IN_FLIGHT), registry=r)
+        self.sent = Gauge(*_described(catalogue.LOADGEN_SENT), registry=r)
+        self.target_qps = Gauge(*_described(catalogue.LOADGEN_TARGET_QPS), registry=r)
+        self.live_ttft_p50 = Gauge(*_described(catalogue.LOADGEN_LIVE_TTFT_P50), registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         """Expose ``/metrics`` on ``host:port`` from a background thread."""

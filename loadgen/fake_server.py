@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import Field
 
 from loadgen.eventloop import run_event_loop
+from splitserve import metric_catalogue as catalogue
 from splitserve.config_base import StrictModel
+from splitserve.metric_catalogue import PREFILL_HEADER, register
 
 FAKE_MODEL_NAME = "fake-model"
 MAX_HEADER_BYTES = 64 * 1024
@@ -77,38 +79,31 @@ class _Request:
     body: bytes
 
 
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    # As a splitserve router says where it computed the prompt.
+    + PREFILL_HEADER.encode()
+    + b": local:fake\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
 class _Metrics:
     """The subset of the router's metrics that the load generator's server view reads."""
 
     def __init__(self, config: FakeServerConfig) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "splitserve_requests", "Requests by route and status.", ["route", "status"], registry=r
+        model = config.model
+        self.requests = register(catalogue.REQUESTS, r)
+        self.rejections = register(catalogue.REJECTIONS, r).labels(model, "queue_full", "normal")
+        self.prefill = register(catalogue.PREFILL_DECISIONS, r).labels(model, "local", "fake")
+        self.kv_usage = register(catalogue.ENGINE_KV_CACHE_USAGE, r).labels(
+            model, "fake-0", "mixed"
         )
-        self.rejections = Counter("splitserve_rejections", "Rejected requests.", registry=r)
-        self.prefill = Counter(
-            "splitserve_prefill_decisions",
-            "Where prefill ran.",
-            ["where", "reason"],
-            registry=r,
-        )
-        self.kv_usage = Gauge(
-            "splitserve_engine_kv_cache_usage_ratio",
-            "KV cache usage.",
-            ["replica", "role"],
-            registry=r,
-        )
-        self.gpu = Gauge(
-            "splitserve_gpu_utilization_percent", "Utilization per GPU.", ["gpu"], registry=r
-        )
-        # The router labels its latency histograms with its shape; so does this one.
-        self.served = Counter(
-            "splitserve_e2e_request_latency_seconds_count",
-            "Streamed requests by shape.",
-            ["shape"],
-            registry=r,
-        ).labels(config.shape)
+        self.gpu = register(catalogue.UTILIZATION["gpu"], r)
+        # The router labels its latency histograms with its shape; so does this one. The
+        # fake counts its streams there, untimed.
+        self.served = register(catalogue.E2E, r).labels(model, config.shape)
         self.in_flight = 0
         self.gpus = config.gpus
         self.max_model_len = config.max_model_len
@@ -117,9 +112,9 @@ class _Metrics:
         # A made-up but load-dependent picture: GPU 0 busier than the others.
         busy = min(100.0, BUSY_PERCENT_PER_STREAM * self.in_flight)
         for gpu in range(self.gpus):
-            self.gpu.labels(str(gpu)).set(busy / (gpu + 1))
+            self.gpu.labels("fake-0", "mixed", str(gpu)).set(busy / (gpu + 1))
         capacity = KV_CAPACITY_CONTEXTS * self.max_model_len
-        self.kv_usage.labels("fake-0", "mixed").set(min(1.0, kv_tokens / capacity))
+        self.kv_usage.set(min(1.0, kv_tokens / capacity))
 
 
 @dataclass
@@ -128,7 +123,7 @@ class _ServerState:
     metrics: _Metrics
     generation_requests: int = 0
     kv_tokens: int = 0
-    # Zero-latency streams depend only on the request's shape: render each shape once.
+    # Zero-latency streams depend only on the request's size: render each size once.
     rendered: dict[tuple[object, ...], bytes] = field(default_factory=dict)
     _slots: asyncio.Semaphore | None = None
 
@@ -373,7 +368,7 @@ class _Connection(asyncio.Protocol):
         every = state.config.reject_every
         if every and state.generation_requests % every == 0:
             status = state.config.reject_status
-            state.metrics.requests.labels(route, str(status)).inc()
+            state.metrics.requests.labels(state.config.model, route, str(status), "normal").inc()
             state.metrics.rejections.inc()
             extra = f"retry-after: {state.config.retry_after_s}\r\n"
             self._write(_error(status, "rejected by the fake admission control", extra))
@@ -381,12 +376,12 @@ class _Connection(asyncio.Protocol):
         try:
             generation = _Generation(state, json.loads(request.body), chat)
         except (ValueError, TypeError) as error:
-            state.metrics.requests.labels(route, "400").inc()
+            state.metrics.requests.labels(state.config.model, route, "400", "normal").inc()
             self._write(_error(400, f"bad request: {error}"))
             return None
-        state.metrics.requests.labels(route, "200").inc()
-        state.metrics.prefill.labels("local", "fake").inc()
-        state.metrics.served.inc()
+        state.metrics.requests.labels(state.config.model, route, "200", "normal").inc()
+        state.metrics.prefill.inc()
+        state.metrics.served.observe(0.0)
         if not generation.stream:
             self._write(_json_response(200, generation.full_body()))
             return None
@@ -402,17 +397,8 @@ class _Connection(asyncio.Protocol):
             return None
         return self._paced_stream(generation)
 
-    @staticmethod
-    def _stream_head() -> bytes:
-        return (
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            # As a splitserve router says where it computed the prompt.
-            b"x-splitserve-prefill: local:fake\r\n"
-            b"transfer-encoding: chunked\r\n\r\n"
-        )
-
     def _whole_stream(self, generation: _Generation) -> bytes:
-        parts = [self._stream_head()]
+        parts = [STREAM_HEAD]
         if opening := generation.opening():
             parts.append(_chunk(opening))
         chunks = generation.token_chunks()
@@ -433,7 +419,7 @@ class _Connection(asyncio.Protocol):
         state = self._state
         config = state.config
         try:
-            self._write(self._stream_head())
+            self._write(STREAM_HEAD)
             if opening := generation.opening():
                 self._write(_chunk(opening))
             await asyncio.sleep(config.ttft_ms / 1000)

@@ -25,21 +25,23 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve import metric_catalogue as catalogue
+
 logger = logging.getLogger("loadgen.server_view")
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
-GPU_UTILIZATION = "splitserve_gpu_utilization_percent"
-UTILIZATION_SUFFIX = "_utilization_percent"
-KV_CACHE_USAGE = "splitserve_engine_kv_cache_usage_ratio"
-ENGINE_REQUESTS = "splitserve_engine_requests"
-PREFILL_DECISIONS = "splitserve_prefill_decisions_total"
-REJECTIONS = "splitserve_rejections_total"
-SERVER_REQUESTS = "splitserve_requests_total"
-PREFILL_S_PER_TOKEN = "splitserve_prefill_seconds_per_token"
-DECODE_STEP_S = "splitserve_decode_step_seconds"
-KV_SECONDS_SUM = "splitserve_kv_transfer_seconds_sum"
-KV_BYTES = "splitserve_kv_transfer_bytes_total"
-KV_TRANSFERS = "splitserve_kv_transfers_total"
+GPU_UTILIZATION = catalogue.UTILIZATION["gpu"].name
+UTILIZATION_SUFFIX = "_utilization_percent"  # every device's (catalogue.UTILIZATION)
+KV_CACHE_USAGE = catalogue.ENGINE_KV_CACHE_USAGE.name
+ENGINE_REQUESTS = catalogue.ENGINE_REQUESTS.name
+PREFILL_DECISIONS = catalogue.PREFILL_DECISIONS.total
+REJECTIONS = catalogue.REJECTIONS.total
+SERVER_REQUESTS = catalogue.REQUESTS.total
+PREFILL_S_PER_TOKEN = catalogue.PREFILL_SECONDS_PER_TOKEN.name
+DECODE_STEP_S = catalogue.DECODE_STEP_SECONDS.name
+KV_SECONDS_SUM = catalogue.KV_SECONDS.sum
+KV_BYTES = catalogue.KV_BYTES.total
+KV_TRANSFERS = catalogue.KV_TRANSFERS.total
 MIB = 2**20
 SCRAPE_TIMEOUT_S = 5.0
 
@@ -182,11 +184,11 @@ def discover_shape(samples: Samples | None) -> str | None:
     if not samples:
         return None
     shapes = Counter(
-        labels["shape"]
+        labels[catalogue.SHAPE]
         for name, series in samples.items()
         if name.startswith("splitserve_")
         for labels, _ in series
-        if labels.get("shape")
+        if labels.get(catalogue.SHAPE)
     )
     return shapes.most_common(1)[0][0] if shapes else None
 

@@ -20,10 +20,8 @@ from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
 from router.pool.prefix_index import PromptBlocks
 from router.settings import IngressSettings, Priority
+from splitserve.metric_catalogue import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
 
-REPLICA_HEADER = "x-splitserve-replica"
-PREFILL_REPLICA_HEADER = "x-splitserve-prefill-replica"
-PREFILL_HEADER = "x-splitserve-prefill"
 # How an auto pool picks the engine that prefills for another (Choice.reason too).
 PEER_CHOICE = "soonest_first_token"
 

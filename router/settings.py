@@ -1,5 +1,6 @@
-"""The router's settings, as the ``router:``, ``prefill_policy:`` and ``qos:`` blocks of a
-Serve YAML's ``args`` give them. Every threshold the router acts on lives here or in
+"""The router's settings, as the ``router:``, ``prefill_policy:``, ``qos:`` and ``auth:``
+blocks of a Serve YAML's ``args`` give them, and what the builder hands the router per
+model (``IngressSettings``, ``ModelBinding``). Every threshold the router acts on lives here or in
 the settings model of the policy that uses it (``settings_model`` of a registered
 replica choice or prefill policy).
 """

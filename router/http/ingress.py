@@ -35,9 +35,9 @@ from router.http.openapi import describe_request_bodies
 from router.http.served_model import Arrival, ServedModel, StartOrder
 from router.observation.metrics import RouterMetrics
 from router.settings import ModelBinding
+from splitserve.metric_catalogue import REQUEST_ID_HEADER
 
 logger = logging.getLogger("splitserve.router")
-REQUEST_ID_HEADER = "x-request-id"
 
 app = FastAPI(title="splitserve router")
 app.add_exception_handler(StarletteHTTPException, routing_error_response)

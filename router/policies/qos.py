@@ -14,8 +14,8 @@ from typing import Any
 
 from router.http.errors import OpenAIError
 from router.settings import PRIORITIES, Priority, QoSConfig
+from splitserve.metric_catalogue import PRIORITY_HEADER
 
-PRIORITY_HEADER = "x-priority"
 # vLLM's priority scheduling runs lower numbers first.
 ENGINE_PRIORITY: dict[Priority, int] = {"high": 0, "normal": 1, "low": 2}
 

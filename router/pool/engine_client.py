@@ -1,10 +1,11 @@
-"""The router's side of one engine replica: submit, abort, and demultiplex its deltas.
+"""The router's side of one engine: submit, abort, and demultiplex its deltas.
 
-Each router process subscribes once to each engine replica's ``deltas`` stream and
-routes the batched deltas to per-request queues, so Ray carries one message per
-engine step rather than one per token per request. The engine is reached through a
-link: a Serve handle to an engine replica, or the engine host in the router's own
-process (an application with one engine), behind the same four calls.
+Each router process subscribes once to each engine's ``deltas`` stream and routes the
+batched deltas to per-request queues: one message per engine step rather than one per
+token per request. The engine is reached through a link (``EngineLink``): an engine
+replica of its own over the engine transport (one TCP connection, after both sides
+prove the replica's secret; the Serve handle only names the address), or the engine
+host in the router's own process (``router.engine_in_router``), behind the same calls.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The router's engines: one list that the dispatcher, the stats poller, readiness and
 calibration all read, with add and remove, so that a pool can grow and shrink while
-the router serves (where autoscaling will act).
+the router serves (a scaled pool's members follow Serve: router/pool/watcher.py).
 
 Members are EngineClients; each reaches its engine through its link (a Serve replica
 of its own over the engine transport, or an engine host in this process).

@@ -2,8 +2,11 @@
 
 Two sources, combined: the router's own counts (exact and instant, but blind to other
 router processes) and the engine's last report (every ``stats_interval_s``, covering all
-routers, but stale by up to that interval plus a Ray round trip). Load figures take
-the larger of the two.
+routers, but stale by up to that interval plus a transport round trip). Load figures
+take the larger of the two. Beside them: the engine's prefix cache as its KV events
+describe it (or the router's mirror of what it sent, where events are off), and the
+per-token prefill and decode times behind the TTFT estimates admission and the prefill
+policies read.
 """
 
 from __future__ import annotations

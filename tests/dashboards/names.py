@@ -14,6 +14,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from splitserve import metric_catalogue as catalogue
+
 # vLLM's families the engine panels read (vllm/v1/metrics/loggers.py), by kind.
 VLLM_KINDS = {
     "vllm:num_requests_running": "gauge",
@@ -27,18 +29,10 @@ VLLM_KINDS = {
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:request_time_per_output_token_seconds": "histogram",
 }
-# The utilization sampler's families (engines/sampler.py), by kind.
-SAMPLER_KINDS = {
-    f"splitserve_{device}_{name}": kind
-    for device in ("gpu", "cpu")
-    for name, kind in (
-        ("utilization_percent", "gauge"),
-        ("memory_used_bytes", "gauge"),
-        ("busy_seconds", "counter"),
-    )
-} | {"splitserve_utilization_samples": "counter"}
+# The utilization sampler's families (engines/sampler.py, through Ray), by kind.
+SAMPLER_KINDS = {family.name: family.kind for family in catalogue.SAMPLER_FAMILIES}
 
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+SUFFIXES = catalogue.SUFFIXES
 # ray.util.metrics families in Ray Serve's source: Counter("serve_x", ...) and the like.
 SERVE_FAMILY = re.compile(r'metrics\.(Counter|Gauge|Histogram)\(\s*(?:name=)?f?"(serve_[a-z_{}]+)"')
 SERVE_PROTOCOLS = ("http", "grpc")  # request_ingress_metrics.py's {protocol_name}
@@ -76,7 +70,8 @@ def serve_names() -> frozenset[str]:
     return frozenset(names)
 
 
-def _registry_names(registry: CollectorRegistry) -> set[str]:
+def registry_names(registry: CollectorRegistry) -> set[str]:
+    """The series names a registry exposes (its collectors as they are now)."""
     names: set[str] = set()
     for family in registry.collect():
         names |= exposed(family.name, family.type if family.type in SUFFIXES else "gauge")
@@ -84,13 +79,6 @@ def _registry_names(registry: CollectorRegistry) -> set[str]:
 
 
 def code_names() -> set[str]:
-    """Every series name our code, vLLM or Ray Serve exposes."""
-    from kv_transfer.metrics import KVTransferCollector, TransferStats
-    from loadgen.exposition import Exposition
-    from router.observation.metrics import RouterMetrics
-
-    kv = CollectorRegistry()
-    kv.register(KVTransferCollector(lambda: TransferStats().snapshot(0, 0)))
-    registries = (RouterMetrics().registry, Exposition().registry, kv)
-    names = set().union(*(_registry_names(registry) for registry in registries))
-    return names | ray_exported_names() | serve_names()
+    """Every series name the catalogue (splitserve/metric_catalogue.py), vLLM or Ray
+    Serve defines: what a dashboard or alert may read."""
+    return set(catalogue.series_of(catalogue.ALL_FAMILIES)) | ray_exported_names() | serve_names()

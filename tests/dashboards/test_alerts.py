@@ -15,7 +15,7 @@ from prometheus_client.utils import floatToGoString
 
 from dashboards.dashboard import metric_names
 from dashboards.prometheus import CONFIG_TEMPLATE, ensure_prometheus
-from router.observation.metrics import ITL_BUCKETS_S, LATENCY_BUCKETS_S
+from splitserve.metric_catalogue import ITL_BUCKETS_S, LATENCY_BUCKETS_S
 from tests.dashboards.names import code_names
 
 ALERTS_PATH = CONFIG_TEMPLATE.parent / "alerts.yml"

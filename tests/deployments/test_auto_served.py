@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from deployments.launcher import RunningApp, config_path
-from router.dispatch import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
+from splitserve.metric_catalogue import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
 from tests.support.api_corpus import assert_answers_as
 from tests.support.greedy import MODEL, greedy, kv_metric, metric
 from tests.support.served_apps import ServedApps

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from deployments.launcher import RunningApp, config_path
-from router.dispatch import PREFILL_HEADER, REPLICA_HEADER
+from splitserve.metric_catalogue import PREFILL_HEADER, REPLICA_HEADER
 from tests.support.greedy import MODEL, greedy
 from tests.support.scaled_pools import members, shrink_under_streams
 from tests.support.served_apps import ServedApps

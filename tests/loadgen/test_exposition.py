@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.exposition import BatchedHistogram, Exposition
+from splitserve.metric_catalogue import RUN_LABELS, Family
 
 
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -19,7 +20,9 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
 
 def test_batched_histogram_uses_le_buckets() -> None:
     registry = CollectorRegistry()
-    histogram = BatchedHistogram("x_seconds", "test", buckets=(0.001, 0.01))
+    histogram = BatchedHistogram(
+        Family("x_seconds", "histogram", "test", RUN_LABELS, (0.001, 0.01))
+    )
     registry.register(histogram)
     labels = ("run", "tp", "general", "8")
     histogram.observe_many(labels, [0.0005, 0.001, 0.002])

@@ -14,9 +14,10 @@ from vllm import SamplingParams
 from deployments.config import parse_app_config
 from engines.protocol import CONTINUE_FROM, EngineStats, GenerateChunk, GenerateRequest
 from kv_transfer.handle import CONSUMER_KEY
-from router.dispatch import PREFILL_HEADER, REPLICA_HEADER, Dispatch, Dispatcher
+from router.dispatch import Dispatch, Dispatcher
 from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from splitserve.metric_catalogue import PREFILL_HEADER, REPLICA_HEADER
 from tests.support.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
 PROMPT = list(range(1, 301))
