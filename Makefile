@@ -46,6 +46,8 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	# The shipped packages type-check ([tool.mypy] in pyproject.toml): a few minutes.
+	$(VENV)/bin/mypy
 	# The dashboard tests run a real Prometheus: Debian's package, installed if missing
 	# (apt-get: as root, or with sudo that needs no password).
 	$(VENV)/bin/python -m dashboards.prometheus --install-only
@@ -58,4 +60,4 @@ test-fast: setup
 	$(VENV)/bin/python -m pytest -m "not serving" $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy

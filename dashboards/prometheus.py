@@ -100,7 +100,7 @@ def ray_discovery_file(ray_address: str, temp_dir: Path = DEFAULT_RAY_TEMP_DIR) 
     nodes join; the ``<temp_dir>`` copy is a symlink to whichever cluster started last.
     """
     from ray._private import ray_constants
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # Cython, no stub
 
     session = GcsClient(address=ray_address).internal_kv_get(
         b"session_name", ray_constants.KV_NAMESPACE_SESSION

@@ -24,6 +24,7 @@ from deployments.config import KV_SHAPES, AppConfig, ApplicationConfig, parse_ap
 from engines.orphan_guard import ENV_FLAG as ORPHAN_GUARD_ENV
 from engines.settings import CPU_BIND_ENV, ENGINE_NAME_ENV, EngineSpec, PlacementConfig, PoolConfig
 from kv_transfer.backend_registry import make_kv_backend
+from kv_transfer.settings import KVRole
 from router.settings import ModelBinding, ScaledPoolSettings
 from splitserve.packaging import check_top_level_packages
 
@@ -73,7 +74,7 @@ class _NamedByPath:
 def deployment_by_path(import_path: str, name: str, **options: Any) -> Deployment:
     """A Serve deployment of the class at ``import_path``, which only its replicas import."""
     stand_in = serve.deployment(_NamedByPath, name=name, **options)
-    return stand_in.options(func_or_class=import_path)
+    return stand_in.options(func_or_class=import_path)  # type: ignore[attr-defined]
 
 
 def pool_name(pool: PoolConfig, suffix: str = "") -> str:
@@ -86,7 +87,7 @@ def engine_names(config: AppConfig, suffix: str = "") -> list[tuple[str, PoolCon
     """Stable replica names of the pools of fixed size: ``engine-0``, ``engine-1`` or
     ``prefill-0``, ``decode-0``, each with its pool and its index there (which of the
     pool's cpu_binds). Scaled pools' engines are named by Serve's replica ids instead."""
-    names = []
+    names: list[tuple[str, PoolConfig, int]] = []
     for pool in config.pools:
         if pool.autoscaling is None:
             prefix = pool_name(pool, suffix)
@@ -262,7 +263,11 @@ def build_scaled_pool(config: AppConfig, settings: ScaledPoolSettings) -> Applic
 
 def _kv_transfer_config(config: AppConfig, pool: PoolConfig) -> dict[str, Any] | None:
     """PD's pools produce or consume KV; auto's engines do both, per request."""
-    roles = {"prefill": "kv_producer", "decode": "kv_consumer", "mixed": "kv_both"}
+    roles: dict[str, KVRole] = {
+        "prefill": "kv_producer",
+        "decode": "kv_consumer",
+        "mixed": "kv_both",
+    }
     if config.shape not in KV_SHAPES:
         return None
     return make_kv_backend(config.kv_transfer).engine_config(roles[pool.role])

@@ -171,7 +171,7 @@ class AppConfig(StrictModel):
         pool = self.pools[0]
         # Per shape: (replicas, tensor_parallel_size, pipeline_parallel_size), each
         # exactly this number, AT_LEAST_TWO, or None for any (DP of tensor-parallel engines).
-        expected: tuple[int | str | None, ...] = {
+        expected: tuple[int | str | None, ...] = {  # type: ignore[assignment]
             "single": (1, 1, 1),
             "tp": (1, AT_LEAST_TWO, 1),
             "pp": (1, 1, AT_LEAST_TWO),

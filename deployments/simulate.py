@@ -54,7 +54,7 @@ from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
 from router.pool.prefix_index import PromptBlocks
 from router.pool.replica_state import ReplicaState
-from router.settings import IngressSettings
+from router.settings import IngressSettings, Priority
 from splitserve.latency.profile import LatencyProfile, StepShape
 
 
@@ -222,7 +222,7 @@ class Arrival:
     at: float
     prompt: list[int]
     max_tokens: int
-    priority: str | None = None
+    priority: Priority | None = None
 
 
 class OfflineCluster:
@@ -384,9 +384,10 @@ class OfflineCluster:
                 outcome.token_times.extend(times[1:] if drop_first else times)
             else:
                 outcome.token_times.extend(times)
-            if previous is not None or len(times) > 1:
+            earlier = times[-2] if len(times) > 1 else previous
+            if earlier is not None:
                 # The router's moving average of the step, from the latest gap.
-                state.step_s.add(times[-1] - (times[-2] if len(times) > 1 else previous))
+                state.step_s.add(times[-1] - earlier)
             last[0] = times[-1]
             if done:
                 state.finish_prefill(ticket, times[-1], first_token=False)

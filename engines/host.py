@@ -24,7 +24,8 @@ import psutil
 import ray
 from ray import serve
 
-from engines.backends import ENGINE_BACKENDS, EngineBackend
+from engines.backends import ENGINE_BACKENDS
+from engines.contract import EngineBackend
 from engines.delta_streams import DeltaStreams, Outbox
 from engines.kv_events import KVEventRelay
 from engines.metrics import replica_stat_logger
@@ -166,7 +167,7 @@ def _lora_request(adapter: LoraAdapter) -> Any:
 
 def _chunks_of(output: Any) -> list[GenerateChunk]:
     """One chunk per completion that moved in this RequestOutput (``n`` > 1 has several)."""
-    prompt_logprobs = _logprobs_of(output.prompt_logprobs)
+    prompt_logprobs = _prompt_logprobs_of(output.prompt_logprobs)
     chunks = []
     for completion in output.outputs:
         chunks.append(
@@ -187,16 +188,20 @@ def _chunks_of(output: Any) -> list[GenerateChunk]:
     return chunks
 
 
-def _logprobs_of(positions: Any) -> list[TokenLogprobs | None] | None:
-    """vLLM's logprobs (a dict per position, or None) as plain data, in their order."""
+def _position_logprobs(position: Any) -> TokenLogprobs:
+    return [(token, lp.logprob, lp.rank, lp.decoded_token) for token, lp in position.items()]
+
+
+def _logprobs_of(positions: Any) -> list[TokenLogprobs] | None:
+    """vLLM's sampled logprobs (a dict per generated token) as plain data, in order."""
+    return None if positions is None else [_position_logprobs(p) for p in positions]
+
+
+def _prompt_logprobs_of(positions: Any) -> list[TokenLogprobs | None] | None:
+    """vLLM's prompt logprobs as plain data: None for the first token, which has none."""
     if positions is None:
         return None
-    return [
-        None
-        if position is None
-        else [(token, lp.logprob, lp.rank, lp.decoded_token) for token, lp in position.items()]
-        for position in positions
-    ]
+    return [None if p is None else _position_logprobs(p) for p in positions]
 
 
 @ENGINE_BACKENDS.register("vllm")
@@ -477,7 +482,7 @@ class EngineReplica:
     measurements Serve's autoscaling policy reads, and when Serve takes it out, it
     finishes the streams it carries before its engine stops."""
 
-    async def __init__(self, spec: EngineSpec) -> None:
+    async def __init__(self, spec: EngineSpec) -> None:  # type: ignore[misc]  # Serve awaits it
         context = serve.get_replica_context()
         self._scaling = spec.pool.autoscaling
         if self._scaling is None and context.world_size != 1:
@@ -544,7 +549,7 @@ class EngineGroupReplica:
     routers reach each engine as if it had a replica to itself. Serve places,
     health-checks and restarts the group as one."""
 
-    async def __init__(self, specs: list[EngineSpec]) -> None:
+    async def __init__(self, specs: list[EngineSpec]) -> None:  # type: ignore[misc]  # Serve awaits it
         import vllm.sampling_params  # noqa: F401  (as EngineReplica: before any submit)
 
         self._hosts: dict[str, EngineBackend] = {}

@@ -138,7 +138,7 @@ class KVEventRelay:
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        socket = zmq.Context.instance().socket(zmq.SUB)
+        socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.connect(self.endpoint)
         expected: int | None = None

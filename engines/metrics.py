@@ -61,17 +61,18 @@ class _LastGaugeValues:
 _last_gauge_values = _LastGaugeValues()
 
 
-def _tagged(wrapper: type, tags: dict[str, str]) -> type:
+def _tagged(wrapper: Any, tags: dict[str, str]) -> type:
     """A vLLM Ray metric wrapper whose every series also carries ``tags``."""
 
-    class Tagged(wrapper):  # type: ignore[misc, valid-type]
+    class Tagged(wrapper):
         @staticmethod
         def _get_tag_keys(labelnames: list[str] | None) -> tuple[str, ...]:
             return (*wrapper._get_tag_keys(labelnames), *tags)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._tags = {**self._tags, **tags}
+            # vLLM's wrapper sets _tags in its own __init__, untyped.
+            self._tags = {**self._tags, **tags}  # type: ignore[has-type]
 
         def _build_tags(self, *labels: Any, **labelskwargs: Any) -> dict[str, str]:
             if labels:
@@ -86,10 +87,10 @@ def _tagged(wrapper: type, tags: dict[str, str]) -> type:
     return Tagged
 
 
-def _kept_exported(gauge: type) -> type:
+def _kept_exported(gauge: Any) -> type:
     """A gauge wrapper whose series ``_last_gauge_values`` keeps in Ray's export."""
 
-    class KeptGauge(gauge):  # type: ignore[misc, valid-type]
+    class KeptGauge(gauge):
         def set(self, value: float) -> None:
             _last_gauge_values.set(self.metric, self._tags, value)
 

@@ -152,7 +152,9 @@ def open_nvml(gpu_indices: Sequence[int], nvml: ModuleType | None = None) -> Nvm
         return None
     try:
         if nvml is None:
-            import pynvml as nvml
+            import pynvml
+
+            nvml = pynvml
         nvml.nvmlInit()
         return NvmlSource(nvml, gpu_indices)
     except Exception as error:  # no library, no driver, no such device: fall back to CPU

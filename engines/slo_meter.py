@@ -12,11 +12,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
+from engines.contract import EngineBackend
 from engines.pool_scaling import TPOT_FLOOR_METRIC, TPOT_METRIC, TTFT_FLOOR_METRIC, TTFT_METRIC
-from engines.protocol import DeltaBatch, GenerateChunk, GenerateFailure, GenerateRequest
-from engines.transport import HostedEngine
+from engines.protocol import (
+    DeltaBatch,
+    EngineStats,
+    GenerateChunk,
+    GenerateFailure,
+    GenerateRequest,
+    LoraAdapter,
+)
 
 # The TTFT a pool is sized by: most requests, not the one unlucky one.
 TTFT_QUANTILE = 0.9
@@ -132,9 +138,11 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 class MeteredHost:
-    """An engine host whose requests a ``SloMeter`` follows: the transport serves this."""
+    """An engine backend whose requests a ``SloMeter`` follows: the transport serves this
+    in its stead. It is an ``EngineBackend`` itself, so every call reaches the engine
+    (before, it lacked the adapter calls, and a scaled pool refused run-time LoRA)."""
 
-    def __init__(self, host: HostedEngine, meter: SloMeter) -> None:
+    def __init__(self, host: EngineBackend, meter: SloMeter) -> None:
         self._host = host
         self.meter = meter
 
@@ -162,11 +170,27 @@ class MeteredHost:
             if aclose is not None:
                 await aclose()
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         return self._host.stats()
 
     async def check_health(self) -> None:
         await self._host.check_health()
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        await self._host.add_lora(adapter)
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        await self._host.remove_lora(adapter)
+
+    def close_streams(self) -> None:
+        self._host.close_streams()
+
+    @property
+    def dead(self) -> bool:
+        return self._host.dead
+
+    def shutdown(self) -> None:
+        self._host.shutdown()
 
     def _observe(self, batch: DeltaBatch) -> None:
         for request_id, item in batch:

@@ -159,6 +159,6 @@ class SyntheticEngineHost:
             running.prompt_logprobs = None
 
 
-def _certain(token_id: int) -> tuple[int, float, int, None]:
+def _certain(token_id: int) -> tuple[int, float, int | None, str | None]:
     """A synthetic token's logprobs: it was certain (rank 1, probability 1)."""
     return (token_id, 0.0, 1, None)

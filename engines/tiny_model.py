@@ -99,7 +99,8 @@ def _write_weights(folder: Path, spec: TinyLlamaSpec) -> None:
         bos_token_id=_bos_id(),
         eos_token_id=_eos_id(),
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        # A PretrainedConfig keyword (its **kwargs), written to config.json for vLLM.
+        torch_dtype="float32",  # type: ignore[call-arg]
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

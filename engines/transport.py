@@ -1,5 +1,7 @@
-"""The engine side of the router<->engine transport: one TCP connection per (router
-process, engine replica), carrying calls one way and every request's deltas the other.
+"""The router<->engine transport, both halves: one TCP connection per (router process,
+engine replica), carrying calls one way and every request's deltas the other. The
+engine replica serves its ``EngineBackend`` with ``EngineTransportServer``; a router
+reaches it through ``SocketEngineLink`` (an ``EngineLink``, engines/contract.py).
 
 Ray carries only control: the router asks the engine replica's Serve handle for the
 address and a per-replica secret once, then speaks to the engine directly. A Ray
@@ -31,16 +33,20 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import logging
 import secrets
 import struct
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
+from engines.contract import EngineBackend, EngineFailed, EngineUnavailable
 from engines.protocol import (
     CacheUpdate,
+    DeltaBatch,
     EngineStats,
     GenerateChunk,
     GenerateFailure,
@@ -49,6 +55,7 @@ from engines.protocol import (
 )
 
 logger = logging.getLogger("splitserve.engine")
+link_logger = logging.getLogger("splitserve.router")
 _LENGTH = struct.Struct("!I")
 # Names the protocol and its version: a peer speaking anything else fails at once.
 MAGIC = b"SPLTSRV2"
@@ -191,28 +198,10 @@ class TransportAddress:
     secret: str
 
 
-class HostedEngine(Protocol):
-    """What the transport serves: engines.host.EngineHost's calls."""
-
-    async def submit(self, request: GenerateRequest) -> None: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-    def deltas(self, subscriber: str) -> Any: ...
-
-    def stats(self) -> EngineStats: ...
-
-    async def check_health(self) -> None: ...
-
-    async def add_lora(self, adapter: LoraAdapter) -> None: ...
-
-    async def remove_lora(self, adapter: LoraAdapter) -> None: ...
-
-
 class EngineTransportServer:
     """Serves one engine host to every router process that connects."""
 
-    def __init__(self, host: HostedEngine) -> None:
+    def __init__(self, host: EngineBackend) -> None:
         self._host = host
         self._secret = secrets.token_hex(32)
         self._servers: list[asyncio.Server] = []
@@ -309,5 +298,152 @@ class EngineTransportServer:
                 writer.write(encode_frame(Deltas(batch)))
                 await writer.drain()
         finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
+            aclose = getattr(stream, "aclose", None)  # the contract promises an iterator
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+# ---- the client half: a router's link to one engine replica ----------------------------
+# How long one ask for an engine replica's address may take: Serve holds a call for a
+# replica that is not running yet (or any more), and the link then asks again.
+ADDRESS_TIMEOUT_S = 10.0
+# How long a link waits before it tries to reach a replica again.
+RECONNECT_DELAY_S = 0.5
+
+
+class SocketEngineLink:
+    """An engine replica in a Serve deployment of its own, over its transport.
+
+    The Serve handle is for control only: it names the replica's address and secret at
+    each (re)connect, and both sides prove that secret before anything else crosses.
+    Calls and deltas then travel on one TCP connection per router
+    process and engine (engines/transport.py). A broken connection fails what waits on
+    it; the router's listener then reconnects, to the replica Serve restarted if it died.
+    """
+
+    def __init__(self, handle: Any, replica: str | None = None, engine: str | None = None) -> None:
+        """``replica``: in a scaled pool, the Serve replica id of this link's engine (the
+        pool's request router sends the address call there, router/pool/membership.py).
+        ``engine``: the engine's name, which the replica needs where it hosts several
+        (``pools[].engines_per_process``)."""
+        self._handle = handle
+        self._replica = replica
+        self._engine = engine
+        self._connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._subscribed = False
+        self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._connecting = asyncio.Lock()
+
+    @property
+    def ready(self) -> bool:
+        return self._subscribed
+
+    async def wait_ready(self) -> None:
+        """Connect, once, whoever asks first (the listener or the readiness check): a
+        second connection would carry calls on a socket that never subscribed."""
+        async with self._connecting:
+            while self._connection is None:
+                try:
+                    self._connection = await self._connect()
+                except Exception as error:
+                    link_logger.debug("engine replica not reachable yet: %s", error)
+                    await asyncio.sleep(RECONNECT_DELAY_S)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # Serve routes to a replica once its constructor (the engine's start) returned,
+        # so the address is one of an engine that can serve.
+        address = await asyncio.wait_for(self._transport_address(), ADDRESS_TIMEOUT_S)
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        try:
+            await prove_to_engine(reader, writer, address.secret)
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
+
+    async def _transport_address(self) -> TransportAddress:
+        if self._replica is not None:
+            return await self._handle.transport_address.remote(replica=self._replica)
+        if self._engine is not None:
+            return await self._handle.transport_address.remote(engine=self._engine)
+        return await self._handle.transport_address.remote()
+
+    async def submit(self, request: GenerateRequest) -> None:
+        await self._call("submit", request)
+
+    def abort(self, request_id: str) -> None:
+        writer = self._open_writer()
+        if writer is not None:
+            writer.write(encode_frame(Abort(request_id)))
+
+    async def stats(self) -> EngineStats:
+        return await self._call("stats", None)
+
+    async def check_health(self) -> None:
+        await self._call("check_health", None)
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        await self._call("add_lora", None, adapter)
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        await self._call("remove_lora", None, adapter)
+
+    async def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        """The engine's deltas for this router process, until the connection ends."""
+        if self._connection is None:
+            raise EngineUnavailable("not connected to the engine replica")
+        reader, writer = self._connection
+        writer.write(encode_frame(Subscribe(subscriber)))
+        self._subscribed = True
+        try:
+            while True:
+                message = await read_frame(reader, ENGINE_MESSAGES)
+                if isinstance(message, Deltas):
+                    yield message.batch
+                else:
+                    self._settle(message.call_id, message.error, message.value)
+        finally:
+            self._disconnect()
+
+    def shutdown(self) -> None:
+        self._disconnect()
+
+    def _open_writer(self) -> asyncio.StreamWriter | None:
+        """The connection's writer, if it has subscribed and is not closing."""
+        connection = self._connection
+        if not self._subscribed or connection is None or connection[1].is_closing():
+            return None
+        return connection[1]
+
+    async def _call(self, method: str, argument: Any, adapter: LoraAdapter | None = None) -> Any:
+        writer = self._open_writer()
+        if writer is None:
+            raise EngineUnavailable("the engine replica is not connected")
+        call_id = next(self._call_ids)
+        reply = asyncio.get_running_loop().create_future()
+        self._replies[call_id] = reply
+        try:
+            writer.write(encode_frame(Call(call_id, method, argument, adapter)))
+            return await reply
+        finally:
+            self._replies.pop(call_id, None)
+
+    def _settle(self, call_id: int, error: str | None, value: Any) -> None:
+        reply = self._replies.get(call_id)
+        if reply is None or reply.done():
+            return
+        if error is None:
+            reply.set_result(value)
+        else:
+            reply.set_exception(EngineFailed(error))
+
+    def _disconnect(self) -> None:
+        self._subscribed = False
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection[1].close()
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(EngineUnavailable("the engine replica went away"))

@@ -52,7 +52,11 @@ def _registry_keys(parts: tuple[str, ...], registry: str) -> frozenset[str]:
         target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
         value = getattr(node, "value", None)
         if isinstance(target, ast.Name) and target.id == registry and isinstance(value, ast.Dict):
-            return frozenset(k.value for k in value.keys if isinstance(k, ast.Constant))
+            return frozenset(
+                k.value
+                for k in value.keys
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)
+            )
     return frozenset()
 
 

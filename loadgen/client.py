@@ -176,7 +176,7 @@ class StreamingClient:
                 connector=aiohttp.TCPConnector(
                     limit=self._max_connections,
                     limit_per_host=0,
-                    ssl=None if self._verify_tls else False,
+                    ssl=self._verify_tls,  # True: the default context, verifying
                 ),
                 # Waiting for a pooled connection is bounded by `total`, not `connect`.
                 timeout=aiohttp.ClientTimeout(

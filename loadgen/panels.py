@@ -96,7 +96,7 @@ def timeline(requests: Sequence[dict[str, Any]], bin_s: float = BIN_S) -> dict[s
             completed[index] += 1 / bin_s
             tokens[index] += r["output_tokens"] / bin_s
     starts = [i * bin_s for i in range(bins)]
-    in_flight = [sum(1 for r in requests if r["sent_s"] <= t < r["done_s"]) for t in starts]
+    in_flight = [float(sum(1 for r in requests if r["sent_s"] <= t < r["done_s"])) for t in starts]
     return {"t": starts, "completed": completed, "tokens": tokens, "in_flight": in_flight}
 
 

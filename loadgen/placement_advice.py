@@ -169,7 +169,7 @@ REPORT_COLUMNS = (
 
 def report_rows(result: SearchResult) -> list[tuple[str, ...]]:
     """Each placement's knee, best first: the console's table and the report's."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for searched in result.ranked:
         step = searched.at_knee
         rows.append(

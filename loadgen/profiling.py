@@ -217,12 +217,12 @@ def profile_table(
         shape = StepShape(prefill_tokens=tokens, attention_pairs=tokens * (tokens + 1) // 2)
         fitted = profile.request_overhead_s + profile.step_seconds(shape)
         table.add_row(*_row("prefill", tokens, 1, 0, sample.seconds, fitted))
-    for sample in decodes:
-        shape = StepShape(decode_seqs=sample.batch, decode_context_tokens=sample.context_tokens)
+    for decode in decodes:
+        shape = StepShape(decode_seqs=decode.batch, decode_context_tokens=decode.context_tokens)
         fitted = profile.step_seconds(shape)
         table.add_row(
             *_row(
-                "decode", sample.batch, sample.batch, sample.context_tokens, sample.seconds, fitted
+                "decode", decode.batch, decode.batch, decode.context_tokens, decode.seconds, fitted
             )
         )
     return table

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -139,7 +140,7 @@ async def discover_endpoint(http: httpx.AsyncClient, config: RunConfig) -> Endpo
     return Endpoint(model, int(max_model_len), card.get("root") if card else None)
 
 
-async def _model_cards(http: httpx.AsyncClient, config: RunConfig) -> list[dict[str, object]]:
+async def _model_cards(http: httpx.AsyncClient, config: RunConfig) -> list[dict[str, Any]]:
     """``GET /v1/models``, asked again until it answers or ``ready_timeout_s`` is up."""
     deadline = time.monotonic() + config.ready_timeout_s
     while True:

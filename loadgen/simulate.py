@@ -185,7 +185,7 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
     with tempfile.TemporaryDirectory(prefix="splitserve-simulate-") as folder:
         requests, outcomes = Path(folder) / "requests.jsonl", Path(folder) / "outcomes.jsonl"
         _write_requests(prepared, requests)
-        extra = ("--requests", str(requests), "--out", str(outcomes))
+        extra: tuple[str, ...] = ("--requests", str(requests), "--out", str(outcomes))
         extra += ("--path-ms", str(target.path_ms))
         speed = json.loads(_simulator(target, "run", extra=extra))
         records = [record for record, _ in prepared.items]

@@ -126,7 +126,7 @@ def _events_matching(block: bytes, patterns: tuple[re.Pattern[bytes], ...]) -> l
             start = block.rfind(EVENT_END, 0, match.start())
             end = block.find(EVENT_END, match.end())
             spans.add((0 if start < 0 else start + 2, len(block) if end < 0 else end + 2))
-    events = []
+    events: list[dict[str, Any]] = []
     for start, end in sorted(spans):
         events.extend(e for e in _data_events(block[start:end]) if isinstance(e, dict))
     return events

@@ -7,7 +7,7 @@ for free; ``start`` commits the plan: prefix-cache mirrors, choice counts, the s
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from engines.protocol import GenerateChunk, GenerateRequest
@@ -52,7 +52,7 @@ class Plan:
 @dataclass(slots=True)
 class Dispatch:
     plan: Plan
-    stream: AsyncIterator[GenerateChunk]
+    stream: AsyncGenerator[GenerateChunk, None]
     replicas: list[EngineClient]  # whose in-flight counts this request adds to
     prefill_replica: EngineClient
     expected_cached_tokens: int

@@ -14,15 +14,16 @@ decode replica prefills locally.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
 
+from engines.contract import EngineFailed
 from engines.protocol import CONTINUE_FROM, GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
 from router.policies.prefill_policy import PrefillDecision
-from router.pool.engine_client import EngineClient, EngineFailed
+from router.pool.engine_client import EngineClient
 
 logger = logging.getLogger("splitserve.router")
 
@@ -44,7 +45,7 @@ class PrefillDecodeFlow:
         decision: PrefillDecision,
         prefill_tokens: int | None = None,
         on_accepted: Callable[[], None] | None = None,
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """Deltas of the whole answer; ``decision`` is amended if the prompt cannot run remotely
         .
 

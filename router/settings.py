@@ -206,7 +206,7 @@ class RouterConfig(StrictModel):
 
     @field_validator("replica_choice")
     @classmethod
-    def _registered_choices(cls, value: str | dict[EngineRole, str]) -> str | dict[str, str]:
+    def _registered_choices(cls, value: str | dict[EngineRole, str]) -> str | dict[EngineRole, str]:
         names = [value] if isinstance(value, str) else list(value.values())
         for name in names:
             _replica_choices().check(name)
@@ -261,6 +261,14 @@ class PrefillPolicyConfig(StrictModel):
         return {"name": self.name, **self.settings.model_dump()}
 
 
+def _refuse_low_first() -> dict[Priority, float]:
+    return {"low": 1.0}
+
+
+def _default_queue_caps() -> dict[Priority, int]:
+    return {"high": 256, "normal": 128, "low": 64}
+
+
 class QoSConfig(StrictModel):
     """Admission control: who is refused, when, and how they are told."""
 
@@ -270,13 +278,13 @@ class QoSConfig(StrictModel):
         2.0, gt=0, description="Time to first token promised to admitted requests."
     )
     early_rejection_s: dict[Priority, float] = Field(
-        default_factory=lambda: {"low": 1.0},
+        default_factory=_refuse_low_first,
         description="Per priority, the estimated TTFT above which it is refused (503); at most"
         " ttft_slo_s. Below the SLO it leaves headroom for the priorities never refused (the"
         " chapter's low_priority_threshold_ms).",
     )
     queue_caps: dict[Priority, int] = Field(
-        default_factory=lambda: {"high": 256, "normal": 128, "low": 64},
+        default_factory=_default_queue_caps,
         description="Requests waiting for their first token, router-wide, at which a request of"
         " this priority is refused (429).",
     )
@@ -383,7 +391,7 @@ class AuthConfig(StrictModel):
 
     keys: list[ApiKeyConfig] = Field(default_factory=list)
     open_paths: list[OpenRoute] = Field(
-        default_factory=lambda: ["/health", "/metrics"],
+        default_factory=lambda: list[OpenRoute](["/health", "/metrics"]),
         description="Routes that answer without a key when keys are configured: /health"
         " for load balancers' and Kubernetes' probes, /metrics for Prometheus, as vLLM's"
         " server leaves it open. Leave /metrics out to guard it too (it names the keys and"

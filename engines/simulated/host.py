@@ -294,6 +294,6 @@ def simulated_stats(
     )
 
 
-def _certain(token_id: int) -> tuple[int, float, int, None]:
+def _certain(token_id: int) -> tuple[int, float, int | None, str | None]:
     """A stand-in token's logprobs: it was certain (rank 1, probability 1)."""
     return (token_id, 0.0, 1, None)

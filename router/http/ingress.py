@@ -10,6 +10,7 @@ aborts the request inside vLLM.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -34,6 +35,7 @@ from router.http.errors import OpenAIError, routing_error_response
 from router.http.openapi import describe_request_bodies
 from router.http.served_model import Arrival, ServedModel, StartOrder
 from router.observation.metrics import RouterMetrics
+from router.pool.engine_state import EngineStatePoller
 from router.settings import ModelBinding
 from splitserve.metric_catalogue import REQUEST_ID_HEADER
 
@@ -47,9 +49,17 @@ describe_request_bodies(
 )
 
 
+def _kv_snapshot_of(state: EngineStatePoller) -> dict[str, Any] | None:
+    """The KV directory's latest snapshot, as the router's poller last read it. (Above
+    the class: Serve's ingress decorator pickles it by value, with the globals it names
+    then.)"""
+
+    return state.kv_transfer_snapshot
+
+
 @serve.ingress(app)
 class Router:
-    async def __init__(self, models: list[ModelBinding]) -> None:
+    async def __init__(self, models: list[ModelBinding]) -> None:  # type: ignore[misc]  # Serve awaits it
         """``models``: each served model's settings and engines (deployments/app.py)."""
         first = models[0].settings
         self._auth = ApiKeys.from_settings(first.auth)
@@ -72,9 +82,8 @@ class Router:
             if namespace is None or namespace in namespaces:
                 continue
             namespaces.add(namespace)
-            state = served.engine_state
             self._metrics.registry.register(
-                KVTransferCollector(lambda state=state: state.kv_transfer_snapshot)
+                KVTransferCollector(functools.partial(_kv_snapshot_of, served.engine_state))
             )
 
     # ---- routes -------------------------------------------------------------------------
@@ -161,7 +170,7 @@ class Router:
 
     # ---- one request, up to the model it names --------------------------------------------
 
-    async def _handle(self, raw: Request, model_cls: type[Any], route: str) -> Response:
+    async def _handle(self, raw: Request, model_cls: Any, route: str) -> Response:
         arrival = time.perf_counter()
         request_id = raw.headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
         served = self._first

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
@@ -28,6 +28,8 @@ from router.http.errors import OpenAIError, bad_request
 from router.settings import RouterConfig, UnknownFields
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
+# Any of vLLM's request models (the adapter routes' too).
+Parsed = TypeVar("Parsed", bound=BaseModel)
 T = TypeVar("T")
 CHAT_TEMPLATE_PARAM = "chat_template"
 TEMPLATE_KWARGS_PARAM = "chat_template_kwargs"
@@ -115,8 +117,8 @@ class PreparedRequest:
 
 
 def parse_request(
-    model_cls: type[OpenAIRequest], body: Any, unknown_fields: UnknownFields = "ignore"
-) -> OpenAIRequest:
+    model_cls: type[Parsed], body: Any, unknown_fields: UnknownFields = "ignore"
+) -> Parsed:
     """``unknown_fields``: what a field neither OpenAI's API nor vLLM's knows gets:
     ignored (vLLM's models keep it aside and log its name at debug level) or a 400."""
     if not isinstance(body, dict):
@@ -236,15 +238,16 @@ class PromptBuilder:
             if not prompt:
                 raise bad_request("'prompt' must not be empty", "prompt")
             return self._encode(prompt, add_special_tokens=request.add_special_tokens)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self._vocab_size]
+        tokens = [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
+        if isinstance(prompt, list) and tokens and len(tokens) == len(prompt):
+            bad = [t for t in tokens if not 0 <= t < self._vocab_size]
             if bad:
                 raise bad_request(
                     f"'prompt' has token ids outside the vocabulary [0, {self._vocab_size}):"
                     f" {bad[:5]}",
                     "prompt",
                 )
-            return list(prompt)
+            return tokens
         raise bad_request(
             "'prompt' must be one string or one list of token ids; send one prompt per request",
             "prompt",

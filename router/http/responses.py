@@ -199,6 +199,7 @@ class ResponseWriter:
     def final_response(self, transcript: Transcript) -> dict[str, object]:
         text = "".join(transcript.text)
         token_ids = self._ids(transcript.token_ids)
+        response: ChatCompletionResponse | CompletionResponse
         if self._chat:
             response = ChatCompletionResponse(
                 id=self._id,

@@ -29,8 +29,10 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.gc_utils import freeze_gc_heap
 
 from engines.backends import ENGINE_BACKENDS
+from engines.contract import EngineFailed, EngineLink, EngineUnavailable
 from engines.model_source import resolve_model
 from engines.protocol import GenerateChunk, GenerateRequest, LoraAdapter
+from engines.transport import SocketEngineLink
 from kv_transfer import KVRouterSide, make_kv_backend
 from router.dispatch import Dispatch, Dispatcher, Plan
 from router.http.auth import QueueSlot
@@ -61,14 +63,7 @@ from router.policies.prefill_gate import PrefillGate
 from router.policies.prefill_policy import PrefillDecision
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Rejection, take_priority
 from router.pool.calibration import calibrate_ttft
-from router.pool.engine_client import (
-    EngineClient,
-    EngineFailed,
-    EngineLink,
-    EngineUnavailable,
-    LocalEngineLink,
-    SocketEngineLink,
-)
+from router.pool.engine_client import EngineClient, LocalEngineLink
 from router.pool.engine_pool import EnginePool
 from router.pool.engine_state import EngineStatePoller
 from router.pool.replica_state import ReplicaState
@@ -445,12 +440,12 @@ class ServedModel:
             return self.starting().response()
         models = frontend.models
         if route == "/v1/load_lora_adapter":
-            request = parse_request(LoadLoRAAdapterRequest, body, "ignore")
-            answer = await models.load_lora_adapter(request, base_model_name=self.name)
+            load = parse_request(LoadLoRAAdapterRequest, body, "ignore")
+            answer = await models.load_lora_adapter(load, base_model_name=self.name)
         else:
-            request = parse_request(UnloadLoRAAdapterRequest, body, "ignore")
-            loaded = models.lora_requests.get(request.lora_name)
-            answer = await models.unload_lora_adapter(request)
+            unload = parse_request(UnloadLoRAAdapterRequest, body, "ignore")
+            loaded = models.lora_requests.get(unload.lora_name)
+            answer = await models.unload_lora_adapter(unload)
             if loaded is not None and not isinstance(answer, ErrorResponse):
                 await self.unload_adapter(loaded.lora_int_id)
         if isinstance(answer, ErrorResponse):

@@ -111,7 +111,7 @@ class DispatchingEngineClient(EngineClient):
         self._open_stream = open_stream
         self._adapters = adapters
 
-    async def generate(  # type: ignore[override]
+    async def generate(
         self,
         prompt: Any,
         sampling_params: SamplingParams,
@@ -235,13 +235,14 @@ class DispatchingEngineClient(EngineClient):
     async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         raise _one_engines("resetting the prefix cache")
 
-    async def shutdown(self, *args: Any, **kwargs: Any) -> None:
+    async def shutdown(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        # vLLM's interface has it synchronous in some releases; the server awaits ours.
         return None
 
     async def sleep(self, *args: Any, **kwargs: Any) -> None:
         raise _one_engines("sleeping")
 
-    async def wake_up(self, *args: Any, **kwargs: Any) -> None:
+    async def wake_up(self, *args: Any, **kwargs: Any) -> bool:
         raise _one_engines("waking up")
 
     async def start_profile(self, *args: Any, **kwargs: Any) -> None:
@@ -425,8 +426,8 @@ def frontend_config(model: ModelConfig, engine_kwargs: dict[str, Any] | None = N
     args = AsyncEngineArgs(
         model=source.path,
         served_model_name=[source.served_name],
-        dtype=model.engine_dtype,
-        max_model_len=model.max_model_len,
+        dtype=model.engine_dtype,  # type: ignore[arg-type]  # validated in ModelConfig
+        max_model_len=model.max_model_len,  # type: ignore[arg-type]  # None: the model's
         seed=model.seed,
         enforce_eager=True,  # nothing runs here; no graphs to plan
         reasoning_parser=model.reasoning_parser or "",
@@ -436,7 +437,8 @@ def frontend_config(model: ModelConfig, engine_kwargs: dict[str, Any] | None = N
         args.enable_lora = True
         # Only the engines batch adapters; the router's count need not match theirs.
         args.max_loras = model.loras_per_batch("cpu")
-        args.max_lora_rank = model.max_lora_rank
+        # vLLM types the rank as its Literal of supported sizes; ModelConfig checks it.
+        args.max_lora_rank = model.max_lora_rank  # type: ignore[assignment]
     return args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
 
@@ -521,7 +523,7 @@ class VllmFrontend:
             CURRENT_CALL.reset(token)
         if call.error is not None:
             if events is not None:
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()  # type: ignore[union-attr]
             return call.error.response(call.headers), call.error.status
         if isinstance(result, ErrorResponse):
             body = result.model_dump(mode="json", by_alias=True)

@@ -36,7 +36,7 @@ def take_priority(body: Any, headers: Any, default: Priority) -> Priority:
             HTTPStatus.BAD_REQUEST,
             "priority",
         )
-    return name  # type: ignore[return-value]
+    return name
 
 
 class Rejection(OpenAIError):

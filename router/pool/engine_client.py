@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
+from engines.contract import EngineBackend, EngineFailed, EngineLink, EngineUnavailable
 from engines.protocol import (
     CacheUpdate,
     DeltaBatch,
@@ -28,206 +27,17 @@ from engines.protocol import (
     GenerateRequest,
     LoraAdapter,
 )
-from engines.transport import (
-    ENGINE_MESSAGES,
-    Abort,
-    Call,
-    Deltas,
-    Subscribe,
-    TransportAddress,
-    encode_frame,
-    prove_to_engine,
-    read_frame,
-)
 from router.policies.prefill_gate import PrefillGate
 from router.pool.replica_state import PrefillTicket, ReplicaState
 from splitserve.processes import ENGINE_CANNOT_START
 
-if TYPE_CHECKING:
-    from engines.host import EngineHost
-
 logger = logging.getLogger("splitserve.router")
 RESUBSCRIBE_DELAY_S = 0.5
-# How long one ask for an engine replica's address may take: Serve holds a call for a
-# replica that is not running yet (or any more), and the link then asks again.
-ADDRESS_TIMEOUT_S = 10.0
 # How long a local engine's death waits for a stop to be announced before it counts as
 # a crash and the engine is restarted (the stop signal reaches both within this).
 STOP_GRACE_S = 1.0
 # Put in a request's queue when its deadline passes (GenerateRequest.deadline).
 PAST_DEADLINE = GenerateFailure("the request's deadline passed")
-
-
-class EngineFailed(RuntimeError):
-    """The engine replica failed the request or went away while it ran."""
-
-
-class EngineUnavailable(EngineFailed):
-    """The engine did not take the request (dead, restarting, or too slow to accept) or
-    died under it: before a first token, the client may send it again as it is (503)."""
-
-
-class EngineLink(Protocol):
-    """How the router reaches one engine: the calls of engines.host.EngineHost."""
-
-    async def submit(self, request: GenerateRequest) -> None: ...
-
-    def abort(self, request_id: str) -> None:
-        """Fire and forget: the caller may be being torn down."""
-
-    def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]: ...
-
-    async def stats(self) -> EngineStats: ...
-
-    async def check_health(self) -> None: ...
-
-    async def add_lora(self, adapter: LoraAdapter) -> None: ...
-
-    async def remove_lora(self, adapter: LoraAdapter) -> None: ...
-
-    async def wait_ready(self) -> None:
-        """Return once the engine can take requests."""
-
-    @property
-    def ready(self) -> bool:
-        """It could take a request now."""
-
-
-class SocketEngineLink:
-    """An engine replica in a Serve deployment of its own, over its transport.
-
-    The Serve handle is for control only: it names the replica's address and secret at
-    each (re)connect, and both sides prove that secret before anything else crosses.
-    Calls and deltas then travel on one TCP connection per router
-    process and engine (engines/transport.py). A broken connection fails what waits on
-    it; the router's listener then reconnects, to the replica Serve restarted if it died.
-    """
-
-    def __init__(self, handle: Any, replica: str | None = None, engine: str | None = None) -> None:
-        """``replica``: in a scaled pool, the Serve replica id of this link's engine (the
-        pool's request router sends the address call there, router/pool/membership.py).
-        ``engine``: the engine's name, which the replica needs where it hosts several
-        (``pools[].engines_per_process``)."""
-        self._handle = handle
-        self._replica = replica
-        self._engine = engine
-        self._connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._subscribed = False
-        self._replies: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
-        self._connecting = asyncio.Lock()
-
-    @property
-    def ready(self) -> bool:
-        return self._subscribed
-
-    async def wait_ready(self) -> None:
-        """Connect, once, whoever asks first (the listener or the readiness check): a
-        second connection would carry calls on a socket that never subscribed."""
-        async with self._connecting:
-            while self._connection is None:
-                try:
-                    self._connection = await self._connect()
-                except Exception as error:
-                    logger.debug("engine replica not reachable yet: %s", error)
-                    await asyncio.sleep(RESUBSCRIBE_DELAY_S)
-
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        # Serve routes to a replica once its constructor (the engine's start) returned,
-        # so the address is one of an engine that can serve.
-        address = await asyncio.wait_for(self._transport_address(), ADDRESS_TIMEOUT_S)
-        reader, writer = await asyncio.open_connection(address.host, address.port)
-        try:
-            await prove_to_engine(reader, writer, address.secret)
-        except BaseException:
-            writer.close()
-            raise
-        return reader, writer
-
-    async def _transport_address(self) -> TransportAddress:
-        if self._replica is not None:
-            return await self._handle.transport_address.remote(replica=self._replica)
-        if self._engine is not None:
-            return await self._handle.transport_address.remote(engine=self._engine)
-        return await self._handle.transport_address.remote()
-
-    async def submit(self, request: GenerateRequest) -> None:
-        await self._call("submit", request)
-
-    def abort(self, request_id: str) -> None:
-        writer = self._open_writer()
-        if writer is not None:
-            writer.write(encode_frame(Abort(request_id)))
-
-    async def stats(self) -> EngineStats:
-        return await self._call("stats", None)
-
-    async def check_health(self) -> None:
-        await self._call("check_health", None)
-
-    async def add_lora(self, adapter: LoraAdapter) -> None:
-        await self._call("add_lora", None, adapter)
-
-    async def remove_lora(self, adapter: LoraAdapter) -> None:
-        await self._call("remove_lora", None, adapter)
-
-    async def deltas(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
-        """The engine's deltas for this router process, until the connection ends."""
-        if self._connection is None:
-            raise EngineUnavailable("not connected to the engine replica")
-        reader, writer = self._connection
-        writer.write(encode_frame(Subscribe(subscriber)))
-        self._subscribed = True
-        try:
-            while True:
-                message = await read_frame(reader, ENGINE_MESSAGES)
-                if isinstance(message, Deltas):
-                    yield message.batch
-                else:
-                    self._settle(message.call_id, message.error, message.value)
-        finally:
-            self._disconnect()
-
-    def shutdown(self) -> None:
-        self._disconnect()
-
-    def _open_writer(self) -> asyncio.StreamWriter | None:
-        """The connection's writer, if it has subscribed and is not closing."""
-        connection = self._connection
-        if not self._subscribed or connection is None or connection[1].is_closing():
-            return None
-        return connection[1]
-
-    async def _call(self, method: str, argument: Any, adapter: LoraAdapter | None = None) -> Any:
-        writer = self._open_writer()
-        if writer is None:
-            raise EngineUnavailable("the engine replica is not connected")
-        call_id = next(self._call_ids)
-        reply = asyncio.get_running_loop().create_future()
-        self._replies[call_id] = reply
-        try:
-            writer.write(encode_frame(Call(call_id, method, argument, adapter)))
-            return await reply
-        finally:
-            self._replies.pop(call_id, None)
-
-    def _settle(self, call_id: int, error: str | None, value: Any) -> None:
-        reply = self._replies.get(call_id)
-        if reply is None or reply.done():
-            return
-        if error is None:
-            reply.set_result(value)
-        else:
-            reply.set_exception(EngineFailed(error))
-
-    def _disconnect(self) -> None:
-        self._subscribed = False
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection[1].close()
-        for reply in self._replies.values():
-            if not reply.done():
-                reply.set_exception(EngineUnavailable("the engine replica went away"))
 
 
 class LocalEngineLink:
@@ -240,12 +50,12 @@ class LocalEngineLink:
     """
 
     def __init__(
-        self, name: str, start_host: Callable[[], EngineHost], restart_attempts: int
+        self, name: str, start_host: Callable[[], EngineBackend], restart_attempts: int
     ) -> None:
         self._name = name
         self._start_host = start_host
         self._restart_attempts = restart_attempts
-        self._host: EngineHost | None = None
+        self._host: EngineBackend | None = None
         self._starting: asyncio.Task[None] | None = None
         self._failed_starts = 0
         self._ever_started = False
@@ -313,7 +123,7 @@ class LocalEngineLink:
         if self._host is not None:
             self._host.shutdown()
 
-    def _live_host(self) -> EngineHost:
+    def _live_host(self) -> EngineBackend:
         """The host, if its engine lives; else (re)start it and fail the call."""
         host = self._host
         if host is not None and not host.dead:
@@ -325,7 +135,7 @@ class LocalEngineLink:
         state = "is starting" if host is None else "died; a new one is starting"
         raise EngineUnavailable(f"the engine of {self._name} {state}")
 
-    async def _replace(self, dead: EngineHost | None) -> None:
+    async def _replace(self, dead: EngineBackend | None) -> None:
         self._host = None
         self._ready.clear()
         try:
@@ -450,7 +260,7 @@ class EngineClient:
         request: GenerateRequest,
         prefill_tokens: int | None = None,
         on_accepted: Callable[[], None] | None = None,
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """Deltas of one request; closing the iterator early aborts it in the engine.
 
         ``prefill_tokens``: prompt tokens this replica must compute before the first token

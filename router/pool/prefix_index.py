@@ -115,14 +115,14 @@ class BlockIndex:
                 names[vllm_hash] = ours
                 held[ours] = held.get(ours, 0) + 1
         for vllm_hash in update.removed:
-            ours = names.pop(vllm_hash, None)
-            if ours is not None:
-                forget(ours, None)
-                left = held.get(ours, 0) - 1
+            removed = names.pop(vllm_hash, None)
+            if removed is not None:
+                forget(removed, None)
+                left = held.get(removed, 0) - 1
                 if left > 0:
-                    held[ours] = left
+                    held[removed] = left
                 else:
-                    held.pop(ours, None)
+                    held.pop(removed, None)
 
 
 class PrefixIndex:

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import router.pool.members as pool_members
+from engines.contract import EngineLink
 from engines.settings import member_name
-from router.pool.engine_client import EngineClient, EngineLink, SocketEngineLink
+from engines.transport import SocketEngineLink
+from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
 from router.settings import ScaledPoolSettings
 

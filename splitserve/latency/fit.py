@@ -63,9 +63,9 @@ def _design(
         pairs = tokens * (tokens + 1) // 2
         rows.append([1.0, 1.0, max(tokens, knee), 0.0, pairs])
         target.append(sample.seconds)
-    for sample in decodes:
-        rows.append([0.0, 1.0, max(sample.batch, knee), sample.context_tokens, 0.0])
-        target.append(sample.seconds)
+    for decode in decodes:
+        rows.append([0.0, 1.0, max(decode.batch, knee), decode.context_tokens, 0.0])
+        target.append(decode.seconds)
     return np.array(rows, dtype=float), np.array(target, dtype=float)
 
 

@@ -21,6 +21,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOu
 from deployments.app import engine_names, engine_spec
 from deployments.config import parse_app_config
 from engines import transport
+from engines.contract import EngineFailed, EngineUnavailable
 from engines.protocol import (
     CONTINUE_FROM,
     CacheUpdate,
@@ -41,6 +42,7 @@ from engines.transport import (
     Deltas,
     EngineTransportServer,
     Reply,
+    SocketEngineLink,
     Subscribe,
     TransportAddress,
     TransportClosed,
@@ -48,12 +50,7 @@ from engines.transport import (
     prove_to_engine,
     with_sampling_params,
 )
-from router.pool.engine_client import (
-    EngineClient,
-    EngineFailed,
-    EngineUnavailable,
-    SocketEngineLink,
-)
+from router.pool.engine_client import EngineClient
 
 CONFIG = parse_app_config(
     {"shape": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "synthetic"}}

@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from router.pool.engine_client import EngineUnavailable, LocalEngineLink
+from engines.contract import EngineUnavailable
+from router.pool.engine_client import LocalEngineLink
 from splitserve.processes import ENGINE_CANNOT_START, SERVE_DEPLOY_FAILED
 
 REASON = "To serve at least one request with the models's max seq len (4096), 2 GiB KV"

@@ -8,7 +8,9 @@ import asyncio
 from typing import Any
 
 import router.pool.members as pool_members
-from router.pool.engine_client import EngineClient, EngineLink, SocketEngineLink
+from engines.contract import EngineLink
+from engines.transport import SocketEngineLink
+from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
 from router.pool.watcher import PoolWatcher
 from router.settings import ScaledPoolSettings
