@@ -1,4 +1,4 @@
-"""Does the self-deciding split pay? (benchmark, not a test; issue 26)
+"""Does deciding each prompt's place pay? (benchmark, not a test; issue 26)
 
 The same two engines in four shapes: dp.yaml (two replicas), pd.yaml (conditional
 prefill/decode), pd_always.yaml (every prompt prefilled remotely) and auto.yaml (no
@@ -61,12 +61,12 @@ from rich.console import Console
 from rich.table import Table
 
 from deployments.launcher import config_path, serve_run
-from loadgen.burstgpt import BURSTGPT_MEAN_RATE
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.recorded import RECORDED_WORKLOAD, SUPPORTED_VERSION, read_record
-from loadgen.runner import RunResult, execute_run
-from loadgen.simulate import SimulatedTarget, simulate_run
-from loadgen.stats import RequestMetrics, ServiceLevel
+from loadgen.data.burstgpt import BURSTGPT_MEAN_RATE
+from loadgen.data.recorded import RECORDED_WORKLOAD, SUPPORTED_VERSION, read_record
+from loadgen.outputs.stats import RequestMetrics, ServiceLevel
+from loadgen.scheduling.runner import RunResult, execute_run
+from loadgen.study.simulate import SimulatedTarget, simulate_run
 
 console = Console(width=150)
 SHAPES = ("dp", "pd", "pd_always", "auto")

@@ -166,7 +166,7 @@ def warm_up(base_url: str) -> str:
     from rich.console import Console
 
     from loadgen.config import RunConfig, WorkloadConfig
-    from loadgen.runner import execute_run
+    from loadgen.scheduling.runner import execute_run
 
     config = RunConfig(
         base_url=base_url,
@@ -328,7 +328,7 @@ def server_histograms(base_url: str) -> dict[str, Histogram]:
 
 def histogram_snapshot(texts: list[str], metric: str) -> Histogram:
     """One histogram, summed over every series of every exposition in ``texts``."""
-    from loadgen.server_view import parse_metrics
+    from loadgen.client.server_view import parse_metrics
 
     buckets: dict[float, float] = {}
     total = count = 0.0

@@ -79,9 +79,9 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _H
 from deployments.config import load_app_config  # noqa: E402
 from deployments.launcher import cluster_env, serve_run  # noqa: E402
 from engines.tiny_model import TinyLlamaSpec, embedded_model_path  # noqa: E402
+from loadgen.client.server_view import parse_metrics  # noqa: E402
 from loadgen.config import RunConfig, WorkloadConfig  # noqa: E402
-from loadgen.runner import execute_run  # noqa: E402
-from loadgen.server_view import parse_metrics  # noqa: E402
+from loadgen.scheduling.runner import execute_run  # noqa: E402
 from splitserve import metric_catalogue as catalogue  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

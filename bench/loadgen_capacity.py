@@ -63,8 +63,8 @@ def worker_ours(
     base_url: str, kind: str, size: str, requests: int, arrivals: str
 ) -> dict[str, Any]:
     from loadgen.config import RunConfig, WorkloadConfig
-    from loadgen.eventloop import run_event_loop
-    from loadgen.runner import execute_run
+    from loadgen.scheduling.eventloop import run_event_loop
+    from loadgen.scheduling.runner import execute_run
 
     input_len, output_len = SIZES[size]
     config = RunConfig(

@@ -29,8 +29,8 @@ from rich.table import Table
 
 from deployments.launcher import ROUTER_DEPLOYMENT, serve_run, simulated_config
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.runner import RunResult, execute_run
-from loadgen.simulate import SimulatedTarget, simulate_run
+from loadgen.scheduling.runner import RunResult, execute_run
+from loadgen.study.simulate import SimulatedTarget, simulate_run
 
 console = Console(width=150)
 # Ray's CPU share of each simulated engine: its steps are timers.

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from deployments.launcher import serve_run
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.runner import execute_run
+from loadgen.scheduling.runner import execute_run
 
 console = Console()
 POLICIES = {"dp": "dp", "pd-always": "pd_always", "pd-cond": "pd", "auto": "auto"}

@@ -34,7 +34,7 @@ from rich.table import Table
 
 from deployments.launcher import DEPLOYMENTS_DIR, serve_run
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.runner import execute_run
+from loadgen.scheduling.runner import execute_run
 
 console = Console(width=160)
 SLO_TTFT_MS = 1000.0

@@ -43,8 +43,8 @@ from deployments.launcher import (
     simulated_config,
 )
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.runner import RunResult, execute_run
-from loadgen.simulate import SimulatedTarget, simulate_run
+from loadgen.scheduling.runner import RunResult, execute_run
+from loadgen.study.simulate import SimulatedTarget, simulate_run
 from splitserve.latency.profile import LatencyProfile
 
 console = Console()

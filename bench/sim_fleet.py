@@ -40,9 +40,9 @@ from deployments.launcher import (
     serve_run,
     simulated_config,
 )
+from loadgen.client.server_view import parse_metrics
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.runner import execute_run
-from loadgen.server_view import parse_metrics
+from loadgen.scheduling.runner import execute_run
 from splitserve.processes import command_lines
 
 console = Console(width=160)

@@ -40,7 +40,7 @@ from rich.table import Table
 
 from deployments.launcher import APP_NAME, config_path, serve_run, simulated_config
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.runner import execute_run
+from loadgen.scheduling.runner import execute_run
 from splitserve.processes import command_lines
 
 console = Console(width=160)

@@ -1,4 +1,4 @@
-"""The study's matrix on simulated GPUs: which split wins where? (benchmark, not a test)
+"""The study's matrix on simulated GPUs: which shape wins where? (benchmark, not a test)
 
 The reference study (../shared/reference/000) served Llama-3.2-1B-Instruct on two RTX
 2080 SUPER over PCIe as TP=2, PP=2, DP=2 and PD, under its three synthetic workloads and
@@ -29,7 +29,7 @@ from rich.table import Table
 
 from deployments.launcher import REPO_ROOT
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.simulate import SimulatedTarget, simulate_run
+from loadgen.study.simulate import SimulatedTarget, simulate_run
 
 console = Console()
 PROFILE = "rtx2080s-llama-3.2-1b"

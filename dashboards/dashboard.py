@@ -5,7 +5,7 @@ Rows: the client's view (load generator), the router, the engines (vLLM's own me
 per replica and role), Ray Serve's replicas and errors, KV transfer (PD), QoS, and
 utilization with the per-GPU imbalance. Every panel reads the Prometheus datasource
 chosen in ``$datasource``. Names come from router/observation/metrics.py,
-kv_transfer/metrics.py, loadgen/exposition.py, engines/sampler.py, vLLM and Ray Serve.
+kv_transfer/metrics.py, loadgen/outputs/exposition.py, engines/sampler.py, vLLM and Ray Serve.
 
 What the engines record with ``ray.util.metrics`` (vLLM's metrics, the utilization
 sampler) reaches Prometheus from Ray's per-node endpoint as ``ray_vllm_x`` and

@@ -30,7 +30,7 @@ from splitserve.config_base import StrictModel
 Shape = Literal["single", "dp", "tp", "pp", "pd", "auto"]
 # Shapes whose engines hand KV over to each other: PD's pools, auto's auto pool.
 KV_SHAPES = ("pd", "auto")
-# Auto pools decide per request; without a mode in the YAML they weigh the cost.
+# Auto pools decide per request; without a policy named in the YAML they weigh the cost.
 AUTO_PREFILL_POLICY = "cost"
 Accelerator = Literal["cpu", "gpu"]
 
@@ -63,7 +63,7 @@ class AppConfig(StrictModel):
     )
     prefill_policy: PrefillPolicyConfig = Field(
         default_factory=PrefillPolicyConfig,
-        description="PD and auto only: the prefill policy (mode: always, never, conditional,"
+        description="PD and auto only: the prefill policy (name: always, never, conditional,"
         " cost; auto defaults to cost) and its settings.",
     )
     qos: QoSConfig = QoSConfig()
@@ -78,11 +78,11 @@ class AppConfig(StrictModel):
     def _auto_weighs_cost_by_default(cls, data: Any) -> Any:
         if not isinstance(data, dict) or data.get("shape") != "auto":
             return data
-        split = data.get("prefill_policy")
-        if split is None:
+        policy = data.get("prefill_policy")
+        if policy is None:
             return {**data, "prefill_policy": {"name": AUTO_PREFILL_POLICY}}
-        if isinstance(split, dict) and "name" not in split:
-            return {**data, "prefill_policy": {"name": AUTO_PREFILL_POLICY, **split}}
+        if isinstance(policy, dict) and "name" not in policy:
+            return {**data, "prefill_policy": {"name": AUTO_PREFILL_POLICY, **policy}}
         return data
 
     @model_validator(mode="before")

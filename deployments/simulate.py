@@ -49,9 +49,10 @@ from engines.simulated.scheduler import (
 from engines.simulated.settings import engine_profile, scheduler_limits
 from kv_transfer import make_kv_backend
 from router.dispatch import Dispatcher, Plan
-from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Rejection
-from router.pool.engine_client import EngineClient
+from router.http.errors import REFUSAL_STATUS
+from router.policies.qos import ENGINE_PRIORITY, AdmissionControl
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
 from router.pool.replica_state import ReplicaState
 from router.settings import IngressSettings, Priority
@@ -105,7 +106,7 @@ class Outcome:
 
 
 class _NoLink:
-    """The engine link of a simulated router's EngineClient: the simulation calls the
+    """The engine link of a simulated router's PooledEngine: the simulation calls the
     engine itself, so nothing may go through here."""
 
     def __getattr__(self, name: str) -> Any:
@@ -120,7 +121,7 @@ class VirtualEngine:
     arrives meanwhile cuts the run short after the step in progress, where a real
     engine would take it in."""
 
-    def __init__(self, spec: EngineSpec, client: EngineClient, queue: EventQueue) -> None:
+    def __init__(self, spec: EngineSpec, client: PooledEngine, queue: EventQueue) -> None:
         self.name = spec.name
         self.spec = spec
         self.client = client
@@ -237,7 +238,7 @@ class OfflineCluster:
         self.engines: dict[str, VirtualEngine] = {}
         for name, pool, index in engine_names(config):
             spec = engine_spec(config, name, pool, index)
-            client = EngineClient(name, pool.role, _NoLink(), 1.0, self._replica_state())
+            client = PooledEngine(name, pool.role, _NoLink(), 1.0, self._replica_state())
             self.engines[name] = VirtualEngine(spec, client, self.queue)
         self.pool = EnginePool([engine.client for engine in self.engines.values()])
         self.kv = None
@@ -297,16 +298,18 @@ class OfflineCluster:
             sampling_params=SimpleNamespace(max_tokens=arrival.max_tokens, n=1),
             priority=ENGINE_PRIORITY[priority],
         )
-        try:
-            dispatcher = self.dispatcher
-            self.admission.check(
-                priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
-            )
+        dispatcher = self.dispatcher
+        refusal = self.admission.check(
+            priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
+        )
+        if refusal is None:
             plan = dispatcher.plan(request, priority)
-            self.admission.check(plan.priority, dispatcher.queued_requests, plan.ttft_estimate_s)
-        except Rejection as rejection:
-            outcome.status, outcome.outcome = int(rejection.status), "rejected"
-            outcome.error = rejection.reason
+            refusal = self.admission.check(
+                plan.priority, dispatcher.queued_requests, plan.ttft_estimate_s
+            )
+        if refusal is not None:
+            outcome.status, outcome.outcome = int(REFUSAL_STATUS[refusal.reason]), "rejected"
+            outcome.error = refusal.reason
             return
         outcome.prefill = f"{plan.decision.where}:{plan.decision.reason}"
         self._open += 1
@@ -346,7 +349,7 @@ class OfflineCluster:
 
     def _generate(
         self,
-        replica: EngineClient,
+        replica: PooledEngine,
         arrival: Arrival,
         prompt: PromptBlocks,
         prefill_tokens: int,
@@ -356,7 +359,7 @@ class OfflineCluster:
         kv_in_s: float | None = None,
         drop_first: bool = False,
     ) -> None:
-        """EngineClient.generate's bookkeeping around one engine's part of a request."""
+        """PooledEngine.generate's bookkeeping around one engine's part of a request."""
         engine = self.engines[replica.name]
         state = replica.state
         now = self.queue.now

@@ -4,7 +4,7 @@
 transport serves one to the routers that connect (engines/transport.py).
 ``EngineLink`` is how a router reaches one: the same calls across a process boundary
 (an engine replica over the transport, ``SocketEngineLink``) or within one (the
-router's in-process host, router/pool/engine_client.py ``LocalEngineLink``), where
+router's in-process host, router/pool/pooled_engine.py ``LocalEngineLink``), where
 ``stats`` is a round trip and ``abort`` is fire and forget. What a link raises when
 the engine fails a request is ``EngineFailed``, or ``EngineUnavailable`` when it never
 took it.

@@ -431,7 +431,7 @@ class EngineBackendConfig(StrictModel):
         gt=0,
         description="simulated only: every simulated time is this many times longer, so that"
         " one box's router keeps up with many engines; reports divide it back out. The"
-        " YAML's SLOs and split-policy times stay in the engines' own time: the router"
+        " YAML's SLOs and prefill-policy times stay in the engines' own time: the router"
         " stretches them by this.",
     )
     step_interval_s: float = Field(

@@ -11,19 +11,21 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from loadgen.burstgpt import BURSTGPT_URL, REPLAY_SUBSET, TRACE_SUBSETS
+from loadgen.data.burstgpt import BURSTGPT_URL, REPLAY_SUBSET, TRACE_SUBSETS
 from splitserve.config_base import StrictModel
 from splitserve.registry import Registry
 
-# Workloads by name (loadgen/workloads.py registers the built-in ones: the study's
+# Workloads by name (loadgen/data/workloads.py registers the built-in ones: the study's
 # synthetic shapes, custom, mixed and the BurstGPT subsets) and arrival processes by
-# name (loadgen/arrivals.py). A new one is a class and a register line there.
+# name (loadgen/scheduling/arrivals.py). A new one is a class and a register line there.
 WORKLOADS: Registry = Registry(
     "workload",
     __name__,
-    builtins=("loadgen.workloads", "loadgen.recorded", "loadgen.vllm_datasets"),
+    builtins=("loadgen.data.workloads", "loadgen.data.recorded", "loadgen.vllm_compat.datasets"),
 )
-ARRIVALS: Registry = Registry("arrival process", __name__, builtins=("loadgen.arrivals",))
+ARRIVALS: Registry = Registry(
+    "arrival process", __name__, builtins=("loadgen.scheduling.arrivals",)
+)
 CUSTOM_WORKLOAD = "custom"
 PREFIX_REPETITION_WORKLOAD = "prefix-repetition"
 PROMPT_FILE_WORKLOAD = "prompt-file"

@@ -16,8 +16,8 @@ from router.pd_flow import PrefillDecodeFlow
 from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
 from router.policies.qos import ENGINE_PRIORITY
 from router.policies.replica_choice import Choice, ReplicaChoice, make_replica_choice
-from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
 from router.settings import IngressSettings, Priority
 from splitserve.metric_catalogue import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
@@ -41,7 +41,7 @@ class Plan:
     cached_by_signal: dict[str, int] = field(default_factory=dict)
 
     @property
-    def prefill_replica(self) -> EngineClient:
+    def prefill_replica(self) -> PooledEngine:
         return self.prefill.replica if self.prefill else self.main.replica
 
     def ttft_estimate_s(self) -> float | None:
@@ -53,8 +53,8 @@ class Plan:
 class Dispatch:
     plan: Plan
     stream: AsyncGenerator[GenerateChunk, None]
-    replicas: list[EngineClient]  # whose in-flight counts this request adds to
-    prefill_replica: EngineClient
+    replicas: list[PooledEngine]  # whose in-flight counts this request adds to
+    prefill_replica: PooledEngine
     expected_cached_tokens: int
     headers: dict[str, str] = field(default_factory=dict)
     released: bool = False  # its stream closed and its counts undone (router/http/ingress.py)
@@ -98,8 +98,8 @@ class Dispatcher:
             role: make_replica_choice(name, router.choice_settings(name))
             for role, name in self._choice_names.items()
         }
-        split = settings.prefill_policy
-        self._prefill_policy = make_prefill_policy(split.name, split.settings, settings.qos)
+        policy = settings.prefill_policy
+        self._prefill_policy = make_prefill_policy(policy.name, policy.settings, settings.qos)
         self._pd = PrefillDecodeFlow(kv) if kv is not None else None
         self._transfer_s = transfer_s or (lambda tokens: None)
 
@@ -149,7 +149,7 @@ class Dispatcher:
                     self._prefill_inputs(prompt, priority, main.replica, prefill.replica)
                 )
                 if decision.remote and self._auto_pool and decision.whole_on_peer:
-                    # A split would not pay: the peer computes and generates it all.
+                    # A remote prefill would not pay: the peer computes and generates it all.
                     main, decision = prefill, PrefillDecision("local", decision.whole_on_peer)
                 prefill = prefill if decision.remote else None
         computes = (prefill or main).replica.state
@@ -168,9 +168,9 @@ class Dispatcher:
         )
 
     def _prefill_candidate(
-        self, decode: EngineClient, prompt: PromptBlocks, priority: Priority, adapter: str | None
+        self, decode: PooledEngine, prompt: PromptBlocks, priority: Priority, adapter: str | None
     ) -> Choice | None:
-        """Who would compute the prompt remotely: the prefill pool's choice, or in a
+        """Who would compute the prompt remotely: the prefill pool's choice, or in an
         auto pool the other healthy engine whose first token would come soonest
         for this priority (the engines schedule by priority: only work of the same or a
         higher priority is ahead of it)."""
@@ -182,7 +182,7 @@ class Dispatcher:
             return None
         engine_priority = ENGINE_PRIORITY[priority]
 
-        def soonest(replica: EngineClient) -> tuple[float, int, int]:
+        def soonest(replica: PooledEngine) -> tuple[float, int, int]:
             tokens = max(1, len(prompt) - replica.state.cached_tokens(prompt))
             estimate = replica.state.estimate_ttft_s(tokens, engine_priority)
             state = replica.state
@@ -194,8 +194,8 @@ class Dispatcher:
         self,
         prompt: PromptBlocks,
         priority: Priority,
-        decode: EngineClient,
-        prefill: EngineClient,
+        decode: PooledEngine,
+        prefill: PooledEngine,
     ) -> PrefillInputs:
         engine_priority = ENGINE_PRIORITY[priority]
         local_cached = decode.state.cached_tokens(prompt)
@@ -270,9 +270,9 @@ class Dispatcher:
         return self._choices[role].choose(candidates, prompt) if candidates else None
 
 
-def _holding(replicas: list[EngineClient], adapter: str | None) -> list[EngineClient]:
+def _holding(replicas: list[PooledEngine], adapter: str | None) -> list[PooledEngine]:
     """The replicas that hold ``adapter``, or all of them if none does (each can load it
-    from its path, as vLLM does on a request's first use). A split request's two engines
+    from its path, as vLLM does on a request's first use). A remote prefill's two engines
     then both hold it wherever one does: its KV goes only to an engine with its adapter."""
     if adapter is None:
         return replicas
@@ -286,7 +286,7 @@ PARALLEL_SAMPLING = "parallel_sampling"
 
 def _stays_on_one_engine(request: GenerateRequest) -> str | None:
     """``n`` > 1: the engine samples every completion's first token from one prompt
-    computation (its prefix cache shares the blocks); split, only one first token would
+    computation (its prefix cache shares the blocks); prefilled remotely, only one first token would
     come from the prefill engine and each completion would load the KV again."""
     if (getattr(request.sampling_params, "n", 1) or 1) > 1:
         return PARALLEL_SAMPLING

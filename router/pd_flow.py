@@ -23,7 +23,7 @@ from engines.contract import EngineFailed
 from engines.protocol import CONTINUE_FROM, GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
 from router.policies.prefill_policy import PrefillDecision
-from router.pool.engine_client import EngineClient
+from router.pool.pooled_engine import PooledEngine
 
 logger = logging.getLogger("splitserve.router")
 
@@ -40,8 +40,8 @@ class PrefillDecodeFlow:
     async def run(
         self,
         request: GenerateRequest,
-        decode: EngineClient,
-        prefill: EngineClient | None,
+        decode: PooledEngine,
+        prefill: PooledEngine | None,
         decision: PrefillDecision,
         prefill_tokens: int | None = None,
         on_accepted: Callable[[], None] | None = None,
@@ -50,7 +50,7 @@ class PrefillDecodeFlow:
         .
 
                 ``prefill_tokens``: prompt tokens left to compute after the expected prefix-cache
-                hit, on whichever replica prefills (see EngineClient.generate).
+                hit, on whichever replica prefills (see PooledEngine.generate).
         """
         first: GenerateChunk | None = None
         if prefill is not None:
@@ -89,7 +89,7 @@ class PrefillDecodeFlow:
 
     async def _prefill(
         self,
-        prefill: EngineClient,
+        prefill: PooledEngine,
         request: GenerateRequest,
         prefill_tokens: int | None,
         on_accepted: Callable[[], None] | None,
@@ -119,7 +119,7 @@ class PrefillDecodeFlow:
                 logger.warning("could not release KV transfer %s: %s", handle, error)
 
 
-def _consumer_of(decode: EngineClient) -> str | None:
+def _consumer_of(decode: PooledEngine) -> str | None:
     """The decode engine's KV consumer id, once its replica has reported one."""
     stats = decode.state.engine
     return stats.kv_consumer if stats is not None else None

@@ -51,14 +51,14 @@ def _prefill_policies() -> Any:
 
 
 class TrafficProfile(StrictModel):
-    """What a split was chosen for; live traffic is compared with it over a window."""
+    """What a shape was chosen for; live traffic is compared with it over a window."""
 
     prompt_tokens: float = Field(gt=0, description="Mean prompt length, in tokens.")
     output_tokens: float = Field(gt=0, description="Mean output length, in tokens.")
     request_rate: float | None = Field(
         None,
         gt=0,
-        description="Requests per second the split was measured to serve within its"
+        description="Requests per second the shape was measured to serve within its"
         " objectives (the advisor's knee); None: the rate is not compared.",
     )
     window_requests: int = Field(
@@ -150,14 +150,14 @@ class RouterConfig(StrictModel):
         None,
         description="Append a content-free record of every answered request (arrival,"
         " lengths, priority, salted prefix block hashes; never text) to this file on the"
-        " router's node, for python -m loadgen --trace recorded and the split advisor.",
+        " router's node, for python -m loadgen --trace recorded and the shape advisor.",
     )
     traffic_record_block_tokens: int = Field(
         16, ge=1, description="Prefix sharing is recorded in blocks of this many tokens."
     )
     traffic_profile: TrafficProfile | None = Field(
         None,
-        description="The traffic this split was chosen for (python -m loadgen advise writes"
+        description="The traffic this shape was chosen for (python -m loadgen advise writes"
         " it): the router exports how far live traffic has drifted from it"
         " (splitserve_traffic_drift_ratio) and logs when it leaves the tolerance.",
     )

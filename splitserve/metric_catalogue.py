@@ -415,7 +415,7 @@ SAMPLER_FAMILIES = (
     UTILIZATION_SAMPLES,
 )
 
-# ---- the load generator's own (loadgen/exposition.py) ---------------------------------
+# ---- the load generator's own (loadgen/outputs/exposition.py) ---------------------------------
 LOADGEN_TTFT = Family(
     "loadgen_time_to_first_token_seconds",
     "histogram",

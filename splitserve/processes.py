@@ -1,7 +1,7 @@
 """Start a server process, wait until it answers, stop it and everything it started.
 
 The one lifecycle behind ``serve run`` (deployments/launcher.py), the load generator's
-sweep servers (loadgen/launcher.py), Prometheus (dashboards/prometheus.py) and the
+sweep servers (loadgen/study/launcher.py), Prometheus (dashboards/prometheus.py) and the
 benchmarks' peers: output to a log file, readiness by polling, a graceful signal
 first, then SIGKILL for the process and for whatever it started that outlived it.
 """

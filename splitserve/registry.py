@@ -105,7 +105,7 @@ def split_named_block(
     data: Any, key: str, default: str, registry: Registry[Any], where: str
 ) -> Any:
     """A flat YAML block that names an entry under ``key`` beside that entry's own fields
-    (``{mode: conditional, prompt_length_threshold: 256}``), as ``{key: name, "settings":
+    (``{name: conditional, prompt_length_threshold: 256}``), as ``{key: name, "settings":
     its validated settings model}``; anything else is returned for pydantic to judge."""
     if not isinstance(data, dict) or "settings" in data:
         return data

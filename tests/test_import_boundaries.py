@@ -5,7 +5,7 @@ imported, so this is fast and names the file and line of each offending import.
   package"; ``router/`` "never" imports it. Only ``deployments/`` itself, ``tests/`` and
   ``bench/`` may. Everything else reaches it as an entry point, not an import: Serve
   through the YAMLs' ``import_path``, people through ``python -m deployments.serve``,
-  and the load generator's sweep by running that command (loadgen/launcher.py).
+  and the load generator's sweep by running that command (loadgen/study/launcher.py).
 - docs/ARCHITECTURE.md: ``loadgen/`` "imports only splitserve/" of our packages; README:
   it "imports nothing from the server packages", so neither does what it imports of
   ``splitserve/``. docs/DECISIONS.md: "``loadgen`` never imports vLLM", and it "loads

@@ -21,9 +21,9 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from router.http.errors import OpenAIError
+from router.http.errors import OpenAIError, Rejection
 from router.observation.metrics import ModelMetrics
-from router.policies.qos import Rejection
+from router.policies.qos import Refusal, RefusalReason
 from router.settings import PRIORITIES, ApiKeyConfig, AuthConfig, Priority, check_key_text
 
 KEYS_ENV = "SPLITSERVE_API_KEYS"
@@ -31,7 +31,7 @@ VLLM_KEY_ENV = "VLLM_API_KEY"
 AUTHORIZATION_HEADER = "authorization"
 BEARER = "bearer"
 ANONYMOUS = "anonymous"  # the client of a router without keys
-KEY_QUEUE_FULL = "key_queue_full"  # a rejection reason (router/observation/metrics.py)
+KEY_QUEUE_FULL: RefusalReason = "key_queue_full"  # its own cap, beside admission's
 
 
 class AuthSetupError(ValueError):
@@ -160,11 +160,12 @@ class ApiKeys:
         if waiting >= cap:
             metrics.rejections.labels(KEY_QUEUE_FULL, priority).inc()
             raise Rejection(
-                f"the API key {client.name!r} already has {waiting} requests waiting for"
-                " their first token, its cap; retry when one has started",
-                HTTPStatus.TOO_MANY_REQUESTS,
-                KEY_QUEUE_FULL,
-                self._retry_after_s,
+                Refusal(
+                    KEY_QUEUE_FULL,
+                    f"the API key {client.name!r} already has {waiting} requests waiting for"
+                    " their first token, its cap; retry when one has started",
+                    self._retry_after_s,
+                )
             )
         self._waiting[client.name] = waiting + 1
         slot = QueueSlot(self._waiting, client.name)

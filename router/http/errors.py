@@ -8,6 +8,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from router.policies.qos import Refusal, RefusalReason
+
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
@@ -76,3 +78,22 @@ async def routing_error_response(request: Request, error: Exception) -> JSONResp
     else:
         message = f"{target}: {error.detail}"
     return OpenAIError(message, status).response(dict(error.headers or {}))
+
+
+# How each admission refusal is said (router/policies/qos.py decides it): a full queue
+# is the client's rate (429), a TTFT beyond the limit the server's load (503).
+REFUSAL_STATUS: dict[RefusalReason, HTTPStatus] = {
+    "queue_full": HTTPStatus.TOO_MANY_REQUESTS,
+    "key_queue_full": HTTPStatus.TOO_MANY_REQUESTS,
+    "ttft_slo": HTTPStatus.SERVICE_UNAVAILABLE,
+}
+
+
+class Rejection(OpenAIError):
+    """A refused request as answered (429 or 503, with Retry-After) and why."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(
+            refusal.message, REFUSAL_STATUS[refusal.reason], retry_after_s=refusal.retry_after_s
+        )
+        self.reason = refusal.reason

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from router.pool.engine_client import EngineClient
+from router.pool.pooled_engine import PooledEngine
 
 logger = logging.getLogger("splitserve.router")
 
@@ -22,7 +22,7 @@ logger = logging.getLogger("splitserve.router")
 class Readiness:
     def __init__(
         self,
-        replicas: Iterable[EngineClient],
+        replicas: Iterable[PooledEngine],
         on_engines_ready: Callable[[], Awaitable[None]] | None = None,
         members_known: Callable[[], Awaitable[None]] | None = None,
     ) -> None:

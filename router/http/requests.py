@@ -25,7 +25,8 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
 
 from router.http.errors import OpenAIError, bad_request
-from router.settings import RouterConfig, UnknownFields
+from router.settings import PRIORITIES, Priority, RouterConfig, UnknownFields
+from splitserve.metric_catalogue import PRIORITY_HEADER
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 # Any of vLLM's request models (the adapter routes' too).
@@ -465,3 +466,22 @@ def _encodable(value: Any) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def take_priority(body: Any, headers: Any, default: Priority) -> Priority:
+    """The request's priority from its ``priority`` field (removed from the body, since
+    vLLM's own ``priority`` is an integer) or else the ``x-priority`` header."""
+    value = body.pop("priority", None) if isinstance(body, dict) else None
+    where = "priority"
+    if value is None:
+        value, where = headers.get(PRIORITY_HEADER), f"{PRIORITY_HEADER} header"
+    if value is None:
+        return default
+    name = str(value).strip().lower()
+    if name not in PRIORITIES:
+        raise OpenAIError(
+            f"{where} must be one of {', '.join(PRIORITIES)}; got {value!r}",
+            HTTPStatus.BAD_REQUEST,
+            "priority",
+        )
+    return name

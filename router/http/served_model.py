@@ -2,7 +2,7 @@
 them, from a parsed body to the response.
 
 The ingress (router/http/ingress.py) authenticates, reads the body and finds the model
-it names; everything after that is this model's own: its pools, split, QoS, tokenizer
+it names; everything after that is this model's own: its pools, prefill policy, QoS, tokenizer
 and vLLM serving layer, so that two models in one application share nothing but the
 router's process, its API keys and its metrics registry (with a ``model`` label).
 """
@@ -15,10 +15,10 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -28,25 +28,22 @@ from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadL
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils.gc_utils import freeze_gc_heap
 
-from engines.backends import ENGINE_BACKENDS
-from engines.contract import EngineFailed, EngineLink, EngineUnavailable
+from engines.contract import EngineFailed, EngineUnavailable
 from engines.model_source import resolve_model
 from engines.protocol import GenerateChunk, GenerateRequest, LoraAdapter
-from engines.transport import SocketEngineLink
-from kv_transfer import KVRouterSide, make_kv_backend
-from router.dispatch import Dispatch, Dispatcher, Plan
+from router.dispatch import Dispatch, Plan
 from router.http.auth import QueueSlot
-from router.http.errors import OpenAIError
-from router.http.readiness import Readiness
+from router.http.errors import OpenAIError, Rejection
+from router.http.relay import Relay
 from router.http.requests import (
     OpenAIRequest,
-    PreparedRequest,
     PromptBuilder,
     RequestValidator,
     ServedByVllm,
     parse_request,
+    take_priority,
 )
-from router.http.responses import SSE_DONE, EventStreamResponse, ResponseWriter, Transcript
+from router.http.responses import EventStreamResponse, ResponseWriter
 from router.http.vllm_frontend import (
     DispatchingEngineClient,
     FrontendCall,
@@ -56,33 +53,17 @@ from router.http.vllm_frontend import (
     in_daemon_thread,
 )
 from router.observation.metrics import ModelMetrics
-from router.observation.traffic_drift import TrafficDrift
-from router.observation.traffic_record import TrafficRecorder
-from router.pd_flow import PREFILL_FALLBACK_REASONS
-from router.policies.prefill_gate import PrefillGate
-from router.policies.prefill_policy import PrefillDecision
-from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Rejection, take_priority
+from router.observation.requests import RequestObserver
+from router.policies.qos import ENGINE_PRIORITY, Refusal
 from router.pool.calibration import calibrate_ttft
-from router.pool.engine_client import EngineClient, LocalEngineLink
-from router.pool.engine_pool import EnginePool
-from router.pool.engine_state import EngineStatePoller
-from router.pool.replica_state import ReplicaState
-from router.pool.watcher import PoolWatcher
+from router.pool.pooled_engine import PooledEngine
+from router.runtime import build_runtime
 from router.settings import ModelBinding, Priority
 
 logger = logging.getLogger("splitserve.router")
 
 
-async def _after(
-    first: tuple[GenerateChunk, float], stream: AsyncIterator[GenerateChunk]
-) -> AsyncIterator[tuple[GenerateChunk, float]]:
-    """The chunk already read, then the rest of the stream, each with when it came."""
-    yield first
-    async for chunk in stream:
-        yield chunk, time.perf_counter()
-
-
-async def _remove_adapter(replicas: list[EngineClient], adapter: LoraAdapter) -> None:
+async def _remove_adapter(replicas: list[PooledEngine], adapter: LoraAdapter) -> None:
     """Free ``adapter`` on these engines; one that cannot is gone or restarting, and holds
     nothing then."""
     for replica in replicas:
@@ -139,9 +120,8 @@ class ServedModel:
     def __init__(
         self, binding: ModelBinding, metrics: ModelMetrics, start_order: StartOrder
     ) -> None:
-        """``binding.engines``: Serve handles by replica name; ``binding.local_engines``:
-        the specs of engines this process hosts itself; ``binding.pool_handles``: the
-        Serve handles of scaled pools, by deployment name (see deployments/app.py)."""
+        """``binding``: the model's settings and engines (router/runtime.py builds what
+        it routes with from them)."""
         from transformers import AutoConfig, AutoTokenizer
 
         settings = binding.settings
@@ -164,80 +144,28 @@ class ServedModel:
         )
         # Adapters loaded on the engines, by vLLM's id for them.
         self._adapters: dict[int, LoraAdapter] = {}
-        qos = settings.qos
-        # Started side by side; each spawn alone (its processes inherit its environment).
-        restarts = settings.router.engine_restart_attempts
-        host_class = ENGINE_BACKENDS.get(settings.engine_backend)
-        local_engines = binding.local_engines
-        self.local_engines = [
-            LocalEngineLink(name, functools.partial(host_class, spec), restarts)
-            for name, spec in local_engines.items()
-        ]
-        links: dict[str, EngineLink] = {
-            name: SocketEngineLink(handle, engine=name) for name, handle in binding.engines.items()
-        }
-        links.update(zip(local_engines, self.local_engines, strict=True))
-        roles = binding.roles
-        self.pool = EnginePool(
-            [self._pool_member(name, roles[name], link) for name, link in links.items()]
-        )
-        self.pool.start()
-        handles = binding.pool_handles
-        self._pool_watcher = PoolWatcher(
-            self.pool,
-            [(scaled, handles[scaled.deployment]) for scaled in settings.scaled_pools],
-            self._pool_member,
-        )
-        self._pool_watcher.start()
-        # Engines load in the background; until all are up the router says so (503), and
-        # before it admits anything it times a prefill on each (the TTFT estimate's seed).
-        calibration = functools.partial(
-            calibrate_ttft, self.pool, qos.calibration_prompt_tokens, vocab_size
-        )
-
         # vLLM's serving layer, for what the router's own path does not render: built
         # once the engines are up (start_frontend).
         self._frontend: VllmFrontend | None = None
 
         async def engines_ready() -> None:
+            # Before it admits anything the router times a prefill on each engine (the
+            # TTFT estimate's seed).
             await self._adopt_engines_context()
-            await calibration()
+            await calibrate_ttft(self.pool, settings.qos.calibration_prompt_tokens, vocab_size)
             await start_order.after_every_engine(self._start_frontend)
 
-        self.readiness = Readiness(
-            self.pool, on_engines_ready=engines_ready, members_known=self._pool_watcher.populated
-        )
-        self._kv: KVRouterSide | None = None
-        if settings.kv_transfer is not None:
-            self._kv = make_kv_backend(settings.kv_transfer).router_side()
-        self._admission = AdmissionControl(settings.qos)
-        record = settings.router.traffic_record
-        self._recorder = (
-            TrafficRecorder(record, settings.router.traffic_record_block_tokens) if record else None
-        )
+        runtime = build_runtime(binding, metrics, engines_ready)
+        self._runtime = runtime
+        self.pool, self.local_engines = runtime.pool, runtime.local_engines
+        self.readiness, self.engine_state = runtime.readiness, runtime.engine_state
+        self._dispatcher, self._admission = runtime.dispatcher, runtime.admission
+        self._recorder, self._drift = runtime.recorder, runtime.drift
         self.metrics = metrics
-        profile = settings.router.traffic_profile
-        self._drift = (
-            TrafficDrift(profile, metrics.traffic_drift, metrics.traffic_drifted)
-            if profile
-            else None
+        self._observer = RequestObserver(
+            metrics, settings.shape, runtime.dispatcher, runtime.recorder, runtime.drift
         )
-        self._mode = settings.shape
-        # Observed once per relayed token: the labelled child is looked up once.
-        self._itl = metrics.itl.labels(self._mode)
-        self.engine_state = EngineStatePoller(
-            self.pool,
-            metrics,
-            settings.router.stats_interval_s,
-            settings.router.unhealthy_after_failed_polls,
-            kv=self._kv,
-            ema_weight=qos.ema_weight,
-            kv_interval_s=settings.router.kv_metrics_interval_s,
-        )
-        self._dispatcher = Dispatcher(
-            settings, self.pool, self._kv, self.engine_state.transfer_cost.estimate_s
-        )
-        self.engine_state.start()
+        self._relay = Relay(self._observer, metrics, self._failure)
 
     @property
     def runtime_lora_updates(self) -> bool:
@@ -255,21 +183,6 @@ class ServedModel:
 
     def priority_of(self, body: Any, headers: Any) -> Priority:
         return take_priority(body, headers, self.default_priority)
-
-    def _pool_member(self, name: str, role: str, link: EngineLink) -> EngineClient:
-        settings = self._config
-        return EngineClient(
-            name,
-            role,
-            link,
-            settings.router.submit_timeout_s,
-            ReplicaState(
-                settings.qos.ema_weight,
-                settings.qos.min_prefill_tokens_per_sample,
-                kv_events_pending_s=settings.router.kv_events_pending_s,
-            ),
-            PrefillGate(settings.router.max_prefills_per_engine),
-        )
 
     # ---- one generation request ----------------------------------------------------------
 
@@ -290,7 +203,7 @@ class ServedModel:
             engine_request = GenerateRequest(
                 # vLLM needs ids unique among running requests; clients may reuse theirs.
                 request_id=f"{call.request_id}-{uuid.uuid4().hex[:8]}",
-                subscriber="",  # set by the EngineClient that submits it
+                subscriber="",  # set by the PooledEngine that submits it
                 prompt_token_ids=prepared.prompt_token_ids,
                 sampling_params=prepared.sampling_params,
                 priority=ENGINE_PRIORITY[priority],
@@ -319,16 +232,16 @@ class ServedModel:
             self.metrics.requests.labels(route, str(int(failure.status)), priority).inc()
             return failure.response(headers)
         waiting.release()  # the key's request has its first token: no longer queued
-        self._count_choices(dispatch.plan)
+        self._observer.choices(dispatch.plan)
         headers.update(dispatch.response_headers())
-        events = self._events(dispatch, first, prepared, writer, arrival)
+        events = self._relay.events(dispatch, first, prepared, writer, arrival)
         if prepared.stream:
             self.metrics.requests.labels(route, "200", priority).inc()
             # Closed by the response however it ends, even if it never started streaming.
             return EventStreamResponse(
-                events, headers, on_close=functools.partial(self._release, dispatch)
+                events, headers, on_close=functools.partial(self._relay.release, dispatch)
             )
-        return await self._collect(events, writer, route, headers, priority)
+        return await self._relay.collect(events, writer, route, headers, priority)
 
     # ---- requests vLLM's serving layer answers -----------------------------------------
 
@@ -471,51 +384,10 @@ class ServedModel:
             logger.warning("a request failed before its first token: %s", error)
             call.error = self._failure(error, " then ".join(tried), started=False)
             raise
-        self._count_choices(dispatch.plan)
+        self._observer.choices(dispatch.plan)
         streamed = request.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
-        relay = self._relay(dispatch, first, call, streamed)
+        relay = self._relay.chunks(dispatch, first, call, streamed)
         return relay, dispatch.response_headers()
-
-    async def _relay(
-        self,
-        dispatch: Dispatch,
-        first: tuple[GenerateChunk, float],
-        call: FrontendCall,
-        streamed: bool,
-    ) -> AsyncGenerator[GenerateChunk, None]:
-        """The dispatch's chunks, timed and counted as the router's own path does."""
-        last_token_at: float | None = None
-        generated = 0
-        try:
-            async for chunk, now in _after(first, dispatch.stream):
-                if chunk.token_ids and streamed:
-                    self._observe_token_timing(call.arrival, last_token_at, now, dispatch.decision)
-                    last_token_at = now
-                if not generated and chunk.token_ids:
-                    self._observe_prefix_estimate(dispatch, chunk)
-                generated += len(chunk.token_ids)
-                yield chunk
-            self._account(dispatch, call.arrival, dispatch.plan.request.prompt_token_ids, generated)
-        except Exception as error:
-            names = "+".join(replica.name for replica in dispatch.replicas)
-            logger.exception("a request failed on %s", names)
-            if not streamed:  # nothing was sent: the response is this status
-                call.error = self._failure(error, names, started=False)
-            raise
-        finally:
-            await self._release(dispatch)
-
-    def _account(
-        self, dispatch: Dispatch, arrival: float, prompt_token_ids: list[int], generated: int
-    ) -> None:
-        """A finished request in the router's metrics, traffic record and drift."""
-        self.metrics.e2e.labels(self._mode).observe(time.perf_counter() - arrival)
-        self.metrics.tokens.labels("prompt").inc(len(prompt_token_ids))
-        self.metrics.tokens.labels("generation").inc(generated)
-        if self._recorder is not None:
-            self._recorder.record(arrival, prompt_token_ids, generated, dispatch.plan.priority)
-        if self._drift is not None:
-            self._drift.observe(arrival, len(prompt_token_ids), generated)
 
     async def _open(
         self, plan: Plan, arrival: float, tried: list[str]
@@ -527,15 +399,15 @@ class ServedModel:
         retried = False
         while True:
             tried.append(plan.prefill_replica.name)
-            dispatch = self._dispatcher.start(plan, on_accepted=self._queue_timer(arrival))
-            self._track(dispatch.replicas, +1)
+            dispatch = self._dispatcher.start(plan, on_accepted=self._observer.queue_timer(arrival))
+            self._observer.track(dispatch.replicas, +1)
             try:
                 chunk = await anext(dispatch.stream, None)
                 if chunk is None:
                     raise EngineFailed("the engine ended the request without output")
                 return dispatch, (chunk, time.perf_counter())
             except BaseException as error:
-                await self._release(dispatch)
+                await self._relay.release(dispatch)
                 elsewhere = None
                 if isinstance(error, EngineUnavailable) and not retried:
                     elsewhere = self._dispatcher.replan_elsewhere(plan)
@@ -549,120 +421,29 @@ class ServedModel:
                 )
                 plan, retried = elsewhere, True
 
-    async def _release(self, dispatch: Dispatch) -> None:
-        """Once per dispatch, however the request ends: close its stream (which aborts
-        it in the engine if it still runs) and count it."""
-        if dispatch.released:
-            return
-        dispatch.released = True
-        self._track(dispatch.replicas, -1)
-        await dispatch.stream.aclose()
-        decision = dispatch.decision
-        self.metrics.prefill_decisions.labels(decision.where, decision.reason).inc()
-
     def _admit_early(self, priority: Priority) -> None:
         if not self.readiness.is_ready:
             return  # nothing measured yet; the request waits for readiness below
         dispatcher = self._dispatcher
-        try:
-            self._admission.check(
-                priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
-            )
-        except Rejection as rejection:
-            self.metrics.rejections.labels(rejection.reason, priority).inc()
-            raise
+        refusal = self._admission.check(
+            priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
+        )
+        if refusal is not None:
+            self._refuse(refusal, priority)
 
     def _admit(self, plan: Plan) -> None:
         estimate = plan.ttft_estimate_s()
         if estimate is not None:
             self.metrics.ttft_estimate.labels(plan.prefill_replica.name).set(estimate)
-        try:
-            self._admission.check(plan.priority, self._dispatcher.queued_requests, lambda: estimate)
-        except Rejection as rejection:
-            self.metrics.rejections.labels(rejection.reason, plan.priority).inc()
-            raise
+        refusal = self._admission.check(
+            plan.priority, self._dispatcher.queued_requests, lambda: estimate
+        )
+        if refusal is not None:
+            self._refuse(refusal, plan.priority)
 
-    def _queue_timer(self, arrival: float) -> Callable[[], None]:
-        def accepted() -> None:
-            self.metrics.queue.labels(self._mode).observe(time.perf_counter() - arrival)
-
-        return accepted
-
-    def _count_choices(self, plan: Plan) -> None:
-        for choice, prefill in ((plan.main, False), (plan.prefill, True)):
-            if choice is not None:
-                replica = choice.replica
-                policy = self._dispatcher.policy_of(choice, prefill)
-                self.metrics.replica_choices.labels(
-                    replica.role, policy, replica.name, choice.reason
-                ).inc()
-
-    async def _collect(
-        self,
-        events: AsyncIterator[Transcript | str],
-        writer: ResponseWriter,
-        route: str,
-        headers: dict[str, str],
-        priority: Priority,
-    ) -> Response:
-        transcript: Transcript | None = None
-        try:
-            async for item in events:
-                if isinstance(item, Transcript):
-                    transcript = item
-        except OpenAIError as error:
-            self.metrics.requests.labels(route, str(int(error.status)), priority).inc()
-            return error.response(headers)
-        assert transcript is not None
-        self.metrics.requests.labels(route, "200", priority).inc()
-        return JSONResponse(writer.final_response(transcript), headers=headers)
-
-    async def _events(
-        self,
-        dispatch: Dispatch,
-        first: tuple[GenerateChunk, float],
-        prepared: PreparedRequest,
-        writer: ResponseWriter,
-        arrival: float,
-    ) -> AsyncGenerator[Any, None]:
-        """SSE strings when streaming; for non-stream requests, the final Transcript.
-        ``first``: the stream's first chunk, already read (``_open``), and when."""
-        transcript = Transcript(prompt_token_ids=prepared.prompt_token_ids)
-        last_token_at: float | None = None
-        # Closing the stream early (client gone) aborts the request in the engine.
-        stream = dispatch.stream
-        try:
-            if prepared.stream and (opening := writer.first_event(transcript)):
-                yield opening
-            async for chunk, now in _after(first, stream):
-                if chunk.token_ids and prepared.stream:
-                    self._observe_token_timing(arrival, last_token_at, now, dispatch.decision)
-                    last_token_at = now
-                is_first = not transcript.token_ids
-                if is_first:
-                    self._observe_prefix_estimate(dispatch, chunk)
-                transcript.add(chunk)
-                if prepared.stream:
-                    yield writer.delta_event(chunk, transcript, is_first)
-            self._account(dispatch, arrival, transcript.prompt_token_ids, len(transcript.token_ids))
-            if not prepared.stream:
-                yield transcript
-                return
-            if prepared.include_usage:
-                yield writer.usage_event(transcript)
-            yield SSE_DONE
-        except Exception as error:  # the engine failed mid-request
-            names = "+".join(replica.name for replica in dispatch.replicas)
-            logger.exception("a request failed on %s", names)
-            # A non-streamed response has sent nothing yet, whatever the engines made.
-            sent = prepared.stream and bool(transcript.token_ids)
-            failure = self._failure(error, names, started=sent)
-            if not prepared.stream:
-                raise failure from error
-            yield writer.error_event(failure)
-            yield SSE_DONE
-        finally:
-            await self._release(dispatch)
+    def _refuse(self, refusal: Refusal, priority: Priority) -> NoReturn:
+        self.metrics.rejections.labels(refusal.reason, priority).inc()
+        raise Rejection(refusal)
 
     def starting(self) -> OpenAIError:
         waiting = ", ".join(self.readiness.starting()) or "the router"
@@ -691,35 +472,6 @@ class ServedModel:
             f"the engine replica failed ({names}): {error}", HTTPStatus.INTERNAL_SERVER_ERROR
         )
 
-    def _observe_prefix_estimate(self, dispatch: Dispatch, chunk: GenerateChunk) -> None:
-        """Set the router's prefix-cache estimate beside what vLLM found, per replica."""
-        if dispatch.decision.reason in PREFILL_FALLBACK_REASONS:
-            return  # another replica computed the prompt than the one estimated for
-        name = dispatch.prefill_replica.name
-        tokens = self.metrics.prefix_cache_tokens
-        tokens.labels(name, "estimated").inc(dispatch.expected_cached_tokens)
-        tokens.labels(name, "reported").inc(chunk.num_cached_tokens)
-        for signal, estimate in dispatch.plan.cached_by_signal.items():
-            tokens.labels(name, signal).inc(estimate)
-            error = abs(estimate - chunk.num_cached_tokens)
-            self.metrics.prefix_estimate_error.labels(signal).observe(error)
-
-    def _observe_token_timing(
-        self, arrival: float, last_token_at: float | None, now: float, decision: PrefillDecision
-    ) -> None:
-        if last_token_at is None:
-            self.metrics.ttft.labels(self._mode, decision.where).observe(now - arrival)
-        else:
-            self._itl.observe(now - last_token_at)
-
-    def _track(self, replicas: list[EngineClient], delta: int) -> None:
-        for replica in replicas:
-            replica.in_flight += delta
-            labels = (replica.name, replica.role)
-            self.metrics.replica_in_flight.labels(*labels).set(replica.in_flight)
-            if delta > 0:
-                self.metrics.replica_requests.labels(*labels).inc()
-
     # ---- the model as the ingress reports it ----------------------------------------------
 
     def model_cards(self) -> list[ModelCard]:
@@ -746,10 +498,7 @@ class ServedModel:
 
     def close(self) -> None:
         """Stopping, not dying: no engine is restarted and no stream reconnects from here."""
-        self._pool_watcher.stop()
-        self.pool.close()
-        if self._kv is not None:
-            self._kv.shutdown()  # what the KV backend holds for this application goes with it
+        self._runtime.close()
 
     async def _adopt_engines_context(self) -> None:
         """Take the context length the engines derived (vLLM's rules: the model's own,
@@ -760,7 +509,7 @@ class ServedModel:
             logger.info("the engines' context is %d tokens", min(reported))
             self._prompts.max_model_len = min(reported)
 
-    async def _replica_health(self, replica: EngineClient) -> str:
+    async def _replica_health(self, replica: PooledEngine) -> str:
         if not replica.link.ready:
             return "starting"
         timeout = self._config.router.health_check_timeout_s

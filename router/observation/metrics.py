@@ -12,12 +12,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics import MetricWrapperBase
 
+from router.policies.qos import REFUSAL_REASONS
 from router.settings import PRIORITIES
 from splitserve import metric_catalogue as catalogue
 from splitserve.metric_catalogue import Family, register
-
-# key_queue_full: an API key's own cap (router/http/auth.py).
-REJECTION_REASONS = ("queue_full", "ttft_slo", "key_queue_full")
 
 
 class RouterMetrics:
@@ -88,7 +86,7 @@ class ModelMetrics:
             if isinstance(family, MetricWrapperBase):
                 labelled = "model" in family._labelnames
                 setattr(self, name, ModelLabelled(family, model) if labelled else family)
-        for reason in REJECTION_REASONS:
+        for reason in REFUSAL_REASONS:
             for priority in PRIORITIES:
                 self.rejections.labels(reason, priority)  # present at 0 from the start
 

@@ -1,10 +1,10 @@
-"""Live traffic against the traffic its split was chosen for.
+"""Live traffic against the traffic its shape was chosen for.
 
-``python -m loadgen advise`` picks a split for a workload and writes what it measured
-(mean prompt and output lengths, the request rate the split served within its
+``python -m loadgen advise`` picks a shape for a workload and writes what it measured
+(mean prompt and output lengths, the request rate the shape served within its
 objectives) into the YAML as ``router.traffic_profile``. The router compares its last
 ``window_requests`` answered requests with that profile and exports each ratio, so a
-dashboard or an alert can say when the split should be advised again.
+dashboard or an alert can say when the shape should be advised again.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class TrafficDrift:
         if reading.drifted:
             logger.warning(
                 "live traffic has drifted from router.traffic_profile in %s (%s; tolerance"
-                " %gx): the split may no longer suit it, python -m loadgen advise can choose"
+                " %gx): the shape may no longer suit it, python -m loadgen advise can choose"
                 " again",
                 ", ".join(sorted(reading.drifted)),
                 ratios,

@@ -1,4 +1,4 @@
-"""A content-free record of the traffic the router served, for the split advisor.
+"""A content-free record of the traffic the router served, for the shape advisor.
 
 One JSON line per request that got an answer: when it arrived (seconds from the start
 of the record), its prompt and output lengths in tokens, its priority, and the chained
@@ -6,7 +6,7 @@ hashes of its prompt's full blocks of ``block_tokens`` tokens, salted with a key
 never leaves this process: two requests that share a prefix share its hashes, and
 nothing else can be learned from them. Never text, never token ids.
 ``python -m loadgen --trace recorded --trace-file FILE`` replays it, prefix reuse
-included (loadgen/recorded.py).
+included (loadgen/data/recorded.py).
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ from router.settings import QoSConfig
 from splitserve.config_base import StrictModel
 
 # In an auto pool the engine chosen to prefill can decode too, and for these two
-# reasons a split would not pay: its decode request would queue on the planned decode
+# reasons a remote prefill would not pay: its decode request would queue on the planned decode
 # engine behind the very work that made the peer sooner (remote_sooner; in
 # bench/auto.py's summarization phase TPOT p50 109 ms against dp's 28), or join the
 # busier batch (decode_busy). On the peer the first token comes as soon, with no KV
 # hand-over, and no backlog of the first engine's stands between it and the rest
-# (docs/DECISIONS.md). Other remote reasons split as decided.
+# (docs/DECISIONS.md). Other remote decisions stand.
 PEER_SOONER = "peer_sooner"
 PEER_LESS_BUSY = "peer_less_busy"
 

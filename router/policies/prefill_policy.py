@@ -32,7 +32,7 @@ class PrefillDecision:
     answered (``x-splitserve-prefill``) is where the prompt ran.
 
     ``whole_on_peer``: in an auto pool, for a remote decision whose peer would serve
-    the whole request better than a split, the reason it then runs there (local)."""
+    the whole request better than a remote prefill, the reason it then runs there (local)."""
 
     where: Where
     reason: str

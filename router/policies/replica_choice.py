@@ -16,12 +16,12 @@ from splitserve.config_base import StrictModel
 from splitserve.registry import Registry
 
 if TYPE_CHECKING:
-    from router.pool.engine_client import EngineClient
+    from router.pool.pooled_engine import PooledEngine
     from router.pool.prefix_index import PromptBlocks
 
 
 class Choice(NamedTuple):
-    replica: EngineClient
+    replica: PooledEngine
     reason: str
 
 
@@ -30,7 +30,7 @@ class ReplicaChoice(Protocol):
 
     def __init__(self, settings: StrictModel) -> None: ...
 
-    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice: ...
+    def choose(self, replicas: list[PooledEngine], prompt: PromptBlocks) -> Choice: ...
 
 
 REPLICA_CHOICES: Registry[type[ReplicaChoice]] = Registry(

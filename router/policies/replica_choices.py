@@ -13,7 +13,7 @@ from router.policies.replica_choice import REPLICA_CHOICES, Choice
 from splitserve.config_base import StrictModel
 
 if TYPE_CHECKING:
-    from router.pool.engine_client import EngineClient
+    from router.pool.pooled_engine import PooledEngine
     from router.pool.prefix_index import PromptBlocks
 
 
@@ -26,7 +26,7 @@ class RoundRobin:
     def __init__(self, settings: StrictModel | None = None) -> None:
         self._counter: Iterator[int] = itertools.count()
 
-    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
+    def choose(self, replicas: list[PooledEngine], prompt: PromptBlocks) -> Choice:
         _require(replicas)
         return Choice(replicas[next(self._counter) % len(replicas)], "round_robin")
 
@@ -42,11 +42,11 @@ class LeastLoaded:
     def __init__(self, settings: StrictModel | None = None) -> None:
         self._counter: Iterator[int] = itertools.count()
 
-    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
+    def choose(self, replicas: list[PooledEngine], prompt: PromptBlocks) -> Choice:
         _require(replicas)
         return Choice(self.pick(replicas), "least_loaded")
 
-    def pick(self, replicas: list[EngineClient]) -> EngineClient:
+    def pick(self, replicas: list[PooledEngine]) -> PooledEngine:
         loads = [_load(r) for r in replicas]  # each read once: it is per request, per engine
         lightest = min(loads)
         tied = [r for r, load in zip(replicas, loads, strict=True) if load == lightest]
@@ -77,7 +77,7 @@ class PrefixAffinity:
         )
         self._fallback = LeastLoaded()
 
-    def choose(self, replicas: list[EngineClient], prompt: PromptBlocks) -> Choice:
+    def choose(self, replicas: list[PooledEngine], prompt: PromptBlocks) -> Choice:
         _require(replicas)
         hits = {r.name: r.state.cached_tokens(prompt) for r in replicas}
         best = max(replicas, key=lambda r: (hits[r.name], -_requests(r)))
@@ -89,17 +89,17 @@ class PrefixAffinity:
         return Choice(best, "prefix_hit")
 
 
-def _requests(replica: EngineClient) -> int:
+def _requests(replica: PooledEngine) -> int:
     # A prefill replica is busy with prefills only; the decodes its requests go on to
     # elsewhere would make it look loaded for their whole length.
     state = replica.state
     return state.prefill_queue if replica.role == "prefill" else state.active
 
 
-def _load(replica: EngineClient) -> tuple[int, float]:
+def _load(replica: PooledEngine) -> tuple[int, float]:
     return _requests(replica), replica.state.kv_cache_usage
 
 
-def _require(replicas: list[EngineClient]) -> None:
+def _require(replicas: list[PooledEngine]) -> None:
     if not replicas:
         raise LookupError("no replica to choose from")

@@ -6,7 +6,7 @@ everything, and the first burst after a start (a deploy, a failover) is exactly 
 one that needs shedding. So once every engine is up, and before the router admits
 anything, each engine prefills ``qos.calibration_prompt_tokens`` random tokens and
 decodes one more: the first sample of its per-token prefill time and its decode step,
-measured the way every later request is (``EngineClient.generate``). It doubles as the
+measured the way every later request is (``PooledEngine.generate``). It doubles as the
 engine's warm-up.
 """
 
@@ -21,14 +21,14 @@ from collections.abc import Iterable
 from vllm import SamplingParams
 
 from engines.protocol import GenerateRequest
-from router.pool.engine_client import EngineClient
+from router.pool.pooled_engine import PooledEngine
 
 logger = logging.getLogger("splitserve.router")
 # Prefill, then one decode step: the step time's first sample too.
 CALIBRATION_OUTPUT_TOKENS = 2
 
 
-async def calibrate_ttft(replicas: Iterable[EngineClient], prompt_tokens: int, vocab: int) -> None:
+async def calibrate_ttft(replicas: Iterable[PooledEngine], prompt_tokens: int, vocab: int) -> None:
     """One timed prefill of ``prompt_tokens`` random token ids on every replica, at once
     (each engine has its own cores or GPUs)."""
     if prompt_tokens <= 0:
@@ -42,7 +42,7 @@ async def calibrate_ttft(replicas: Iterable[EngineClient], prompt_tokens: int, v
     )
 
 
-async def _calibrate(replica: EngineClient, prompt: list[int]) -> None:
+async def _calibrate(replica: PooledEngine, prompt: list[int]) -> None:
     request = GenerateRequest(
         request_id=f"calibration-{uuid.uuid4().hex[:12]}",
         subscriber="",

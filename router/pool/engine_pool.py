@@ -2,7 +2,7 @@
 calibration all read, with add and remove, so that a pool can grow and shrink while
 the router serves (a scaled pool's members follow Serve: router/pool/watcher.py).
 
-Members are EngineClients; each reaches its engine through its link (a Serve replica
+Members are PooledEngines; each reaches its engine through its link (a Serve replica
 of its own over the engine transport, or an engine host in this process).
 """
 
@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Iterator
 
-from router.pool.engine_client import EngineClient
+from router.pool.pooled_engine import PooledEngine
 
 logger = logging.getLogger("splitserve.router")
 # How often a drain looks whether the member's last request has finished.
@@ -21,13 +21,13 @@ DRAIN_POLL_S = 0.05
 
 
 class EnginePool:
-    def __init__(self, members: list[EngineClient] | None = None) -> None:
-        self._members: list[EngineClient] = []
+    def __init__(self, members: list[PooledEngine] | None = None) -> None:
+        self._members: list[PooledEngine] = []
         for member in members or ():
             self._check_new(member)
             self._members.append(member)
 
-    def __iter__(self) -> Iterator[EngineClient]:
+    def __iter__(self) -> Iterator[PooledEngine]:
         # A copy: members may come and go while a caller awaits between items.
         return iter(list(self._members))
 
@@ -43,10 +43,10 @@ class EnginePool:
         """Each role once, in the order its first member joined."""
         return list(dict.fromkeys(member.role for member in self._members))
 
-    def of_role(self, role: str) -> list[EngineClient]:
+    def of_role(self, role: str) -> list[PooledEngine]:
         return [member for member in self._members if member.role == role]
 
-    def get(self, name: str) -> EngineClient:
+    def get(self, name: str) -> PooledEngine:
         for member in self._members:
             if member.name == name:
                 return member
@@ -57,27 +57,27 @@ class EnginePool:
         for member in self._members:
             member.start()
 
-    def add(self, member: EngineClient) -> None:
+    def add(self, member: PooledEngine) -> None:
         """A new member takes requests once its engine is ready, like the first ones."""
         self._check_new(member)
         self._members.append(member)
         member.start()
         logger.info("engine %s (%s) joined the pool", member.name, member.role)
 
-    async def remove(self, name: str, drain_timeout_s: float) -> EngineClient:
+    async def remove(self, name: str, drain_timeout_s: float) -> PooledEngine:
         """Take a member out: no new request goes to it at once, and the requests it
         carries finish first (up to ``drain_timeout_s``), so none is dropped."""
         member = self.take_out(name)
         await self.finish(member, drain_timeout_s)
         return member
 
-    def take_out(self, name: str) -> EngineClient:
+    def take_out(self, name: str) -> PooledEngine:
         """No new request goes to the member from now on (``finish`` it after)."""
         member = self.get(name)
         self._members.remove(member)
         return member
 
-    async def finish(self, member: EngineClient, drain_timeout_s: float) -> None:
+    async def finish(self, member: PooledEngine, drain_timeout_s: float) -> None:
         """Stop a member taken out once the requests it carries have finished."""
         name = member.name
         try:
@@ -108,11 +108,11 @@ class EnginePool:
         for thread in closing:
             thread.join()
 
-    def _check_new(self, member: EngineClient) -> None:
+    def _check_new(self, member: PooledEngine) -> None:
         if member.name in self.names:
             raise ValueError(f"the pool already has an engine replica named {member.name!r}")
 
 
-async def _drained(member: EngineClient) -> None:
+async def _drained(member: PooledEngine) -> None:
     while member.in_flight > 0:
         await asyncio.sleep(DRAIN_POLL_S)

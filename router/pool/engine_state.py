@@ -16,8 +16,8 @@ from engines.protocol import EngineStats
 from kv_transfer import KVRouterSide
 from kv_transfer.metrics import handover_seconds
 from router.observation.metrics import ModelMetrics
-from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import PooledEngine
 from router.pool.replica_state import MovingAverage
 
 # How vLLM counts prompt tokens whose KV came from another engine (EngineStats).
@@ -111,7 +111,7 @@ class EngineStatePoller:
         except Exception as error:
             logger.debug("no KV transfer metrics: %s", error)
 
-    async def _poll(self, replica: EngineClient) -> None:
+    async def _poll(self, replica: PooledEngine) -> None:
         try:
             stats: EngineStats = await asyncio.wait_for(
                 replica.link.stats(), timeout=max(1.0, 5 * self._interval_s)

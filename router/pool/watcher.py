@@ -21,8 +21,8 @@ import router.pool.members as pool_members
 from engines.contract import EngineLink
 from engines.settings import member_name
 from engines.transport import SocketEngineLink
-from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import PooledEngine
 from router.settings import ScaledPoolSettings
 
 logger = logging.getLogger("splitserve.router")
@@ -35,7 +35,7 @@ class PoolWatcher:
         self,
         pool: EnginePool,
         scaled: list[tuple[ScaledPoolSettings, Any]],
-        make_client: Callable[[str, str, EngineLink], EngineClient],
+        make_client: Callable[[str, str, EngineLink], PooledEngine],
     ) -> None:
         """``scaled``: each scaled pool's settings and its deployment's Serve handle;
         ``make_client(name, role, link)``: a pool member as the router builds them."""

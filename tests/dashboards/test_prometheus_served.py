@@ -42,8 +42,8 @@ from dashboards.prometheus import (
 )
 from engines.sampler import SAMPLE_PERIOD_S
 from loadgen.config import RunConfig, WorkloadConfig
-from loadgen.exposition import Exposition
-from loadgen.runner import RunResult, execute_run
+from loadgen.outputs.exposition import Exposition
+from loadgen.scheduling.runner import RunResult, execute_run
 from tests.support.local_ports import free_port
 from tests.support.served_apps import ServedApps
 

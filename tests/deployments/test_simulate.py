@@ -16,7 +16,7 @@ import pytest
 from deployments.config import load_application
 from deployments.simulate import Arrival, OfflineCluster, Worker, simulated_application
 from engines.simulated.scheduler import SimScheduler
-from loadgen.simulate import SimulatedTarget, describe
+from loadgen.study.simulate import SimulatedTarget, describe
 from splitserve.latency.profile import load_profile
 
 PROFILE = "h100-llama-3.1-8b"

@@ -15,7 +15,7 @@ import pytest
 
 from deployments.launcher import APP_NAME, RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
-from loadgen.server_view import parse_metrics
+from loadgen.client.server_view import parse_metrics
 from splitserve.processes import command_lines
 from tests.support.synthetic_apps import synthetic_dp
 

@@ -1,5 +1,5 @@
 """The router<->engine transport, without Ray: a synthetic engine host served on the
-loopback address, reached by the router's SocketEngineLink through an EngineClient, and
+loopback address, reached by the router's SocketEngineLink through an PooledEngine, and
 hostile peers on both ends: nothing is decoded before the secret is proved, frames are
 bounded, and no frame is ever unpickled."""
 
@@ -50,7 +50,7 @@ from engines.transport import (
     prove_to_engine,
     with_sampling_params,
 )
-from router.pool.engine_client import EngineClient
+from router.pool.pooled_engine import PooledEngine
 
 CONFIG = parse_app_config(
     {"shape": "dp", "pools": [{"replicas": 2}], "engine": {"backend": "synthetic"}}
@@ -80,7 +80,7 @@ def _request(request_id: str, max_tokens: int) -> GenerateRequest:
 @contextlib.asynccontextmanager
 async def _served(
     step_interval_s: float = 0.0,
-) -> AsyncIterator[tuple[SyntheticEngineHost, EngineTransportServer, EngineClient]]:
+) -> AsyncIterator[tuple[SyntheticEngineHost, EngineTransportServer, PooledEngine]]:
     name, pool, index = engine_names(CONFIG)[0]
     spec = engine_spec(CONFIG, name, pool, index)
     spec = spec.model_copy(
@@ -89,7 +89,7 @@ async def _served(
     host = SyntheticEngineHost(spec)
     server = EngineTransportServer(host)
     address = await server.start("127.0.0.1")
-    client = EngineClient(name, "mixed", SocketEngineLink(FakeHandle(address)), 5.0)
+    client = PooledEngine(name, "mixed", SocketEngineLink(FakeHandle(address)), 5.0)
     client.start()
     try:
         # As the router's readiness check does, beside the client's own listener: one
@@ -119,7 +119,7 @@ async def test_tokens_stats_and_health_cross_the_connection() -> None:
 
 
 async def test_many_requests_share_one_connection_and_each_gets_its_own_tokens() -> None:
-    async def one(client: EngineClient, request_id: str, n: int) -> int:
+    async def one(client: PooledEngine, request_id: str, n: int) -> int:
         return sum([len(c.token_ids) async for c in client.generate(_request(request_id, n))])
 
     async with _served() as (_, _, client):

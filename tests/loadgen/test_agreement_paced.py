@@ -28,7 +28,7 @@ from bench.client_agreement import (
     start_our_client,
     start_vllm_client,
 )
-from loadgen.fake_server import FAKE_MODEL_NAME, FakeServerConfig, fake_server_in_thread
+from loadgen.client.fake_server import FAKE_MODEL_NAME, FakeServerConfig, fake_server_in_thread
 
 TTFT_MS, ITL_MS = 50.0, 5.0
 REQUESTS = 40

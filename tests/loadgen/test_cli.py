@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.burstgpt import BurstGPTShapedGenerator, write_trace_csv
 from loadgen.cli import main
-from loadgen.fake_server import FakeServerConfig, fake_server_in_thread
+from loadgen.client.fake_server import FakeServerConfig, fake_server_in_thread
+from loadgen.data.burstgpt import BurstGPTShapedGenerator, write_trace_csv
 from tests.support.local_ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]

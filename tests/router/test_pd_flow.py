@@ -15,8 +15,8 @@ from deployments.config import parse_app_config
 from engines.protocol import CONTINUE_FROM, EngineStats, GenerateChunk, GenerateRequest
 from kv_transfer.handle import CONSUMER_KEY
 from router.dispatch import Dispatch, Dispatcher
-from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import PooledEngine
 from splitserve.metric_catalogue import PREFILL_HEADER, REPLICA_HEADER
 from tests.support.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
@@ -37,8 +37,8 @@ class Cluster:
         )
         self.prefill_link = FakeEngineLink("prefill-0", "prefill")
         self.decode_link = FakeEngineLink("decode-0", "decode", consumer=CONSUMER)
-        self.prefill = EngineClient("prefill-0", "prefill", self.prefill_link, 5.0)
-        self.decode = EngineClient("decode-0", "decode", self.decode_link, 5.0)
+        self.prefill = PooledEngine("prefill-0", "prefill", self.prefill_link, 5.0)
+        self.decode = PooledEngine("decode-0", "decode", self.decode_link, 5.0)
         self.decode.state.update_engine(
             EngineStats(replica="decode-0", role="decode", kv_consumer=CONSUMER)
         )

@@ -8,8 +8,8 @@ from collections import Counter
 from prometheus_client import CollectorRegistry
 
 from kv_transfer.metrics import KVTransferCollector, TransferStats
-from loadgen.exposition import Exposition
-from loadgen.fake_server import FakeServerConfig, _Metrics
+from loadgen.client.fake_server import FakeServerConfig, _Metrics
+from loadgen.outputs.exposition import Exposition
 from router.observation.metrics import ROUTER_ATTRIBUTES, RouterMetrics
 from splitserve import metric_catalogue as catalogue
 from tests.dashboards.names import registry_names

@@ -27,8 +27,13 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from router.http.errors import OpenAIError
-from router.http.requests import PromptBuilder, RequestValidator, ServedByVllm, decode_json_body
-from router.policies.qos import take_priority
+from router.http.requests import (
+    PromptBuilder,
+    RequestValidator,
+    ServedByVllm,
+    decode_json_body,
+    take_priority,
+)
 from router.settings import PRIORITIES
 
 EXAMPLES = settings(

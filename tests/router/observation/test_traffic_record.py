@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from loadgen.config import WorkloadConfig
-from loadgen.recorded import PrefixedPrompts, RecordError, read_record
-from loadgen.workloads import LengthDraws, plan_workload, seed_stream
+from loadgen.data.recorded import PrefixedPrompts, RecordError, read_record
+from loadgen.data.workloads import LengthDraws, plan_workload, seed_stream
 from router.observation.traffic_record import TrafficRecorder
 from router.pool.prefix_index import PromptBlocks
 
@@ -83,7 +83,7 @@ def test_not_a_record_is_a_clear_error(tmp_path: Path) -> None:
         read_record(path)
     config = WorkloadConfig(name="recorded-replay", trace="recorded")
     draws = LengthDraws(1, 0, seed_stream(0, 0), seed_stream(0, 1), 4096)
-    from loadgen.recorded import RecordedReplay
+    from loadgen.data.recorded import RecordedReplay
 
     with pytest.raises(RecordError, match="--trace-file"):
         RecordedReplay().plan(config, draws)

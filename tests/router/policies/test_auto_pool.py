@@ -19,8 +19,8 @@ from router.dispatch import (
     Dispatcher,
 )
 from router.policies.qos import ENGINE_PRIORITY
-from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import PooledEngine
 from tests.support.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
 LONG = list(range(1, 1001))
@@ -46,7 +46,7 @@ class RoleFreePool:
             FakeEngineLink(f"engine-{i}", "mixed", consumer=f"engine-{i}-consumer")
             for i in range(engines)
         ]
-        self.engines = [EngineClient(link.name, "mixed", link, 5.0) for link in self.links]
+        self.engines = [PooledEngine(link.name, "mixed", link, 5.0) for link in self.links]
         for engine in self.engines:
             engine.state.update_engine(
                 EngineStats(

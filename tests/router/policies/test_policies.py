@@ -9,16 +9,18 @@ from http import HTTPStatus
 import pytest
 
 from engines.protocol import EngineStats
+from router.http.errors import Rejection
+from router.http.requests import take_priority
 from router.policies.prefill_policies import ConditionalSettings, should_prefill_remotely
 from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
-from router.policies.qos import AdmissionControl, Rejection, take_priority
+from router.policies.qos import AdmissionControl, Refusal
 from router.policies.replica_choices import (
     LeastLoaded,
     PrefixAffinity,
     PrefixAffinitySettings,
     RoundRobin,
 )
-from router.pool.engine_client import EngineClient
+from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PrefixIndex, PromptBlocks
 from router.pool.replica_state import ReplicaState
 from router.settings import Priority, QoSConfig
@@ -112,7 +114,7 @@ def test_prefix_index_forgets_least_recently_used_beyond_capacity() -> None:
 # ---- replica choice --------------------------------------------------------------------
 
 
-def _replica(name: str, active: int = 0, kv: float = 0.0) -> EngineClient:
+def _replica(name: str, active: int = 0, kv: float = 0.0) -> PooledEngine:
     state = ReplicaState()
     state.update_engine(
         EngineStats(
@@ -124,7 +126,7 @@ def _replica(name: str, active: int = 0, kv: float = 0.0) -> EngineClient:
             kv_capacity_blocks=1000,
         )
     )
-    return EngineClient(name, "mixed", link=None, submit_timeout_s=1.0, state=state)
+    return PooledEngine(name, "mixed", link=None, submit_timeout_s=1.0, state=state)
 
 
 PROMPT = PromptBlocks(list(range(40)))
@@ -214,8 +216,8 @@ def test_priority_from_body_or_header_and_clear_errors() -> None:
 
 def _check(
     admission: AdmissionControl, priority: Priority, queued: int, estimate: float | None
-) -> None:
-    admission.check(priority, lambda: queued, lambda: estimate)
+) -> Refusal | None:
+    return admission.check(priority, lambda: queued, lambda: estimate)
 
 
 def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> None:
@@ -226,20 +228,21 @@ def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> 
         queue_caps={"high": 10, "normal": 6, "low": 3},
     )
     admission = AdmissionControl(config)
-    _check(admission, "low", 0, 0.9)
-    _check(admission, "high", 0, 5.0)
-    _check(admission, "normal", 0, 5.0)
-    _check(admission, "low", 0, None)  # not measured yet
-    with pytest.raises(Rejection) as slo:
-        _check(admission, "low", 0, 1.5)
-    assert (slo.value.status, slo.value.reason) == (HTTPStatus.SERVICE_UNAVAILABLE, "ttft_slo")
-    assert slo.value.response().headers["retry-after"] == "1"
-    with pytest.raises(Rejection) as cap:
-        _check(admission, "normal", 6, None)
-    assert (cap.value.status, cap.value.reason) == (HTTPStatus.TOO_MANY_REQUESTS, "queue_full")
-    _check(admission, "high", 9, None)
-    with pytest.raises(Rejection):
-        _check(admission, "high", 10, None)
+    assert _check(admission, "low", 0, 0.9) is None
+    assert _check(admission, "high", 0, 5.0) is None
+    assert _check(admission, "normal", 0, 5.0) is None
+    assert _check(admission, "low", 0, None) is None  # not measured yet
+    slo = _check(admission, "low", 0, 1.5)
+    assert slo is not None and slo.reason == "ttft_slo"
+    cap = _check(admission, "normal", 6, None)
+    assert cap is not None and cap.reason == "queue_full"
+    assert _check(admission, "high", 9, None) is None
+    assert _check(admission, "high", 10, None) is not None
+    # What HTTP says of each: the server's load is a 503, the client's rate a 429.
+    said = Rejection(slo)
+    assert (said.status, said.reason) == (HTTPStatus.SERVICE_UNAVAILABLE, "ttft_slo")
+    assert said.response().headers["retry-after"] == "1"
+    assert Rejection(cap).status == HTTPStatus.TOO_MANY_REQUESTS
 
 
 def test_admission_off_admits_everything_without_asking_for_its_inputs() -> None:
@@ -257,10 +260,9 @@ def test_admission_asks_for_the_estimate_only_for_a_priority_with_a_limit() -> N
         asked.append("estimate")
         return 5.0
 
-    AdmissionControl(config).check("high", lambda: 0, estimate)
+    assert AdmissionControl(config).check("high", lambda: 0, estimate) is None
     assert asked == []
-    with pytest.raises(Rejection):
-        AdmissionControl(config).check("low", lambda: 0, estimate)
+    assert AdmissionControl(config).check("low", lambda: 0, estimate) is not None
     assert asked == ["estimate"]
 
 

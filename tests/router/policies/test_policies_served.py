@@ -22,7 +22,7 @@ import pytest
 
 from deployments.config import load_app_config
 from deployments.launcher import RunningApp, config_path
-from loadgen.client import RequestRecord, SamplingOptions, StreamingClient, build_payload
+from loadgen.client.streaming import RequestRecord, SamplingOptions, StreamingClient, build_payload
 from tests.support.greedy import metric
 from tests.support.served_apps import ServedApps
 

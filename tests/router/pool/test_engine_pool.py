@@ -17,8 +17,8 @@ from deployments.config import parse_app_config
 from engines.protocol import GenerateRequest
 from engines.synthetic import SyntheticEngineHost
 from router.dispatch import Dispatcher
-from router.pool.engine_client import EngineClient, LocalEngineLink
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import LocalEngineLink, PooledEngine
 
 CONFIG = parse_app_config(
     {
@@ -30,11 +30,11 @@ CONFIG = parse_app_config(
 WAIT_S = 10
 
 
-def _member(index: int) -> EngineClient:
+def _member(index: int) -> PooledEngine:
     name, pool, replica_index = engine_names(CONFIG)[index]
     spec = engine_spec(CONFIG, name, pool, replica_index)
     link = LocalEngineLink(name, functools.partial(SyntheticEngineHost, spec), 1)
-    return EngineClient(name, "mixed", link, 5.0)
+    return PooledEngine(name, "mixed", link, 5.0)
 
 
 async def _ready(pool: EnginePool) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import router.pool.members as pool_members
 from engines.contract import EngineLink
 from engines.transport import SocketEngineLink
-from router.pool.engine_client import EngineClient
 from router.pool.engine_pool import EnginePool
+from router.pool.pooled_engine import PooledEngine
 from router.pool.watcher import PoolWatcher
 from router.settings import ScaledPoolSettings
 
@@ -36,8 +36,8 @@ class _Handle:
         self.transport_address = _Call()
 
 
-def _client(name: str, role: str, link: EngineLink) -> EngineClient:
-    return EngineClient(name, role, link, 5.0)
+def _client(name: str, role: str, link: EngineLink) -> PooledEngine:
+    return PooledEngine(name, role, link, 5.0)
 
 
 async def _until(condition: Any, timeout_s: float = 5.0) -> None:

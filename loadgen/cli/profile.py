@@ -1,0 +1,138 @@
+"""``python -m loadgen profile``: measure an engine and fit its latency profile."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+
+from loadgen.cli.common import (
+    configure_logging,
+)
+from loadgen.client.streaming import request_headers
+from loadgen.config import (
+    DEFAULT_BASE_URL,
+)
+from loadgen.scheduling.eventloop import run_event_loop
+from loadgen.study.profiling import (
+    ProfileGrid,
+    ProfileTarget,
+    kv_capacity_tokens,
+    measure,
+    profile_from,
+    profile_table,
+    save_samples,
+    served_models,
+    without_path_cost,
+)
+from splitserve.latency.profile import shipped_profiles
+
+
+def build_profile_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen profile",
+        description="Measure one engine's step times over a grid (prefill lengths, decode"
+        " batches and contexts) and fit a latency profile for simulated engines"
+        " (engine.backend: simulated). Serve one engine alone while it measures.",
+    )
+    parser.add_argument("--list", action="store_true", help="list the shipped profiles")
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL)
+    parser.add_argument("--model", help="default: the first model of GET /v1/models")
+    parser.add_argument("--device", help="what the engine runs on, e.g. H100-SXM-80GB")
+    parser.add_argument("--model-name", help="the profile's model; default: --model")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--kv-bytes-per-token", type=int, help="the model's KV per token, all layers"
+    )
+    parser.add_argument(
+        "--kv-capacity-tokens", type=int, help="default: vLLM's cache_config_info on /metrics"
+    )
+    parser.add_argument("--handover-gbps", type=float, default=1.0, help="PD: KV link rate, GB/s")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    grid = ProfileGrid()
+    parser.add_argument(
+        "--prompt-lengths", type=_int_list, default=grid.prompt_lengths, help="e.g. 16,256,1024"
+    )
+    parser.add_argument("--batches", type=_int_list, default=grid.batches, help="e.g. 1,4,16")
+    parser.add_argument("--contexts", type=_int_list, default=grid.contexts, help="e.g. 64,512")
+    parser.add_argument("--repeats", type=int, default=grid.repeats)
+    parser.add_argument(
+        "--baseline-samples",
+        type=Path,
+        help="the .samples.json of a profile run against the same serving path on engines"
+        " that take no time (deployments.serve CONFIG --simulate with a zero profile): its"
+        " lone-request TTFT is taken off each prefill measurement, so that a simulated"
+        " engine behind that path does not pay it twice",
+    )
+    parser.add_argument("--out", type=Path, help="the profile's file (YAML)")
+    return parser
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
+
+
+def command_profile(argv: list[str], console: Console) -> int:
+    args = build_profile_parser().parse_args(argv)
+    configure_logging(False)
+    if args.list:
+        for name in shipped_profiles():
+            console.print(name)
+        return 0
+    if args.device is None or args.kv_bytes_per_token is None:
+        raise ValueError("profile needs --device and --kv-bytes-per-token (or --list)")
+    return run_event_loop(_profile(args, console))
+
+
+async def _profile(args: argparse.Namespace, console: Console) -> int:
+    base_url = args.base_url.rstrip("/")
+    headers = request_headers()
+    served = await served_models(base_url, headers)
+    model = args.model or served[0][0]
+    max_model_len = dict(served).get(model) or 8192
+    target = ProfileTarget(base_url, model, headers)
+    grid = ProfileGrid(args.prompt_lengths, args.batches, args.contexts, repeats=args.repeats)
+    capacity = args.kv_capacity_tokens or await kv_capacity_tokens(target)
+    if capacity is None:
+        raise ValueError("the server's /metrics has no KV cache size: give --kv-capacity-tokens")
+    console.print(f"measuring {model} at {base_url} ...")
+    prefills, decodes = await measure(target, grid)
+    baseline_note = ""
+    if args.baseline_samples:
+        prefills, path_s = without_path_cost(prefills, args.baseline_samples)
+        baseline_note = f"; less the serving path's own TTFT ({path_s * 1e3:.2f} ms median)"
+    when = datetime.now().strftime("%Y-%m-%d")
+    profile = profile_from(
+        prefills,
+        decodes,
+        source=f"fitted from python -m loadgen profile against {model} on {args.device}"
+        f" ({when}; prompt lengths {list(grid.prompt_lengths)}, batches"
+        f" {list(grid.batches)}, contexts {list(grid.contexts)}, {grid.repeats} repeats)"
+        + baseline_note,
+        device=args.device,
+        model=args.model_name or model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_capacity_tokens=capacity,
+        handover_bytes_per_s=args.handover_gbps * 1e9,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    out = args.out or Path("results/profiles") / (
+        f"{args.device}-{profile.model}-tp{args.tensor_parallel_size}"
+        f"-pp{args.pipeline_parallel_size}.yaml".lower().replace("/", "-")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    save_samples(out.with_suffix(".samples.json"), prefills, decodes)
+    console.print(profile_table(profile, prefills, decodes))
+    console.print(f"profile: {out}")
+    return 0
