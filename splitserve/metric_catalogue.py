@@ -126,25 +126,7 @@ PREFIX_ERROR_BUCKETS = (0.5, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 KV_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # The client sees from half a millisecond (a gap between tokens) to two minutes (a
 # request queued behind an overloaded server).
-CLIENT_LATENCY_BUCKETS_S = (
-    0.0005,
-    0.001,
-    0.002,
-    0.005,
-    0.01,
-    0.02,
-    0.05,
-    0.1,
-    0.2,
-    0.5,
-    1.0,
-    2.0,
-    5.0,
-    10.0,
-    20.0,
-    60.0,
-    120.0,
-)
+CLIENT_LATENCY_BUCKETS_S = (0.0005, *LATENCY_BUCKETS_S, 120.0)
 
 # ---- the router (router/observation/metrics.py) ---------------------------------------
 REQUESTS = Family(
