@@ -160,7 +160,6 @@ class ServedModel:
         self.pool, self.local_engines = runtime.pool, runtime.local_engines
         self.readiness, self.engine_state = runtime.readiness, runtime.engine_state
         self._dispatcher, self._admission = runtime.dispatcher, runtime.admission
-        self._recorder, self._drift = runtime.recorder, runtime.drift
         self.metrics = metrics
         self._observer = RequestObserver(
             metrics, settings.shape, runtime.dispatcher, runtime.recorder, runtime.drift
