@@ -1,0 +1,79 @@
+"""What the router records of each request as it runs (router/observation/requests.py),
+read back from its registry."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from router.observation.metrics import RouterMetrics
+from router.observation.requests import RequestObserver
+from router.policies.prefill_policy import PrefillDecision
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, {"model": "m", **labels})
+    return 0.0 if value is None else value
+
+
+def _observer() -> tuple[RequestObserver, CollectorRegistry]:
+    metrics = RouterMetrics().for_model("m")
+    dispatcher: Any = SimpleNamespace(policy_of=lambda choice, prefill: "round_robin")
+    return RequestObserver(metrics, "pd", dispatcher, None, None), metrics.registry
+
+
+def test_in_flight_counts_follow_starts_and_ends() -> None:
+    observer, registry = _observer()
+    engines: Any = [SimpleNamespace(name="prefill-0", role="prefill", in_flight=0)]
+    observer.track(engines, +1)
+    observer.track(engines, +1)
+    observer.track(engines, -1)
+    labels = {"replica": "prefill-0", "role": "prefill"}
+    assert engines[0].in_flight == 1
+    assert _value(registry, "splitserve_replica_in_flight_requests", **labels) == 1
+    assert _value(registry, "splitserve_replica_requests_total", **labels) == 2
+
+
+def test_the_first_token_is_a_ttft_by_where_it_was_prefilled_and_the_rest_gaps() -> None:
+    observer, registry = _observer()
+    remote = PrefillDecision("remote", "always")
+    observer.token(arrival=10.0, last_token_at=None, now=10.25, decision=remote)
+    observer.token(arrival=10.0, last_token_at=10.25, now=10.26, decision=remote)
+    ttft = {"shape": "pd", "prefill": "remote"}
+    assert _value(registry, "splitserve_time_to_first_token_seconds_count", **ttft) == 1
+    assert _value(registry, "splitserve_time_to_first_token_seconds_sum", **ttft) == 0.25
+    gaps = _value(registry, "splitserve_inter_token_latency_seconds_count", shape="pd")
+    assert gaps == 1
+
+
+def test_a_prefix_estimate_is_set_beside_what_vllm_found_unless_the_prompt_moved() -> None:
+    observer, registry = _observer()
+
+    def dispatch(reason: str) -> Any:
+        return SimpleNamespace(
+            decision=PrefillDecision("remote", reason),
+            prefill_replica=SimpleNamespace(name="prefill-0"),
+            expected_cached_tokens=128,
+            plan=SimpleNamespace(cached_by_signal={"kv_events": 128}),
+        )
+
+    chunk: Any = SimpleNamespace(num_cached_tokens=0)
+    observer.prefix_estimate(dispatch("always"), chunk)
+    observer.prefix_estimate(dispatch("prefill_failed"), chunk)  # computed elsewhere
+    tokens = "splitserve_prefix_cache_tokens_total"
+    assert _value(registry, tokens, replica="prefill-0", source="estimated") == 128
+    assert _value(registry, tokens, replica="prefill-0", source="reported") == 0
+    errors = "splitserve_prefix_estimate_error_tokens_count"
+    assert _value(registry, errors, signal="kv_events") == 1
+
+
+def test_where_each_prompt_ran_is_counted_once_it_ends() -> None:
+    observer, registry = _observer()
+    decision = PrefillDecision("remote", "long_prompt")
+    decision.fall_back("prefill_failed")
+    observer.prefill_decided(decision)
+    decisions = "splitserve_prefill_decisions_total"
+    assert _value(registry, decisions, where="local", reason="prefill_failed") == 1
+    assert _value(registry, decisions, where="remote", reason="long_prompt") == 0
