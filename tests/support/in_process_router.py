@@ -27,7 +27,8 @@ from engines.settings import EngineBackendConfig
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from kv_transfer import make_kv_backend
-from router.http import ingress, served_model
+from router import runtime
+from router.http import ingress
 from router.http.ingress import Router
 from router.http.served_model import ServedModel
 from router.settings import ModelBinding
@@ -135,7 +136,7 @@ async def in_process_router(**args: Any) -> AsyncIterator[Any]:
     # Simulated engines hand over with a KV backend of their own, which needs no cluster.
     recorded = config.engine.backend == "synthetic"
     with mock.patch.object(
-        served_model, "make_kv_backend", _RecordingKVBackend if recorded else make_kv_backend
+        runtime, "make_kv_backend", _RecordingKVBackend if recorded else make_kv_backend
     ):
         await ROUTER_CLASS.__init__(router, [binding])
     try:
