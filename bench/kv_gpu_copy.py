@@ -3,7 +3,7 @@
 For a Llama-3.2-1B-shaped KV cache (16 layers, 8 KV heads, head size 64, blocks of 16
 tokens) in fp16 and bf16, laid out as vLLM's CUDA attention backends lay it out
 (FlashAttention's LBNHC, FlashInfer's LBHNC and BLHNC), it times what one transfer of
-1k and 8k tokens costs with ``kv_transfer/paged_cache.py``: ``pack`` (gather on the
+1k and 8k tokens costs with ``kv_transfer/object_store/paged_cache.py``: ``pack`` (gather on the
 device on a side stream, into pinned host memory; its first call at a new size apart,
 which pays the pinned allocation) and ``unpack`` (host to device, then scatter) from
 pinned memory and from pageable memory, which is what ``ray.get`` hands the decode
@@ -38,7 +38,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _paged_cache_module() -> Any:
-    """kv_transfer/paged_cache.py on its own: the package imports Ray, which GPU
+    """kv_transfer/object_store/paged_cache.py on its own: the package imports Ray, which GPU
     machines without Ray do not have."""
     path = REPO_ROOT / "kv_transfer" / "paged_cache.py"
     spec = importlib.util.spec_from_file_location("paged_cache", path)

@@ -106,7 +106,7 @@ class KVEndpoint:
     def __init__(self, shape: dict[str, int], num_blocks: int, seed: int) -> None:
         import torch
 
-        from kv_transfer.paged_cache import PagedKVCache
+        from kv_transfer.object_store.paged_cache import PagedKVCache
 
         generator = torch.Generator().manual_seed(seed)
         page = (shape["kv_heads"], shape["block_size"], 2 * shape["head_size"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -47,6 +48,7 @@ from engines.slo_meter import MeteredHost, SloMeter
 from engines.socket_folders import VLLM_IPC_ENV, owned_folder, remove_folder
 from engines.transport import EngineTransportServer, TransportAddress
 from kv_transfer.backend_registry import make_kv_backend
+from kv_transfer.metrics import TransferTotals
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -76,6 +78,14 @@ class _LatestSchedulerStats:
         self.prefix_cache_hits = 0
         self.reported_at = 0.0
         self.prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
+        # The KV connector's transfer statistics since the engine started (None until
+        # the first), added up from what vLLM hands the stat loggers each interval.
+        self.kv_transfer: TransferTotals | None = None
+
+    def add_kv_transfer(self, data: dict[str, Any]) -> None:
+        if self.kv_transfer is None:
+            self.kv_transfer = TransferTotals()
+        self.kv_transfer.add(data)
 
     def add_iteration(self, iteration_stats: Any) -> None:
         sources = iteration_stats.prompt_token_stats
@@ -95,9 +105,11 @@ class _LatestSchedulerStats:
 def _stat_logger_factory(latest: _LatestSchedulerStats) -> Any:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
+    from kv_transfer.object_store.stats import TransferStats
+
     class SchedulerStatsTap(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
+            self._connector_stats = _connector_stats_builder(vllm_config)
 
         def record(
             self,
@@ -108,6 +120,11 @@ def _stat_logger_factory(latest: _LatestSchedulerStats) -> Any:
         ) -> None:
             if scheduler_stats is not None:
                 latest.update(scheduler_stats)
+                payload = scheduler_stats.kv_connector_stats
+                if payload and self._connector_stats is not None:
+                    transfer = self._connector_stats(payload)
+                    if isinstance(transfer, TransferStats):
+                        latest.add_kv_transfer(transfer.data)
             if iteration_stats is not None:
                 latest.add_iteration(iteration_stats)
 
@@ -115,6 +132,17 @@ def _stat_logger_factory(latest: _LatestSchedulerStats) -> Any:
             pass
 
     return SchedulerStatsTap
+
+
+def _connector_stats_builder(vllm_config: Any) -> Any:
+    """The configured KV connector's ``build_kv_connector_stats``, as vLLM's own stat
+    loggers resolve it; None without a connector."""
+    transfer_config = vllm_config.kv_transfer_config
+    if transfer_config is None or not transfer_config.kv_connector:
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory.get_connector_class(transfer_config).build_kv_connector_stats
 
 
 def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -> Any:
@@ -389,6 +417,9 @@ class EngineHost:
             prompt_tokens=dict(latest.prompt_tokens),
             kv_consumer=self._kv_consumer,
             max_model_len=self._engine.vllm_config.model_config.max_model_len,
+            kv_transfer=None
+            if latest.kv_transfer is None
+            else copy.deepcopy(latest.kv_transfer.data),
         )
 
     async def check_health(self) -> None:

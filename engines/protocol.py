@@ -132,3 +132,6 @@ class EngineStats(msgspec.Struct, array_like=True):
     # The context the engine was given (vLLM derives it from the model unless set): the
     # router refuses what does not fit; 0 where the engine has no model.
     max_model_len: int = 0
+    # The KV connector's transfer statistics since the engine started, a
+    # ``TransferTotals``' numbers (kv_transfer/metrics.py); None if it has moved none.
+    kv_transfer: dict[str, Any] | None = None

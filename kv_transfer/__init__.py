@@ -20,7 +20,6 @@ from kv_transfer.backend_registry import (
     KVRouterSide,
     make_kv_backend,
 )
-from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
 from kv_transfer.handle import (
     KVLayoutMismatchError,
     LayoutFingerprint,
@@ -30,10 +29,15 @@ from kv_transfer.handle import (
     remote_decode_params,
 )
 from kv_transfer.metrics import KVTransferCollector
+from kv_transfer.object_store.directory import (
+    get_kv_directory,
+    release_handle,
+    shutdown_kv_directory,
+)
 from kv_transfer.settings import KVTransferConfig, ObjectStoreSettings
 
 if TYPE_CHECKING:
-    from kv_transfer.connector import ObjectStoreConnector
+    from kv_transfer.object_store.connector import ObjectStoreConnector
 
 __all__ = [
     "KV_BACKENDS",
@@ -59,7 +63,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "ObjectStoreConnector":
-        from kv_transfer.connector import ObjectStoreConnector
+        from kv_transfer.object_store.connector import ObjectStoreConnector
 
         return ObjectStoreConnector
     raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")

@@ -5,7 +5,7 @@ A backend is a class registered in ``KV_BACKENDS``, constructed from its own
 ``settings_model``. It gives the engines their vLLM ``kv_transfer_config`` (a KV
 connector of vLLM's API) and the router its side of the hand-over (``KVRouterSide``):
 what to put in a prefill request's ``kv_transfer_params``, how to free a transfer
-nobody will load, and where its metrics come from. The built-in ones are in
+nobody will load, and the ledger it keeps, if any. The built-in ones are in
 ``kv_transfer/builtin_backends.py``.
 """
 
@@ -31,8 +31,9 @@ class KVRouterSide(Protocol):
     def release(self, handle: dict[str, Any]) -> None:
         """Free a transfer nobody will load (its client left); fire and forget."""
 
-    async def metrics_snapshot(self) -> dict[str, Any] | None:
-        """Transfer metrics to export (kv_transfer.metrics), or None."""
+    async def ledger_snapshot(self) -> dict[str, Any] | None:
+        """The backend's ledger (transfers by outcome, what it holds; kv_transfer.metrics),
+        or None if it keeps none. The transfer statistics come from the engines."""
 
     def shutdown(self) -> None:
         """The application is going away: free what the backend holds for it."""

@@ -13,13 +13,17 @@ import contextlib
 from typing import Any, ClassVar
 
 from kv_transfer.backend_registry import KV_BACKENDS
-from kv_transfer.directory import get_kv_directory, release_handle, shutdown_kv_directory
 from kv_transfer.handle import (
     check_handle_compatible,
     consumer_id,
     is_transfer_params,
     remote_decode_params,
     remote_prefill_params,
+)
+from kv_transfer.object_store.directory import (
+    get_kv_directory,
+    release_handle,
+    shutdown_kv_directory,
 )
 from kv_transfer.settings import ExampleDiskSettings, KVRole, ObjectStoreSettings
 from splitserve.config_base import StrictModel
@@ -46,12 +50,9 @@ def _vllm_transfer_config(
     return config
 
 
-class DirectoryRouterSide:
-    """The router's side of a backend whose engines report to the KV directory actor."""
-
-    def __init__(self, namespace: str, releases: bool) -> None:
-        self._namespace = namespace
-        self._releases = releases
+class PlainRouterSide:
+    """The router's side of a backend that keeps no ledger: the handle passes from the
+    prefill answer to the decode request, and nothing is held to release."""
 
     def prefill_params(self, consumer: str | None) -> dict[str, Any]:
         return remote_decode_params(consumer)
@@ -60,11 +61,27 @@ class DirectoryRouterSide:
         return remote_prefill_params(handle)
 
     def release(self, handle: dict[str, Any]) -> None:
-        if self._releases:
-            release_handle(handle)
+        return None
 
-    async def metrics_snapshot(self) -> dict[str, Any] | None:
-        return await get_kv_directory(self._namespace).metrics_snapshot.remote()
+    async def ledger_snapshot(self) -> dict[str, Any] | None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class DirectoryRouterSide(PlainRouterSide):
+    """The router's side of the object store: the KV directory actor holds each
+    transfer until it is loaded, released or expired, and keeps the ledger."""
+
+    def __init__(self, namespace: str) -> None:
+        self._namespace = namespace
+
+    def release(self, handle: dict[str, Any]) -> None:
+        release_handle(handle)
+
+    async def ledger_snapshot(self) -> dict[str, Any] | None:
+        return await get_kv_directory(self._namespace).ledger_snapshot.remote()
 
     def shutdown(self) -> None:
         # The directory is a detached actor: it goes with the application.
@@ -105,11 +122,11 @@ class ObjectStoreBackend:
     def engine_config(self, role: KVRole, engine_id: str | None = None) -> dict[str, Any]:
         extra = self.settings.model_dump()
         return _vllm_transfer_config(
-            "ObjectStoreConnector", "kv_transfer.connector", role, extra, engine_id
+            "ObjectStoreConnector", "kv_transfer.object_store.connector", role, extra, engine_id
         )
 
     def router_side(self) -> DirectoryRouterSide:
-        return DirectoryRouterSide(self.settings.namespace, releases=True)
+        return DirectoryRouterSide(self.settings.namespace)
 
     def engine_side(self) -> HandleCheckingEngineSide:
         return HandleCheckingEngineSide()
@@ -136,9 +153,9 @@ class ExampleDiskBackend:
             "TimedExampleConnector", "kv_transfer.example_disk", role, extra, engine_id
         )
 
-    def router_side(self) -> DirectoryRouterSide:
+    def router_side(self) -> PlainRouterSide:
         # Its files are never handed over, so there is nothing to release.
-        return DirectoryRouterSide(self.settings.namespace, releases=False)
+        return PlainRouterSide()
 
     def engine_side(self) -> PassiveEngineSide:
         return PassiveEngineSide()

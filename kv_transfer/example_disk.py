@@ -5,8 +5,9 @@ with ``kv_transfer: {backend: example_disk, storage_path: ...}``. vLLM's connect
 runs unchanged: the prefill engine writes one safetensors file per layer during its
 forward pass, the decode engine finds the folder by the prompt's hash and reads the
 files into its pages before its own forward pass. This subclass only times the two and
-reports them to the KV directory as ``put`` and ``get``, so that
-``splitserve_kv_transfer_seconds`` measures both connectors the same way.
+counts them as ``put`` and ``get`` in the object-store connector's statistics, which
+vLLM carries to the engine's host the same way (object_store/stats.py), so that
+``splitserve_kv_transfer_seconds`` measures both connectors alike.
 
 One observation per engine step and operation (every request saved or loaded in that
 step together): exact per request for a sequential workload, which is how the bench
@@ -26,9 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnectorMetadata,
 )
 
-from kv_transfer.directory import disconnect_ray, get_kv_directory
 from kv_transfer.metrics import Operation
-from kv_transfer.settings import DEFAULT_NAMESPACE
+from kv_transfer.object_store.stats import (
+    TransferStats,
+    TransferStatsRecorder,
+    build_transfer_stats,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,11 +49,8 @@ class TimedExampleConnector(ExampleConnector):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._directory: Any = None
-        if role == KVConnectorRole.WORKER:
-            # Join Ray at engine start-up rather than inside the first request.
-            self._directory = get_kv_directory(extra.get("namespace", DEFAULT_NAMESPACE))
+        # One hand-over per step and operation: a single rank's count is the engine's.
+        self._stats = TransferStatsRecorder(rank=0)
         self._bytes_per_token = _bytes_per_token(kv_cache_config)
         self._save_seconds = 0.0  # this step's save_kv_layer calls, every layer
 
@@ -75,9 +76,12 @@ class TimedExampleConnector(ExampleConnector):
         seconds = time.perf_counter() - started
         self._report("get", seconds, self._step_tokens(is_store=False))
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        disconnect_ray()
+    def get_kv_connector_stats(self) -> TransferStats | None:
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats | None:
+        return build_transfer_stats(data)
 
     def _step_tokens(self, is_store: bool) -> int:
         metadata = self._get_connector_metadata()
@@ -85,9 +89,8 @@ class TimedExampleConnector(ExampleConnector):
         return sum(len(r.slot_mapping) for r in metadata.requests if r.is_store == is_store)
 
     def _report(self, op: Operation, seconds: float, num_tokens: int) -> None:
-        if num_tokens and self._directory is not None:
-            nbytes = num_tokens * self._bytes_per_token
-            self._directory.observe.remote(op, seconds, nbytes)  # never waits on Ray
+        if num_tokens:
+            self._stats.observe(op, seconds, num_tokens * self._bytes_per_token)
 
 
 def _bytes_per_token(kv_cache_config: KVCacheConfig) -> int:

@@ -1,9 +1,17 @@
-"""Transfer metrics: the aggregate, and a Prometheus view of the catalogue's KV families.
+"""KV transfer figures: what the engines measured, what the directory holds, and the
+router's Prometheus view of both (the catalogue's KV families).
 
-Transfers happen in vLLM engine processes, which nobody scrapes. Each put and each load
-is therefore reported to the directory actor, which aggregates plain numbers in a
-``TransferStats``; ``KVObjectDirectory.metrics_snapshot()`` returns them, and the router
-turns a snapshot into Prometheus metrics with ``KVTransferCollector``.
+Transfer statistics (bytes, seconds, hand-overs per operation, and how decode ranks got
+their parts) are counted where the work happens, in each engine's connector, and reach
+the router the way vLLM carries any connector's statistics: the connector's
+``get_kv_connector_stats`` (kv_transfer/object_store/stats.py) hands them to vLLM,
+which folds every rank's into the engine's ``SchedulerStats``; the engine's host adds
+them up in the ``EngineStats`` the router already polls (engines/host.py), and the
+router sums its engines'. Plain numbers, in a ``TransferTotals``.
+
+The ledger (transfers by how they ended, what the object store still holds) is the
+directory's alone: a transfer closes once there, whatever its ranks did. The router
+reads it on its slow KV interval (``KVRouterSide.ledger_snapshot``).
 """
 
 from __future__ import annotations
@@ -25,115 +33,163 @@ OUTCOMES: tuple[Outcome, ...] = ("loaded", "expired", "failed", "released")
 # fetched then), or claimed from the directory when the load was due.
 LoadPath = Literal["pushed", "claimed"]
 LOAD_PATHS: tuple[LoadPath, ...] = ("pushed", "claimed")
+_BUCKETS = catalogue.KV_SECONDS.buckets
 
 
-class _Histogram:
-    """Cumulative-bucket histogram in plain numbers, as Prometheus exposes it."""
+def _empty_totals() -> dict[str, Any]:
+    return {
+        "bytes": dict.fromkeys(OPERATIONS, 0),
+        # Parts moved (one per rank per transfer) and hand-overs (one per transfer: the
+        # first rank's part counts it), so the time of one hand-over is known whatever
+        # the engines' parallel sizes.
+        "parts": dict.fromkeys(OPERATIONS, 0),
+        "handovers": dict.fromkeys(OPERATIONS, 0),
+        "seconds_sum": dict.fromkeys(OPERATIONS, 0.0),
+        # Per bucket, not cumulative, the last above every bound: totals add up.
+        "seconds_buckets": {op: [0] * (len(_BUCKETS) + 1) for op in OPERATIONS},
+        "loads": dict.fromkeys(LOAD_PATHS, 0),
+    }
 
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self._upper_bounds = buckets
-        self._counts = [0] * (len(buckets) + 1)  # last slot: above every bound (+Inf)
-        self._sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._upper_bounds, value)] += 1
-        self._sum += value
+class TransferTotals:
+    """Transfer statistics in plain numbers that add up: a rank's, an engine's, a
+    router's. ``data`` is what travels (vLLM's stats payload, ``EngineStats``)."""
 
-    def snapshot(self) -> dict[str, Any]:
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        self.data = data if data is not None else _empty_totals()
+
+    def observe(self, op: Operation, seconds: float, nbytes: int, first_part: bool) -> None:
+        """One part put or loaded; ``first_part``: the first rank's, which counts the
+        hand-over."""
+        data = self.data
+        data["bytes"][op] += nbytes
+        data["parts"][op] += 1
+        data["handovers"][op] += int(first_part)
+        data["seconds_sum"][op] += seconds
+        data["seconds_buckets"][op][bisect.bisect_left(_BUCKETS, seconds)] += 1
+
+    def count_load(self, path: LoadPath) -> None:
+        self.data["loads"][path] += 1
+
+    def add(self, other: dict[str, Any]) -> None:
+        """Add another's ``data`` (same layout) to these."""
+        data = self.data
+        for key in ("bytes", "parts", "handovers", "seconds_sum", "loads"):
+            for name, value in other[key].items():
+                data[key][name] += value
+        for op, counts in other["seconds_buckets"].items():
+            mine = data["seconds_buckets"][op]
+            for index, count in enumerate(counts):
+                mine[index] += count
+
+    def is_empty(self) -> bool:
+        return not any(self.data["parts"].values())
+
+    def handover_seconds(self) -> float:
+        """Seconds spent handing KV over, put and load, as one hand-over's ranks spend
+        them side by side (the parts of one hand-over overlap)."""
+        data = self.data
+        total = 0.0
+        for op in OPERATIONS:
+            handovers = data["handovers"][op]
+            parts_per_handover = data["parts"][op] / handovers if handovers else 1.0
+            total += data["seconds_sum"][op] / max(1.0, parts_per_handover)
+        return total
+
+    def histogram(self, op: Operation) -> tuple[list[tuple[str, int]], float]:
+        """Prometheus's cumulative buckets of one operation's seconds, and their sum."""
         cumulative, running = [], 0
-        for bound, count in zip((*self._upper_bounds, float("inf")), self._counts, strict=True):
+        bounds = (*_BUCKETS, float("inf"))
+        for bound, count in zip(bounds, self.data["seconds_buckets"][op], strict=True):
             running += count
-            cumulative.append((bound, running))
-        return {"buckets": cumulative, "sum": self._sum, "count": running}
+            cumulative.append((_bound_label(bound), running))
+        return cumulative, self.data["seconds_sum"][op]
 
 
-class TransferStats:
-    """What the directory counts: bytes and seconds per operation, transfers by outcome."""
+def sum_totals(datas: list[dict[str, Any]]) -> TransferTotals:
+    totals = TransferTotals()
+    for data in datas:
+        totals.add(data)
+    return totals
+
+
+class Ledger:
+    """What the directory counts: transfers by how they ended."""
 
     def __init__(self) -> None:
-        self._bytes = dict.fromkeys(OPERATIONS, 0)
-        self._seconds = {op: _Histogram(catalogue.KV_SECONDS.buckets) for op in OPERATIONS}
         self._outcomes = dict.fromkeys(OUTCOMES, 0)
-        self._loads = dict.fromkeys(LOAD_PATHS, 0)
-
-    def observe(self, op: Operation, seconds: float, nbytes: int) -> None:
-        self._bytes[op] += nbytes
-        self._seconds[op].observe(seconds)
 
     def count_outcome(self, outcome: Outcome) -> None:
         self._outcomes[outcome] += 1
 
-    def count_load(self, path: LoadPath) -> None:
-        self._loads[path] += 1
-
     def snapshot(self, live_transfers: int, live_bytes: int) -> dict[str, Any]:
         return {
-            "bytes_total": dict(self._bytes),
-            "seconds": {op: hist.snapshot() for op, hist in self._seconds.items()},
             "transfers_total": dict(self._outcomes),
-            "loads_total": dict(self._loads),
             "live_transfers": live_transfers,
             "live_bytes": live_bytes,
         }
 
 
-def handover_seconds(snapshot: dict[str, Any]) -> float:
-    """Seconds spent handing KV over since the directory started, put and load, as one
-    transfer's ranks spend them side by side (parts of one transfer overlap)."""
-    seconds = snapshot["seconds"]
-    total = seconds["put"]["sum"] + seconds["get"]["sum"]
-    loaded = snapshot["transfers_total"].get("loaded", 0)
-    parts_per_transfer = max(1.0, seconds["get"]["count"] / loaded) if loaded else 1.0
-    return total / parts_per_transfer
-
-
 class KVTransferCollector:
-    """A prometheus-client collector that renders the latest directory snapshot.
+    """A prometheus-client collector that renders the latest figures.
 
-    ``snapshot_source`` returns the last ``metrics_snapshot()`` (or None before the
-    first one); fetch it from the directory outside the scrape, e.g. in the router's
-    polling loop, so a scrape never waits on Ray.
+    ``totals_source`` returns the engines' summed ``TransferTotals`` and
+    ``ledger_source`` the directory's last ``ledger_snapshot()`` (either None before
+    the first); both are read outside the scrape, in the router's polling loop, so a
+    scrape never waits on an engine or on Ray.
     """
 
-    def __init__(self, snapshot_source: Callable[[], dict[str, Any] | None]) -> None:
-        self._snapshot_source = snapshot_source
+    def __init__(
+        self,
+        totals_source: Callable[[], TransferTotals | None],
+        ledger_source: Callable[[], dict[str, Any] | None],
+    ) -> None:
+        self._totals_source = totals_source
+        self._ledger_source = ledger_source
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-        )
+        totals = self._totals_source()
+        if totals is not None:
+            yield from _transfer_families(totals)
+        ledger = self._ledger_source()
+        if ledger is not None:
+            yield from _ledger_families(ledger)
 
-        snapshot = self._snapshot_source()
-        if snapshot is None:
-            return
-        family = catalogue.KV_BYTES
-        nbytes = CounterMetricFamily(family.name, family.help, labels=family.labels)
-        for op, value in snapshot["bytes_total"].items():
-            nbytes.add_metric([op], value)
-        yield nbytes
-        family = catalogue.KV_SECONDS
-        seconds = HistogramMetricFamily(family.name, family.help, labels=family.labels)
-        for op, hist in snapshot["seconds"].items():
-            buckets = [(_bound_label(bound), count) for bound, count in hist["buckets"]]
-            seconds.add_metric([op], buckets, sum_value=hist["sum"])
-        yield seconds
-        family = catalogue.KV_TRANSFERS
-        outcomes = CounterMetricFamily(family.name, family.help, labels=family.labels)
-        for outcome, value in snapshot["transfers_total"].items():
-            outcomes.add_metric([outcome], value)
-        yield outcomes
-        family = catalogue.KV_LOADS
-        loads = CounterMetricFamily(family.name, family.help, labels=family.labels)
-        for path, value in snapshot.get("loads_total", {}).items():
-            loads.add_metric([path], value)
-        yield loads
-        for family, value in (
-            (catalogue.KV_LIVE_TRANSFERS, snapshot["live_transfers"]),
-            (catalogue.KV_LIVE_BYTES, snapshot["live_bytes"]),
-        ):
-            yield GaugeMetricFamily(family.name, family.help, value)
+
+def _transfer_families(totals: TransferTotals) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    data = totals.data
+    for family, values in (
+        (catalogue.KV_BYTES, data["bytes"]),
+        (catalogue.KV_HANDOVERS, data["handovers"]),
+        (catalogue.KV_LOADS, data["loads"]),
+    ):
+        counter = CounterMetricFamily(family.name, family.help, labels=family.labels)
+        for label, value in values.items():
+            counter.add_metric([label], value)
+        yield counter
+    family = catalogue.KV_SECONDS
+    seconds = HistogramMetricFamily(family.name, family.help, labels=family.labels)
+    for op in OPERATIONS:
+        buckets, total = totals.histogram(op)
+        seconds.add_metric([op], buckets, sum_value=total)
+    yield seconds
+
+
+def _ledger_families(ledger: dict[str, Any]) -> Iterator[Any]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    family = catalogue.KV_TRANSFERS
+    outcomes = CounterMetricFamily(family.name, family.help, labels=family.labels)
+    for outcome, value in ledger["transfers_total"].items():
+        outcomes.add_metric([outcome], value)
+    yield outcomes
+    for family, value in (
+        (catalogue.KV_LIVE_TRANSFERS, ledger["live_transfers"]),
+        (catalogue.KV_LIVE_BYTES, ledger["live_bytes"]),
+    ):
+        yield GaugeMetricFamily(family.name, family.help, value)
 
 
 def _bound_label(bound: float) -> str:

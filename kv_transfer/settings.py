@@ -49,8 +49,6 @@ class ObjectStoreSettings(StrictModel):
 class ExampleDiskSettings(StrictModel):
     """vLLM's ExampleConnector, timed into our metrics (bench/kv_transfer.py's baseline)."""
 
-    # Ray namespace of the directory actor that collects its timings.
-    namespace: str = Field(default=DEFAULT_NAMESPACE, min_length=1)
     # The folder the prefill engine writes KV files to and the decode engine reads them
     # from (one machine); nothing ever deletes them.
     storage_path: str = Field(default=DEFAULT_STORAGE_PATH, min_length=1)

@@ -1,34 +1,16 @@
 """``kv_transfer.backend: simulated``: the hand-over of simulated engines
 (engines/simulated/host.py). The prefill engine's answer names how many prompt tokens
 it computed; the decode engine waits its profile's link time for that much KV. Nothing
-is stored, so there is nothing to release and nothing to export."""
+is stored, so there is nothing to release and no ledger."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 from kv_transfer.backend_registry import KV_BACKENDS
-from kv_transfer.builtin_backends import PassiveEngineSide
-from kv_transfer.handle import remote_decode_params, remote_prefill_params
+from kv_transfer.builtin_backends import PassiveEngineSide, PlainRouterSide
 from kv_transfer.settings import KVRole, SimulatedKVSettings
 from splitserve.config_base import StrictModel
-
-
-class SimulatedRouterSide:
-    def prefill_params(self, consumer: str | None) -> dict[str, Any]:
-        return remote_decode_params(consumer)
-
-    def decode_params(self, handle: dict[str, Any] | None) -> dict[str, Any]:
-        return remote_prefill_params(handle)
-
-    def release(self, handle: dict[str, Any]) -> None:
-        return None
-
-    async def metrics_snapshot(self) -> dict[str, Any] | None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
 
 
 @KV_BACKENDS.register("simulated")
@@ -41,8 +23,8 @@ class SimulatedKVBackend:
     def engine_config(self, role: KVRole, engine_id: str | None = None) -> dict[str, Any]:
         return {"kv_role": role}
 
-    def router_side(self) -> SimulatedRouterSide:
-        return SimulatedRouterSide()
+    def router_side(self) -> PlainRouterSide:
+        return PlainRouterSide()
 
     def engine_side(self) -> PassiveEngineSide:
         return PassiveEngineSide()  # simulated engines name no consumer and read no handle

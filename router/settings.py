@@ -134,10 +134,10 @@ class RouterConfig(StrictModel):
     kv_metrics_interval_s: float = Field(
         1.0,
         gt=0,
-        description="PD and auto: how often the router reads the KV backend's transfer"
-        " metrics (the hand-over rate the cost policy uses, and /metrics, whose"
-        " splitserve_kv_transfer* series trail the answers by up to this). Each read is a"
-        " call to the KV directory actor; at the load interval that actor took 2% of a core.",
+        description="PD and auto: how often the router measures the hand-over rate the cost"
+        " policy uses (from the transfer statistics the engines report with their load) and"
+        " reads the KV backend's ledger (transfers by outcome, what it holds: a call to the"
+        " KV directory actor; at the load interval that actor took 2% of a core).",
     )
     engine_restart_attempts: int = Field(
         3,

@@ -309,7 +309,8 @@ ROUTER_FAMILIES = (
     TOKENS,
 )
 
-# ---- KV hand-overs, from the directory's counts (kv_transfer/metrics.py) ----------------
+# ---- KV hand-overs: the engines' transfer statistics and the directory's ledger -------
+# (kv_transfer/metrics.py)
 KV_BYTES = Family(
     "splitserve_kv_transfer_bytes", "counter", "KV bytes moved through Ray's object store", ("op",)
 )
@@ -319,6 +320,12 @@ KV_SECONDS = Family(
     "Time of one KV put (prefill) or get+write (decode)",
     ("op",),
     KV_SECONDS_BUCKETS,
+)
+KV_HANDOVERS = Family(
+    "splitserve_kv_transfer_handovers",
+    "counter",
+    "KV hand-overs put (prefill) or loaded (decode), one per request whatever its ranks",
+    ("op",),
 )
 KV_TRANSFERS = Family(
     "splitserve_kv_transfers", "counter", "KV transfers by how they ended", ("outcome",)
@@ -335,7 +342,15 @@ KV_LIVE_TRANSFERS = Family(
 KV_LIVE_BYTES = Family(
     "splitserve_kv_transfer_live_bytes", "gauge", "Bytes of KV held in the object store"
 )
-KV_FAMILIES = (KV_BYTES, KV_SECONDS, KV_TRANSFERS, KV_LOADS, KV_LIVE_TRANSFERS, KV_LIVE_BYTES)
+KV_FAMILIES = (
+    KV_BYTES,
+    KV_SECONDS,
+    KV_HANDOVERS,
+    KV_TRANSFERS,
+    KV_LOADS,
+    KV_LIVE_TRANSFERS,
+    KV_LIVE_BYTES,
+)
 
 # ---- each engine's utilization (engines/sampler.py, through Ray's metrics) --------------
 ENGINE_LABELS = (REPLICA, ROLE)

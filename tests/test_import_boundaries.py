@@ -223,6 +223,6 @@ def test_engines_and_router_know_no_kv_handle_format() -> None:
         for package in ("engines", "router")
         for _, path in modules_of(package)
         for found in imports_of(path)
-        if found.module.startswith(("kv_transfer.handle", "kv_transfer.directory"))
+        if found.module.startswith(("kv_transfer.handle", "kv_transfer.object_store.directory"))
     ]
     assert not offenders, "the KV handle format stays in kv_transfer/:\n" + "\n".join(offenders)

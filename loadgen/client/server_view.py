@@ -41,7 +41,7 @@ PREFILL_S_PER_TOKEN = catalogue.PREFILL_SECONDS_PER_TOKEN.name
 DECODE_STEP_S = catalogue.DECODE_STEP_SECONDS.name
 KV_SECONDS_SUM = catalogue.KV_SECONDS.sum
 KV_BYTES = catalogue.KV_BYTES.total
-KV_TRANSFERS = catalogue.KV_TRANSFERS.total
+KV_HANDOVERS = catalogue.KV_HANDOVERS.total
 MIB = 2**20
 SCRAPE_TIMEOUT_S = 5.0
 
@@ -141,7 +141,7 @@ def build_view(before: Samples | None, during: list[Samples], after: Samples | N
         loaded = _delta(before, after, KV_BYTES, "op").get("get", 0.0)
         if loaded > 0:
             view.kv_transfer_s_per_mib = seconds / (loaded / MIB)
-        transfers = _delta(before, after, KV_TRANSFERS, "outcome").get("loaded", 0.0)
+        transfers = _delta(before, after, KV_HANDOVERS, "op").get("get", 0.0)
         if transfers > 0:
             view.kv_transfer_s_per_request = seconds / transfers
     return view

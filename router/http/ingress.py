@@ -30,6 +30,7 @@ from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, Tokenize
 
 from engines.model_source import served_name_of
 from kv_transfer import KVTransferCollector
+from kv_transfer.metrics import TransferTotals, sum_totals
 from router.http.auth import ApiKeys, check_exposure
 from router.http.errors import OpenAIError, routing_error_response
 from router.http.openapi import describe_request_bodies
@@ -49,12 +50,17 @@ describe_request_bodies(
 )
 
 
-def _kv_snapshot_of(state: EngineStatePoller) -> dict[str, Any] | None:
-    """The KV directory's latest snapshot, as the router's poller last read it. (Above
-    the class: Serve's ingress decorator pickles it by value, with the globals it names
-    then.)"""
+def _kv_totals_of(states: list[EngineStatePoller]) -> TransferTotals | None:
+    """The engines' summed transfer statistics, as the models' pollers last read them.
+    (Above the class: Serve's ingress decorator pickles it by value, with the globals it
+    names then.)"""
+    read = [state.kv_transfer_totals for state in states if state.kv_transfer_totals]
+    return sum_totals([totals.data for totals in read]) if read else None
 
-    return state.kv_transfer_snapshot
+
+def _kv_ledger_of(state: EngineStatePoller) -> dict[str, Any] | None:
+    """The KV backend's ledger, as the router's poller last read it."""
+    return state.kv_ledger
 
 
 @serve.ingress(app)
@@ -75,15 +81,18 @@ class Router:
         self._register_kv_collectors()
 
     def _register_kv_collectors(self) -> None:
-        """One collector per KV directory: models that share one would render it twice."""
-        namespaces: set[str] = set()
+        """One collector per KV directory (models that share one would render its ledger
+        twice), over the engines of every model that uses it."""
+        by_namespace: dict[str, list[EngineStatePoller]] = {}
         for served in self._models.values():
-            namespace = served.kv_namespace
-            if namespace is None or namespace in namespaces:
-                continue
-            namespaces.add(namespace)
+            if served.kv_namespace is not None:
+                by_namespace.setdefault(served.kv_namespace, []).append(served.engine_state)
+        for states in by_namespace.values():
             self._metrics.registry.register(
-                KVTransferCollector(functools.partial(_kv_snapshot_of, served.engine_state))
+                KVTransferCollector(
+                    functools.partial(_kv_totals_of, states),
+                    functools.partial(_kv_ledger_of, states[0]),
+                )
             )
 
     # ---- routes -------------------------------------------------------------------------

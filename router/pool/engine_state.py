@@ -14,7 +14,7 @@ from typing import Any
 
 from engines.protocol import EngineStats
 from kv_transfer import KVRouterSide
-from kv_transfer.metrics import handover_seconds
+from kv_transfer.metrics import TransferTotals, sum_totals
 from router.observation.metrics import ModelMetrics
 from router.pool.engine_pool import EnginePool
 from router.pool.pooled_engine import PooledEngine
@@ -25,16 +25,16 @@ TRANSFERRED_TOKENS = "external_kv_transfer"
 
 
 class TransferCostMeter:
-    """Seconds of KV hand-over per transferred prompt token: between two polls, the KV
-    backend's put and load seconds over the prompt tokens the engines report as
-    transferred, averaged over the intervals that moved any."""
+    """Seconds of KV hand-over per transferred prompt token: between two readings, the
+    engines' put and load seconds over the prompt tokens they report as transferred,
+    averaged over the intervals that moved any."""
 
     def __init__(self, ema_weight: float) -> None:
         self.seconds_per_token = MovingAverage(ema_weight)
         self._last: tuple[float, int] | None = None
 
-    def update(self, snapshot: dict[str, Any], transferred_tokens: int) -> None:
-        seconds = handover_seconds(snapshot)
+    def update(self, totals: TransferTotals, transferred_tokens: int) -> None:
+        seconds = totals.handover_seconds()
         last, self._last = self._last, (seconds, transferred_tokens)
         if last is None:
             return
@@ -71,8 +71,10 @@ class EngineStatePoller:
         self._kv_polled_at = -math.inf
         self._unhealthy_after = unhealthy_after_failed_polls
         self._failed_polls: dict[str, int] = {}
-        # The KV backend's last metrics snapshot (PD only), rendered at scrape time.
-        self.kv_transfer_snapshot: dict[str, Any] | None = None
+        # The engines' summed transfer statistics and the KV backend's ledger as last
+        # read (PD only), rendered at scrape time.
+        self.kv_transfer_totals: TransferTotals | None = None
+        self.kv_ledger: dict[str, Any] | None = None
         self.transfer_cost = TransferCostMeter(ema_weight)
         self._task: asyncio.Task[None] | None = None
 
@@ -84,15 +86,17 @@ class EngineStatePoller:
         while True:
             started = time.perf_counter()
             polls = [self._poll(replica) for replica in self._pool]
-            # Each read of the KV metrics is a call to the directory actor: read them less
-            # often than the engines' load, and measure the hand-over over the same span.
+            # The ledger is a call to the backend (the directory actor): read it less often
+            # than the engines' load, and measure the hand-over over the same span, long
+            # enough that a transfer's seconds and its tokens fall in the same one.
             kv_due = self._kv is not None and started - self._kv_polled_at >= self._kv_interval_s
             if kv_due and self._kv is not None:
                 self._kv_polled_at = started
-                polls.append(self._poll_kv_metrics(self._kv))
+                polls.append(self._poll_kv_ledger(self._kv))
             await asyncio.gather(*polls)
-            if kv_due and self.kv_transfer_snapshot is not None:
-                self.transfer_cost.update(self.kv_transfer_snapshot, self._transferred_tokens())
+            self.kv_transfer_totals = self._summed_transfer_totals()
+            if kv_due and self.kv_transfer_totals is not None:
+                self.transfer_cost.update(self.kv_transfer_totals, self._transferred_tokens())
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
 
@@ -103,13 +107,22 @@ class EngineStatePoller:
             if replica.state.engine is not None
         )
 
-    async def _poll_kv_metrics(self, kv: KVRouterSide) -> None:
+    def _summed_transfer_totals(self) -> TransferTotals | None:
+        """Every engine's transfer statistics added up; None where none moved KV."""
+        reported = [
+            replica.state.engine.kv_transfer
+            for replica in self._pool
+            if replica.state.engine is not None and replica.state.engine.kv_transfer is not None
+        ]
+        return sum_totals(reported) if reported else None
+
+    async def _poll_kv_ledger(self, kv: KVRouterSide) -> None:
         try:
-            self.kv_transfer_snapshot = await asyncio.wait_for(
-                kv.metrics_snapshot(), timeout=max(1.0, 5 * self._interval_s)
+            self.kv_ledger = await asyncio.wait_for(
+                kv.ledger_snapshot(), timeout=max(1.0, 5 * self._interval_s)
             )
         except Exception as error:
-            logger.debug("no KV transfer metrics: %s", error)
+            logger.debug("no KV ledger: %s", error)
 
     async def _poll(self, replica: PooledEngine) -> None:
         try:

@@ -25,11 +25,15 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import RequestStatus
 
 from kv_transfer.handle import LayoutFingerprint, TransferHandle, prompt_digest
-from kv_transfer.orders import LoadOrder, SaveOrder
-from kv_transfer.paged_cache import PagedKVCache, UnsupportedKVCacheError, contiguous_runs
-from kv_transfer.scheduler_side import TransferScheduler
+from kv_transfer.object_store.metadata import LoadOrder, SaveOrder
+from kv_transfer.object_store.paged_cache import (
+    PagedKVCache,
+    UnsupportedKVCacheError,
+    contiguous_runs,
+)
+from kv_transfer.object_store.scheduler import TransferScheduler
+from kv_transfer.object_store.worker import TransferWorker
 from kv_transfer.settings import ObjectStoreSettings
-from kv_transfer.worker_side import TransferWorker
 from tests.support.kv_doubles import DirectoryLoop, LocalActor, MemoryObjectStore, directory_loop
 
 BLOCK = 4
@@ -93,7 +97,7 @@ def _wait_until(condition: Callable[[], bool], what: str) -> None:
 
 
 def _metrics(directory: LocalActor) -> dict[str, Any]:
-    return directory.call("metrics_snapshot")
+    return directory.call("ledger_snapshot")
 
 
 class WatchedDirectory(LocalActor):
@@ -136,6 +140,8 @@ class Pair:
         self.consumer = TransferWorker(0, BLOCK, settings, consumer, self.store, self.watched)
         self.producer.register_kv_caches(self.source)
         self.consumer.register_kv_caches(self.target)
+        # One block of every layer: K and V pages of SHAPE[1:] floats.
+        self.producer_cache_block_bytes = len(self.source) * SHAPE[1] * SHAPE[2] * SHAPE[3] * 4
 
     def save(self, transfer_id: str, blocks: list[int], consumer: str | None = None) -> None:
         order = SaveOrder("req-p", transfer_id, blocks, 1, SETTINGS.ttl_s, consumer)
@@ -170,8 +176,22 @@ def test_a_claimed_part_lands_in_the_consumers_pages_and_is_freed(loop: Director
             assert torch.equal(pair.source[name][2:5], pair.target[name][7:10])
         snapshot = _metrics(pair.directory)
         assert snapshot["transfers_total"]["loaded"] == 1
-        assert snapshot["loads_total"] == {"pushed": 0, "claimed": 1}
         assert snapshot["live_transfers"] == 0  # every part loaded: the refs are dropped
+        # Each rank counts its own side, for vLLM to carry (get_kv_connector_stats).
+        put, got = pair.producer.take_stats(), pair.consumer.take_stats()
+        assert put is not None and got is not None
+        nbytes = 3 * pair.producer_cache_block_bytes
+        assert (put.data["bytes"], put.data["handovers"]) == (
+            {"put": nbytes, "get": 0},
+            {"put": 1, "get": 0},
+        )
+        assert (got.data["bytes"], got.data["loads"]) == (
+            {"put": 0, "get": nbytes},
+            {"pushed": 0, "claimed": 1},
+        )
+        assert sum(got.data["seconds_buckets"]["get"]) == 1
+        # Taken means started afresh: nothing moved since.
+        assert pair.producer.take_stats() is None and pair.consumer.take_stats() is None
     finally:
         pair.close()
 
@@ -184,7 +204,8 @@ def test_a_part_pushed_to_its_named_consumer_needs_no_claim(loop: DirectoryLoop)
         assert pair.watched.inbox_open.wait(WAIT_S), "the consumer never polled its inbox"
         pair.save("t2", [0, 1], consumer="decode-0")
         assert pair.load(LoadOrder("req-d", "t2", 0, [5, 6], pushed=True)) == {"req-d"}
-        assert _metrics(pair.directory)["loads_total"] == {"pushed": 1, "claimed": 0}
+        stats = pair.consumer.take_stats()
+        assert stats is not None and stats.data["loads"] == {"pushed": 1, "claimed": 0}
         for name in pair.source:
             assert torch.equal(pair.source[name][0:2], pair.target[name][5:7])
     finally:
@@ -201,6 +222,7 @@ def test_a_lost_transfer_is_a_load_error_and_the_blocks_are_recomputed(
         assert pair.consumer.take_load_errors() == {3, 4}
         assert all(torch.equal(before[n], pair.target[n]) for n in before)
         assert _metrics(pair.directory)["transfers_total"]["failed"] == 1
+        assert pair.consumer.take_stats() is None  # nothing loaded, nothing counted
     finally:
         pair.close()
 
@@ -221,7 +243,7 @@ def test_released_and_expired_transfers_are_closed(loop: DirectoryLoop) -> None:
     store = MemoryObjectStore()
     ref = store.put(np.zeros(4))
     for transfer_id, ttl_s in (("released", 60.0), ("expired", 0.1)):
-        directory.call("register", transfer_id, 0, 1, [ref], 32, {}, 0.001, ttl_s)
+        directory.call("register", transfer_id, 0, 1, [ref], 32, {}, ttl_s)
     directory.call("release", "released")
     # Released at once; expired once a sweep finds it past its TTL.
     _wait_until(lambda: _metrics(directory)["live_transfers"] == 0, "the expired part swept")
@@ -234,7 +256,7 @@ def test_released_and_expired_transfers_are_closed(loop: DirectoryLoop) -> None:
 def test_a_release_that_overtakes_the_registration_lets_the_part_go(loop: DirectoryLoop) -> None:
     directory = loop.directory()
     directory.call("release", "early")
-    assert directory.call("register", "early", 0, 1, ["ref"], 32, {}, 0.001, 60.0) is False
+    assert directory.call("register", "early", 0, 1, ["ref"], 32, {}, 60.0) is False
     assert _metrics(directory)["live_transfers"] == 0
 
 
@@ -467,7 +489,7 @@ def test_pages_of_another_shape_are_refused_on_the_gather_path() -> None:
 def test_mla_models_are_refused_at_start_with_the_backend_named() -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
-    from kv_transfer.connector import _check_supported
+    from kv_transfer.object_store.connector import _check_supported
 
     def configs(spec: Any) -> tuple[Any, Any]:
         vllm_config = SimpleNamespace(

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import ray
 
+from engines.host import _LatestSchedulerStats, _stat_logger_factory
 from engines.socket_folders import VLLM_IPC_ENV
 from engines.tiny_model import embedded_model_path
 from kv_transfer import (
@@ -36,7 +37,8 @@ from kv_transfer import (
     shutdown_kv_directory,
 )
 from kv_transfer.builtin_backends import ObjectStoreBackend
-from kv_transfer.directory import SWEEP_INTERVAL_S
+from kv_transfer.metrics import TransferTotals
+from kv_transfer.object_store.directory import SWEEP_INTERVAL_S
 from tests.support.local_ports import free_port
 
 pytestmark = pytest.mark.serving
@@ -97,7 +99,7 @@ def _start_engine(cpu: str, role: str, **engine_kwargs: Any) -> Any:
 
     # Read by the engine processes when they start; each engine gets its own core.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu
-    return LLM(
+    engine = LLM(
         model=str(embedded_model_path()),
         dtype="float32",
         enforce_eager=True,
@@ -106,8 +108,11 @@ def _start_engine(cpu: str, role: str, **engine_kwargs: Any) -> Any:
         kv_transfer_config=_object_store_config(
             role, namespace=NAMESPACE, ttl_s=TTL_S, push_wait_s=PUSH_WAIT_S
         ),
+        disable_log_stats=False,  # SchedulerStats, which carry the connector's statistics
         **engine_kwargs,
     )
+    engine.transfer_tap = _tap_transfer_stats(engine)
+    return engine
 
 
 def _object_store_config(role: str, **settings: Any) -> dict[str, Any]:
@@ -207,13 +212,27 @@ def _decode_step(decode: Any, prompt: list[int], first_token: int, handle: dict)
     return [first_token, *output.outputs[0].token_ids]
 
 
-def _counters(directory: Any) -> dict[str, int]:
-    snapshot = ray.get(directory.metrics_snapshot.remote())
-    return {
-        **snapshot["transfers_total"],
-        **snapshot["loads_total"],
-        "get_bytes": snapshot["bytes_total"]["get"],
-    }
+def _counters(directory: Any, decode: Any = None) -> dict[str, int]:
+    """The directory's ledger (transfers by how they ended) and, given ``decode``, what
+    that engine's host totals of its connector's statistics: parts by how they came,
+    hand-overs and bytes loaded."""
+    counters = dict(ray.get(directory.ledger_snapshot.remote())["transfers_total"])
+    if decode is not None:
+        totals = decode.transfer_tap.kv_transfer or TransferTotals()
+        counters.update(totals.data["loads"])
+        counters["get_handovers"] = totals.data["handovers"]["get"]
+        counters["get_bytes"] = totals.data["bytes"]["get"]
+    return counters
+
+
+def _tap_transfer_stats(engine: Any) -> _LatestSchedulerStats:
+    """The engine host's own stat logger on an offline engine (``LLM`` takes no stat
+    loggers of its own): what vLLM carries of the connector's statistics, as the host
+    totals them for the router."""
+    latest = _LatestSchedulerStats()
+    tap = _stat_logger_factory(latest)(engine.llm_engine.vllm_config)
+    engine.llm_engine.logger_manager.stat_loggers.append(tap)
+    return latest
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -264,14 +283,15 @@ class TestOneRankEachSide:
     ) -> None:
         prompt = _prompt(length)
         expected = _single_engine_tokens(prefill, prompt)
-        before = _counters(directory)
+        before = _counters(directory, decode)
         assert _pd_tokens(prefill, decode, prompt) == expected
         # Loaded (not recomputed): one transfer, pushed to the decode engine the prefill
         # request named, every block of the prompt written once.
         blocks = -(-length // BLOCK_SIZE)
-        assert _delta(before, _counters(directory)) == {
+        assert _delta(before, _counters(directory, decode)) == {
             "loaded": 1,
             "pushed": 1,
+            "get_handovers": 1,
             "get_bytes": blocks * BYTES_PER_BLOCK,
         }
 
@@ -281,11 +301,12 @@ class TestOneRankEachSide:
         """A handle that names no decode engine (or another one) is claimed on demand."""
         prompt = _prompt(333)
         expected = _single_engine_tokens(prefill, prompt)
-        before = _counters(directory)
+        before = _counters(directory, decode)
         assert _pd_tokens(prefill, decode, prompt, named=False) == expected
-        assert _delta(before, _counters(directory)) == {
+        assert _delta(before, _counters(directory, decode)) == {
             "loaded": 1,
             "claimed": 1,
+            "get_handovers": 1,
             "get_bytes": 3 * BYTES_PER_BLOCK,
         }
 
@@ -302,12 +323,13 @@ class TestOneRankEachSide:
         params = _greedy(4, remote_decode_params(_consumer(decode)))
         output = _generate(prefill, prompt, params)
         assert list(output.outputs[0].token_ids) == expected[:4]
-        before = _counters(directory)
+        before = _counters(directory, decode)
         handle = output.kv_transfer_params
         assert _decode_step(decode, prompt, expected[0], handle) == expected
-        assert _delta(before, _counters(directory)) == {
+        assert _delta(before, _counters(directory, decode)) == {
             "loaded": 1,
             "pushed": 1,
+            "get_handovers": 1,
             "get_bytes": 4 * BYTES_PER_BLOCK,
         }
 
@@ -315,12 +337,13 @@ class TestOneRankEachSide:
         """Several prompts prefilled in one batch, then loaded and decoded in one batch."""
         prompts = [_prompt(length) for length in (33, 257, 511, 900, 1200)]
         expected = [_single_engine_tokens(prefill, prompt) for prompt in prompts]
-        before = _counters(directory)
+        before = _counters(directory, decode)
         assert _pd_batch_tokens(prefill, decode, prompts) == expected
         blocks = sum(-(-len(prompt) // BLOCK_SIZE) for prompt in prompts)
-        assert _delta(before, _counters(directory)) == {
+        assert _delta(before, _counters(directory, decode)) == {
             "loaded": len(prompts),
             "pushed": len(prompts),
+            "get_handovers": len(prompts),
             "get_bytes": blocks * BYTES_PER_BLOCK,
         }
 
@@ -335,10 +358,15 @@ class TestOneRankEachSide:
         """The decode engine cached this prompt's full blocks from the earlier transfer."""
         prompt = _prompt(length)
         expected = _single_engine_tokens(prefill, prompt)
-        before = _counters(directory)
+        before = _counters(directory, decode)
         assert _pd_tokens(prefill, decode, prompt) == expected
-        loaded = {"loaded": 1, "pushed": 1, "get_bytes": blocks_loaded * BYTES_PER_BLOCK}
-        assert _delta(before, _counters(directory)) == (
+        loaded = {
+            "loaded": 1,
+            "pushed": 1,
+            "get_handovers": 1,
+            "get_bytes": blocks_loaded * BYTES_PER_BLOCK,
+        }
+        assert _delta(before, _counters(directory, decode)) == (
             loaded if blocks_loaded else {"released": 1}
         )
 
@@ -370,9 +398,9 @@ class TestOneRankEachSide:
         expected = _single_engine_tokens(prefill, prompt)
         first_token, handle = _prefill_step(prefill, prompt)
         ray.get(release_handle(handle))
-        before = _counters(directory)
+        before = _counters(directory, decode)
         assert _decode_step(decode, prompt, first_token, handle) == expected
-        assert _delta(before, _counters(directory)) == {}  # already counted as released
+        assert _delta(before, _counters(directory, decode)) == {}  # already counted as released
 
     def test_unused_handles_are_freed(
         self, dashboard: str, prefill: Any, decode: Any, directory: Any
@@ -400,12 +428,13 @@ class TestTensorParallelTwo:
     ) -> None:
         prompt = _prompt(length)
         expected = _single_engine_tokens(prefill_tp2, prompt)
-        before = _counters(directory)
+        before = _counters(directory, decode_tp2)
         assert _pd_tokens(prefill_tp2, decode_tp2, prompt) == expected
         blocks = -(-length // BLOCK_SIZE)  # two shards of half a block's bytes each
-        assert _delta(before, _counters(directory)) == {
+        assert _delta(before, _counters(directory, decode_tp2)) == {
             "loaded": 1,
             "pushed": 2,  # one part per rank
+            "get_handovers": 1,  # counted by the first rank's
             "get_bytes": blocks * BYTES_PER_BLOCK,
         }
 
@@ -474,7 +503,7 @@ def _wait_for_registrations(directory: Any, count: int) -> list[str]:
 
 def _assert_object_store_empty(dashboard: str, directory: Any) -> None:
     assert ray.get(directory.live_object_ids.remote()) == []
-    snapshot = ray.get(directory.metrics_snapshot.remote())
+    snapshot = ray.get(directory.ledger_snapshot.remote())
     assert (snapshot["live_transfers"], snapshot["live_bytes"]) == (0, 0)
     # Engine processes put only KV parts, and nothing else here is a block's size.
     leftovers = [

@@ -7,7 +7,7 @@ from collections import Counter
 
 from prometheus_client import CollectorRegistry
 
-from kv_transfer.metrics import KVTransferCollector, TransferStats
+from kv_transfer.metrics import KVTransferCollector, Ledger, TransferTotals
 from loadgen.client.fake_server import FakeServerConfig, _Metrics
 from loadgen.outputs.exposition import Exposition
 from router.observation.metrics import ROUTER_ATTRIBUTES, RouterMetrics
@@ -39,9 +39,10 @@ def test_the_router_registers_exactly_its_catalogue_families() -> None:
 
 def test_the_kv_collector_renders_exactly_the_kv_families() -> None:
     registry = CollectorRegistry()
-    stats = TransferStats()
-    stats.observe("put", 0.02, 1 << 20)
-    registry.register(KVTransferCollector(lambda: stats.snapshot(1, 1 << 20)))
+    totals = TransferTotals()
+    totals.observe("put", 0.02, 1 << 20, first_part=True)
+    ledger = Ledger().snapshot(1, 1 << 20)
+    registry.register(KVTransferCollector(lambda: totals, lambda: ledger))
     assert registry_names(registry) == catalogue.series_of(catalogue.KV_FAMILIES)
     buckets = {
         sample.labels["le"]

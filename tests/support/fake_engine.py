@@ -111,7 +111,7 @@ class RecordingKV:
     def release(self, handle: dict[str, Any]) -> None:
         self.released.append(handle)
 
-    async def metrics_snapshot(self) -> dict[str, Any] | None:
+    async def ledger_snapshot(self) -> dict[str, Any] | None:
         return None
 
     def shutdown(self) -> None:

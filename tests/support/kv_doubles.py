@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kv_transfer.directory import TransferDirectory
+from kv_transfer.object_store.directory import TransferDirectory
 
 
 @dataclass(frozen=True)

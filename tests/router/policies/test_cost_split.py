@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kv_transfer.metrics import TransferTotals
 from router.policies.prefill_policies import CostSettings, cheaper_side
 from router.policies.prefill_policy import PrefillDecision, PrefillInputs
 from router.pool.engine_state import TransferCostMeter
@@ -106,11 +107,15 @@ def test_without_estimates_the_prompt_stays_local_and_says_so() -> None:
     assert _decide(remote=None, local=None) == ("local", "unmeasured")
 
 
-def _snapshot(put_s: float, get_s: float, gets: int = 1, loaded: int = 1) -> dict:
-    return {
-        "seconds": {"put": {"sum": put_s, "count": loaded}, "get": {"sum": get_s, "count": gets}},
-        "transfers_total": {"loaded": loaded},
-    }
+def _snapshot(put_s: float, get_s: float, parts: int = 1, handovers: int = 1) -> TransferTotals:
+    """The engines' summed statistics: each side's seconds over ``parts`` parts of
+    ``handovers`` hand-overs."""
+    totals = TransferTotals()
+    for op, seconds in (("put", put_s), ("get", get_s)):
+        totals.data["seconds_sum"][op] = seconds
+        totals.data["parts"][op] = parts
+        totals.data["handovers"][op] = handovers
+    return totals
 
 
 def test_the_meter_learns_seconds_per_transferred_token_between_polls() -> None:
@@ -121,7 +126,7 @@ def test_the_meter_learns_seconds_per_transferred_token_between_polls() -> None:
     assert meter.estimate_s(1000) == pytest.approx(0.010)
     meter.update(_snapshot(0.004, 0.006), transferred_tokens=1000)  # idle: no sample
     assert meter.estimate_s(1000) == pytest.approx(0.010)
-    meter.update(_snapshot(0.014, 0.026, gets=2, loaded=2), transferred_tokens=2000)
+    meter.update(_snapshot(0.014, 0.026, parts=2, handovers=2), transferred_tokens=2000)
     assert meter.estimate_s(1000) == pytest.approx(0.020)  # halfway to the new 0.030
 
 
@@ -129,7 +134,7 @@ def test_the_meter_counts_tensor_parallel_parts_of_one_transfer_once() -> None:
     meter = TransferCostMeter(ema_weight=1.0)
     meter.update(_snapshot(0.0, 0.0, 0, 0), transferred_tokens=0)
     # Two ranks, each putting and loading its half side by side.
-    meter.update(_snapshot(0.010, 0.010, gets=2, loaded=1), transferred_tokens=1000)
+    meter.update(_snapshot(0.010, 0.010, parts=2, handovers=1), transferred_tokens=1000)
     assert meter.estimate_s(1000) == pytest.approx(0.010)
 
 

@@ -1,8 +1,15 @@
 """ObjectStoreConnector: vLLM's KV connector interface over Ray's object store.
 
+The package follows vLLM's connector layout: this front, the scheduler half
+(scheduler.py), the worker half (worker.py), the orders the first sends the second each
+step (metadata.py), the statistics vLLM carries to the stat loggers (stats.py), and
+what only this backend has: the directory actor (directory.py), the store seam
+(store.py), the paged-cache packing (paged_cache.py) and the push path
+(pushed_parts.py).
+
 vLLM builds one instance in the EngineCore (role SCHEDULER) and one in every worker
 rank (role WORKER); this class only routes each call to the half that owns it
-(``scheduler_side.TransferScheduler``, ``worker_side.TransferWorker``). Select it with
+(``scheduler.TransferScheduler``, ``worker.TransferWorker``). Select it with
 ``ObjectStoreBackend.engine_config(role)`` (kv_transfer/builtin_backends.py).
 
 Granularity: one object per request per rank holding every layer, packed as views
@@ -28,12 +35,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kv_transfer.directory import disconnect_ray
 from kv_transfer.handle import consumer_id, layout_fingerprint
-from kv_transfer.orders import TransferOrders
-from kv_transfer.scheduler_side import TransferScheduler
+from kv_transfer.object_store.directory import disconnect_ray
+from kv_transfer.object_store.metadata import TransferOrders
+from kv_transfer.object_store.scheduler import TransferScheduler
+from kv_transfer.object_store.stats import TransferStats, build_transfer_stats
+from kv_transfer.object_store.worker import TransferWorker
 from kv_transfer.settings import ObjectStoreSettings
-from kv_transfer.worker_side import TransferWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -141,6 +149,15 @@ class ObjectStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_half.take_load_errors()
+
+    # ---- statistics (either side: vLLM asks the scheduler's too, which has none) ------
+
+    def get_kv_connector_stats(self) -> TransferStats | None:
+        return None if self._worker is None else self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats | None:
+        return build_transfer_stats(data)
 
     def shutdown(self) -> None:
         if self._worker is not None:

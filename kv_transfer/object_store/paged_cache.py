@@ -87,7 +87,7 @@ class PagedKVCache:
         self._stream: Any = None
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
-        # Loads run on several threads (kv_transfer/worker_side.py): a stager each.
+        # Loads run on several threads (kv_transfer/object_store/worker.py): a stager each.
         self._stagers = threading.local()
 
     @property

@@ -21,7 +21,8 @@ Lifetime. A transfer is closed, and its references dropped, when every part is l
 clock, so a slow load is not cut off), when a consumer reports it unusable (``failed``)
 or when someone gives it up (``released``). A consumer rank that was pushed a part is
 told in its next ``deliveries`` answer that the transfer closed, and drops its copy.
-The directory also aggregates the transfer metrics (see ``kv_transfer.metrics``).
+The directory keeps the ledger of those outcomes (``ledger_snapshot``); the bytes and
+seconds of each put and load are the engines' own statistics (stats.py).
 
 Engine processes are vLLM's multiprocessing children, not Ray workers; they join the
 cluster as drivers through ``connect_ray``, at ``RAY_ADDRESS`` (vLLM sets it when its
@@ -45,7 +46,7 @@ from typing import Any
 import ray
 
 from kv_transfer.handle import PARAMS_KEY
-from kv_transfer.metrics import LoadPath, Operation, Outcome, TransferStats
+from kv_transfer.metrics import Ledger, Outcome
 from kv_transfer.settings import DEFAULT_NAMESPACE
 
 logger = logging.getLogger("splitserve.kv_transfer")
@@ -208,7 +209,7 @@ class TransferDirectory:
     def __init__(self) -> None:
         self._transfers: dict[str, _Transfer] = {}
         self._closed: OrderedDict[str, Outcome] = OrderedDict()
-        self._stats = TransferStats()
+        self._ledger = Ledger()
         self._inboxes: dict[tuple[str, int], _Inbox] = {}
         # Set (and replaced) whenever a part is registered or a transfer closes: what
         # waiting claims wait for. Claims are the fallback path, so waking them all is cheap.
@@ -223,7 +224,6 @@ class TransferDirectory:
         refs: list[ray.ObjectRef],
         nbytes: int,
         layout: dict[str, Any],
-        put_seconds: float,
         ttl_s: float,
         consumer: str | None = None,
     ) -> bool:
@@ -232,7 +232,6 @@ class TransferDirectory:
         ``consumer``: the decode engine the router chose, pushed the part if it polls.
         """
         self._ensure_sweeper()
-        self._stats.observe("put", put_seconds, nbytes)
         if transfer_id in self._closed:
             return False  # released before it was registered: let the object go at once
         transfer = self._transfers.get(transfer_id)
@@ -307,11 +306,7 @@ class TransferDirectory:
         transfer.deadline = max(transfer.deadline, time.monotonic() + transfer.ttl_s)
         return {"status": "ok", **part.handed_over()}
 
-    async def confirm_loaded(
-        self, transfer_id: str, rank: int, seconds: float, nbytes: int, path: LoadPath
-    ) -> None:
-        self._stats.observe("get", seconds, nbytes)
-        self._stats.count_load(path)
+    async def confirm_loaded(self, transfer_id: str, rank: int) -> None:
         transfer = self._transfers.get(transfer_id)
         if transfer is None:
             return
@@ -329,13 +324,10 @@ class TransferDirectory:
     async def release(self, transfer_id: str) -> None:
         self._close(transfer_id, "released")
 
-    async def observe(self, op: Operation, seconds: float, nbytes: int) -> None:
-        """Time a transfer the directory does not hold (example_disk), in the same metrics."""
-        self._stats.observe(op, seconds, nbytes)
-
-    async def metrics_snapshot(self) -> dict[str, Any]:
+    async def ledger_snapshot(self) -> dict[str, Any]:
+        """Transfers by how they ended, and what the object store holds now."""
         live_bytes = sum(transfer.live_bytes() for transfer in self._transfers.values())
-        return self._stats.snapshot(len(self._transfers), live_bytes)
+        return self._ledger.snapshot(len(self._transfers), live_bytes)
 
     async def live_object_ids(self) -> list[str]:
         """Hex ids of the objects the directory still holds (for tests and debugging)."""
@@ -355,7 +347,7 @@ class TransferDirectory:
             self._closed.popitem(last=False)
         # Counted even when no part is registered yet: producers do not wait for their
         # registration, so a release can overtake it (the late part is then let go).
-        self._stats.count_outcome(outcome)
+        self._ledger.count_outcome(outcome)
         self._announce_change()
         if transfer is not None:
             for key in transfer.pushed_to:

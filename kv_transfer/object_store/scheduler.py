@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from kv_transfer.directory import get_kv_directory
 from kv_transfer.handle import (
     CONSUMER_KEY,
     KVLayoutMismatchError,
@@ -33,7 +32,8 @@ from kv_transfer.handle import (
     is_transfer_params,
     prompt_digest,
 )
-from kv_transfer.orders import LoadOrder, SaveOrder, TransferOrders
+from kv_transfer.object_store.directory import get_kv_directory
+from kv_transfer.object_store.metadata import LoadOrder, SaveOrder, TransferOrders
 from kv_transfer.settings import ObjectStoreSettings
 
 if TYPE_CHECKING:

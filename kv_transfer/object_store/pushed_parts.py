@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kv_transfer.object_store import ObjectStore, RayObjectStore
-from kv_transfer.paged_cache import PackedLayers
+from kv_transfer.object_store.paged_cache import PackedLayers
+from kv_transfer.object_store.store import ObjectStore, RayObjectStore
 
 logger = logging.getLogger("vllm.splitserve.kv_transfer")
 

@@ -3,7 +3,8 @@
 Save (prefill): in ``wait_for_save``, after the forward pass that wrote the prompt's
 KV, each rank hands the request's blocks to its saver thread, which puts its own shard
 (one object holding every layer) and registers it with the directory (naming the
-decode engine, if the router chose one) without waiting for the answer. The step, and
+decode engine, if the router chose one) without waiting for the answer, and counts it
+in its transfer statistics (stats.py). The step, and
 with it the first token, pays for neither. vLLM keeps the blocks until the put is
 reported done (``finished_sending``), which happens once the scheduler has finished the
 request too; and before any forward pass, a put whose request the scheduler has not
@@ -13,7 +14,7 @@ finished is waited for, since only a finished request's blocks are sure to stay 
 Load (decode): ``start_load_kv`` hands each LoadOrder to a thread that takes the part
 pushed to this rank (``PushedParts``; already fetched) or else claims it from the
 directory and gets it (zero copy from the local object store), checks its page layout
-against ours, writes the pages and confirms; the scheduler hears about it through
+against ours, writes the pages, confirms and counts it; the scheduler hears about it through
 ``transfer_results`` on a later step. A failed load reports its blocks as load errors,
 and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 """
@@ -31,12 +32,13 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kv_transfer.directory import get_kv_directory
 from kv_transfer.metrics import LoadPath
-from kv_transfer.object_store import ObjectStore, RayObjectStore
-from kv_transfer.orders import LoadOrder, SaveOrder
-from kv_transfer.paged_cache import PagedKVCache
-from kv_transfer.pushed_parts import FetchedPart, PushedParts
+from kv_transfer.object_store.directory import get_kv_directory
+from kv_transfer.object_store.metadata import LoadOrder, SaveOrder
+from kv_transfer.object_store.paged_cache import PagedKVCache
+from kv_transfer.object_store.pushed_parts import FetchedPart, PushedParts
+from kv_transfer.object_store.stats import TransferStats, TransferStatsRecorder
+from kv_transfer.object_store.store import ObjectStore, RayObjectStore
 from kv_transfer.settings import ObjectStoreSettings
 
 logger = logging.getLogger("vllm.splitserve.kv_transfer")
@@ -83,6 +85,7 @@ class TransferWorker:
         self._finished_saves: set[str] = set()  # of those, requests vLLM has finished
         self._finished_loads: queue.SimpleQueue[_LoadResult] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
+        self._stats = TransferStatsRecorder(rank)
 
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], backend: str = "unknown"
@@ -151,10 +154,10 @@ class TransferWorker:
             [ref],
             nbytes,
             self._cache.layout,
-            seconds,
             order.ttl_s,
             order.consumer,
         )
+        self._stats.observe("put", seconds, nbytes)
 
     # ---- decode -------------------------------------------------------------------
 
@@ -183,6 +186,10 @@ class TransferWorker:
         return KVConnectorTransferResults(
             finished_sending=self._saves_done(), finished_recving=finished
         )
+
+    def take_stats(self) -> TransferStats | None:
+        """Puts and loads counted since the last call (vLLM's ``get_kv_connector_stats``)."""
+        return self._stats.take()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -222,7 +229,9 @@ class TransferWorker:
         # Drop our views of the object now; a caller that passed it in drops its own
         # when it returns (our ref keeps the object alive until then either way).
         del part
-        self._directory.confirm_loaded.remote(order.transfer_id, self._rank, seconds, nbytes, path)
+        self._directory.confirm_loaded.remote(order.transfer_id, self._rank)
+        self._stats.observe("get", seconds, nbytes)
+        self._stats.count_load(path)
 
     def _take_pushed(self, order: LoadOrder, wait_s: float) -> FetchedPart | None:
         if not order.pushed or self._pushed is None or order.problem is not None:
