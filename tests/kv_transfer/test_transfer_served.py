@@ -464,7 +464,7 @@ def test_directory_pushes_only_to_the_named_consumer(directory: Any) -> None:
     layout = {"num_layers": 1}
 
     def register(transfer_id: str, consumer: str) -> None:
-        args = (transfer_id, 0, 1, [part], 8, layout, 0.001, TTL_S, consumer)
+        args = (transfer_id, 0, 1, [part], 8, layout, TTL_S, consumer)
         assert ray.get(directory.register.remote(*args))
 
     def deliveries(consumer: str, held: list[str]) -> dict[str, Any]:
