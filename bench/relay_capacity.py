@@ -11,11 +11,16 @@ routers' ports as a load balancer would, for ``--duration-s`` seconds, from
 shares the cores with the routers: the figure is a floor, and the client's own share is
 printed beside it. ``--layouts``: ``in_router`` (each router hosts engines of its own)
 and ``apart`` (engines in Serve replicas of their own, shared by every router over the
-engine transport).
+engine transport). ``--peer vllm-router``: the same client against vllm-router
+(Rust, round robin) over ``--engines`` of the load generator's fake servers, which
+stream tokens back to back as the synthetic engines do; its row is the bar for a relay
+that only forwards bytes. ``--repeat``: rounds, each running every row once in turn
+(this box drifts between runs: compare rows within a round, and medians).
 
     python bench/relay_capacity.py [--layouts in_router,apart] [--router-replicas 1,2]
-        [--engines 2] [--streams 64] [--max-tokens 512] [--duration-s 20]
-        [--client-processes 1] [--out results/relay_capacity.json]
+        [--peer vllm-router] [--engines 2] [--streams 64] [--max-tokens 512]
+        [--duration-s 20] [--client-processes 1] [--repeat 1]
+        [--out results/relay_capacity.json]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import multiprocessing
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,7 +43,7 @@ from urllib.parse import urlsplit
 
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
-from overhead import cpu_seconds_by_role
+from overhead import cpu_seconds_by_role, peer_tool, served
 from rich.console import Console
 from rich.table import Table
 
@@ -48,6 +54,7 @@ from deployments.launcher import (
     serve_run,
 )
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from loadgen.client.fake_server import FAKE_MODEL_NAME
 
 console = Console(width=140)
 DP_YAML = REPO_ROOT / "deployments" / "dp.yaml"
@@ -55,6 +62,10 @@ SSE_EVENT = b"data: "
 SSE_DONE = b"data: [DONE]"
 USAGE_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
 READ_BLOCK = 1 << 16
+VLLM_ROUTER_VERSION = "0.1.17"  # as bench/peers.py
+PEER_PORT = 8200  # vllm-router; its fake servers on the ports after it
+# The process whose CPU is "the router's" in each row.
+ROUTER_ROLE = {"vllm-router": "vllm-router"}
 
 
 @dataclass(frozen=True)
@@ -86,12 +97,38 @@ def serving(router_replicas: int, engines: int, layout: str) -> Iterator[tuple[s
             yield app.router_urls
 
 
-def _request_bytes(url: str, max_tokens: int) -> tuple[str, int, bytes]:
+@contextlib.contextmanager
+def vllm_router(engines: int) -> Iterator[tuple[str, ...]]:
+    """vllm-router, round robin, over ``engines`` fake servers, all at Ray's worker
+    niceness as our routers and engines run."""
+    binary = peer_tool("vllm-router", VLLM_ROUTER_VERSION, "vllm-router")
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for index in range(engines):
+            port = PEER_PORT + 1 + index
+            url = f"http://127.0.0.1:{port}"
+            fake = [sys.executable, "-m", "loadgen", "fake-server", "--port", str(port)]
+            stack.enter_context(
+                served(fake, f"relay-fake-{index}", f"{url}/v1/models", RAY_WORKER_NICENESS)
+            )
+            urls.append(url)
+        command = [
+            str(binary), "--host", "127.0.0.1", "--port", str(PEER_PORT),
+            "--policy", "round_robin", "--worker-urls", *urls,
+        ]  # fmt: skip
+        base_url = f"http://127.0.0.1:{PEER_PORT}"
+        stack.enter_context(
+            served(command, "relay-vllm-router", f"{base_url}/v1/models", RAY_WORKER_NICENESS)
+        )
+        yield (base_url,)
+
+
+def _request_bytes(url: str, max_tokens: int, model: str) -> tuple[str, int, bytes]:
     """Host, port and the raw HTTP request of one streamed completion."""
     address = urlsplit(url)
     body = json.dumps(
         {
-            "model": EMBEDDED_MODEL_NAME,
+            "model": model,
             "prompt": "relay",
             "max_tokens": max_tokens,
             "stream": True,
@@ -138,10 +175,10 @@ async def _one_stream(host: str, port: int, request: bytes) -> tuple[int, int]:
     return (int(found.group(1)) if found else 0), events
 
 
-async def _client(urls: list[str], load: Load, first_stream: int) -> dict[str, int]:
+async def _client(urls: list[str], load: Load, first_stream: int, model: str) -> dict[str, int]:
     tokens = events = requests = errors = 0
     deadline = time.monotonic() + load.duration_s
-    targets = [_request_bytes(url, load.max_tokens) for url in urls]
+    targets = [_request_bytes(url, load.max_tokens, model) for url in urls]
 
     async def keep_streaming(index: int) -> None:
         nonlocal tokens, events, requests, errors
@@ -157,18 +194,23 @@ async def _client(urls: list[str], load: Load, first_stream: int) -> dict[str, i
     return {"tokens": tokens, "events": events, "requests": requests, "errors": errors}
 
 
-def _client_process(urls: list[str], load: Load, first_stream: int) -> dict[str, int]:
+def _client_process(urls: list[str], load: Load, first_stream: int, model: str) -> dict[str, int]:
     os.setpriority(os.PRIO_PROCESS, 0, RAY_WORKER_NICENESS)
-    return asyncio.run(_client(urls, load, first_stream))
+    return asyncio.run(_client(urls, load, first_stream, model))
 
 
-def measure(urls: tuple[str, ...], load: Load, client_processes: int) -> dict[str, Any]:
+def measure(
+    urls: tuple[str, ...], load: Load, client_processes: int, model: str = EMBEDDED_MODEL_NAME
+) -> dict[str, Any]:
     per_process = Load(load.streams // client_processes, load.max_tokens, load.duration_s)
     before, started = cpu_seconds_by_role(), time.monotonic()
     with multiprocessing.get_context("spawn").Pool(client_processes) as pool:
         parts = pool.starmap(
             _client_process,
-            [(list(urls), per_process, i * per_process.streams) for i in range(client_processes)],
+            [
+                (list(urls), per_process, i * per_process.streams, model)
+                for i in range(client_processes)
+            ],
         )
     wall_s, after = time.monotonic() - started, cpu_seconds_by_role()
     counted = ("tokens", "events", "requests", "errors")
@@ -196,7 +238,8 @@ def print_table(rows: dict[str, dict[str, Any]], load: Load) -> None:
     table.add_column("client CPU", justify="right")
     for key, row in rows.items():
         share = row["cpu_share"]
-        router_cores = share.get("router", 0.0)
+        router_cores = share.get(ROUTER_ROLE.get(row["layout"], "router"), 0.0)
+        engine_cores = share.get("engine replica", 0.0) + share.get("fake server", 0.0)
         table.add_row(
             key,
             f"{row['tokens_per_s']:,.0f}",
@@ -204,11 +247,26 @@ def print_table(rows: dict[str, dict[str, Any]], load: Load) -> None:
             f"{row['requests_per_s']:.1f}",
             str(row["errors"]),
             f"{router_cores:.2f} cores",
-            f"{share.get('engine replica', 0.0):.2f} cores",
+            f"{engine_cores:.2f} cores",
             f"{row['tokens_per_s'] / router_cores:,.0f}" if router_cores else "-",
             f"{row['client_cpu_share']:.2f} cores",
         )
     console.print(table)
+
+
+def run_cell(
+    layout: str, replicas: int, engines: int, load: Load, client_processes: int
+) -> dict[str, Any]:
+    """One row: start what serves it, measure, stop."""
+    peer = layout in ROUTER_ROLE
+    server = vllm_router(engines) if peer else serving(replicas, engines, layout)
+    with server as urls:
+        client_before = _own_cpu_seconds()
+        model = FAKE_MODEL_NAME if peer else EMBEDDED_MODEL_NAME
+        row = measure(urls, load, client_processes, model)
+        row["client_cpu_share"] = (_own_cpu_seconds() - client_before) / row["wall_s"]
+    row["layout"] = layout
+    return row
 
 
 def _own_cpu_seconds() -> float:
@@ -229,23 +287,32 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--duration-s", type=float, default=20.0)
     parser.add_argument("--client-processes", type=int, default=1)
+    parser.add_argument("--peer", default="", help="vllm-router: add its row (empty: none)")
+    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "relay_capacity.json")
     args = parser.parse_args()
     load = Load(args.streams, args.max_tokens, args.duration_s)
-    rows: dict[str, dict[str, Any]] = {}
-    for layout in args.layouts.split(","):
-        for replicas in (int(part) for part in args.router_replicas.split(",")):
+    cells = [
+        (layout, int(replicas))
+        for layout in args.layouts.split(",")
+        if layout
+        for replicas in args.router_replicas.split(",")
+    ]
+    if args.peer:
+        cells.append((args.peer, 1))
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for round_index in range(args.repeat):
+        rows: dict[str, dict[str, Any]] = {}
+        for layout, replicas in cells:
             key = f"{layout}, {replicas}"
-            console.print(f"[bold]{layout}, {replicas} router replica(s)[/]: starting")
-            with serving(replicas, args.engines, layout) as urls:
-                client_before = _own_cpu_seconds()
-                row = measure(urls, load, args.client_processes)
-                row["client_cpu_share"] = (_own_cpu_seconds() - client_before) / row["wall_s"]
-                rows[key] = row
-                console.print(f"  {row['tokens_per_s']:,.0f} tokens/s, {row['errors']} errors")
-    print_table(rows, load)
+            console.print(f"[bold]round {round_index + 1}: {key} router(s)[/]: starting")
+            rows[key] = run_cell(layout, replicas, args.engines, load, args.client_processes)
+            row = rows[key]
+            console.print(f"  {row['tokens_per_s']:,.0f} tokens/s, {row['errors']} errors")
+        print_table(rows, load)
+        rounds.append(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    document = {"load": asdict(load), "engines": args.engines, "results": rows}
+    document = {"load": asdict(load), "engines": args.engines, "rounds": rounds}
     args.out.write_text(json.dumps(document, indent=2))
     console.print(f"saved {args.out}")
 
