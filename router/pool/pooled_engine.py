@@ -320,6 +320,11 @@ class PooledEngine:
             if not finished:
                 self._abort_soon(request.request_id)
 
+    def queued(self, request_id: str) -> int:
+        """Deltas of a request that arrived and wait to be read (0 for one not here)."""
+        queue = self._pending.get(request_id)
+        return 0 if queue is None else queue.qsize()
+
     async def _deltas(
         self,
         queue: asyncio.Queue[GenerateChunk | GenerateFailure],
