@@ -17,6 +17,12 @@ stream tokens back to back as the synthetic engines do; its row is the bar for a
 that only forwards bytes. ``--repeat``: rounds, each running every row once in turn
 (this box drifts between runs: compare rows within a round, and medians).
 
+Both engines here are faster than any relay, so every row is a relay that is behind.
+Ours then sends what waits for a request as one event of several tokens (as vLLM's
+server does; router/pool/mailbox.py); the fake servers send a token an event, which
+vllm-router forwards as it reads them. So read tokens/s per router core (what the
+issue's target is) beside events/s per router core (the cost of one write's framing).
+
     python bench/relay_capacity.py [--layouts in_router,apart] [--router-replicas 1,2]
         [--peer vllm-router] [--engines 2] [--streams 64] [--max-tokens 512]
         [--duration-s 20] [--client-processes 1] [--repeat 1]
@@ -233,7 +239,8 @@ def print_table(rows: dict[str, dict[str, Any]], load: Load) -> None:
         f" {load.max_tokens} tokens, {load.duration_s:.0f} s, client at niceness 15"
     )
     columns = ("layout, routers", "tokens/s", "tokens/event", "requests/s", "errors")
-    for column in (*columns, "router CPU", "engine replicas' CPU", "tokens/s per router core"):
+    per_core = ("tokens/s per router core", "events/s per router core")
+    for column in (*columns, "router CPU", "engine replicas' CPU", *per_core):
         table.add_column(column, justify="right")
     table.add_column("client CPU", justify="right")
     for key, row in rows.items():
@@ -249,6 +256,7 @@ def print_table(rows: dict[str, dict[str, Any]], load: Load) -> None:
             f"{router_cores:.2f} cores",
             f"{engine_cores:.2f} cores",
             f"{row['tokens_per_s'] / router_cores:,.0f}" if router_cores else "-",
+            f"{row['events'] / row['wall_s'] / router_cores:,.0f}" if router_cores else "-",
             f"{row['client_cpu_share']:.2f} cores",
         )
     console.print(table)

@@ -23,6 +23,7 @@ from engines.contract import EngineFailed
 from engines.protocol import CONTINUE_FROM, GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
 from router.policies.prefill_policy import PrefillDecision
+from router.pool.mailbox import join_into
 from router.pool.pooled_engine import PooledEngine
 
 logger = logging.getLogger("splitserve.router")
@@ -106,7 +107,10 @@ class PrefillDecodeFlow:
         )
         first: GenerateChunk | None = None
         async for chunk in prefill.generate(prefill_request, prefill_tokens, on_accepted):
-            first = chunk if first is None else _merge(first, chunk)
+            if first is None:
+                first = chunk
+            else:
+                join_into(first, chunk)
         if first is None or not first.token_ids:
             raise EngineFailed(f"{prefill.name} returned no first token")
         return first
@@ -171,18 +175,3 @@ class _AlreadySent:
         if rest.token_ids or rest.text or rest.finish_reason is not None:
             return rest
         return None
-
-
-def _merge(first: GenerateChunk, later: GenerateChunk) -> GenerateChunk:
-    logprobs = first.logprobs
-    if later.logprobs is not None:
-        logprobs = [*(logprobs or ()), *later.logprobs]
-    return msgspec.structs.replace(
-        later,
-        token_ids=[*first.token_ids, *later.token_ids],
-        text=first.text + later.text,
-        logprobs=logprobs,
-        prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs,
-        num_cached_tokens=max(first.num_cached_tokens, later.num_cached_tokens),
-        kv_transfer_params=later.kv_transfer_params or first.kv_transfer_params,
-    )

@@ -1,8 +1,9 @@
 """The router's side of one engine: submit, abort, and demultiplex its deltas.
 
 Each router process subscribes once to each engine's ``deltas`` stream and routes the
-batched deltas to per-request queues: one message per engine step rather than one per
-token per request. The engine is reached through a link (``EngineLink``): an engine
+batched deltas to per-request mailboxes (router/pool/mailbox.py): one message per engine
+step rather than one per token per request, and a request read behind its engine reads
+what waits as one chunk. The engine is reached through a link (``EngineLink``): an engine
 replica of its own over the engine transport (one TCP connection, after both sides
 prove the replica's secret; the Serve handle only names the address), or the engine
 host in the router's own process (``router.engine_in_router``), behind the same calls.
@@ -28,6 +29,7 @@ from engines.protocol import (
     LoraAdapter,
 )
 from router.policies.prefill_gate import PrefillGate
+from router.pool.mailbox import DeltaMailbox
 from router.pool.replica_state import PrefillTicket, ReplicaState
 from splitserve.processes import ENGINE_CANNOT_START
 
@@ -36,7 +38,7 @@ RESUBSCRIBE_DELAY_S = 0.5
 # How long a local engine's death waits for a stop to be announced before it counts as
 # a crash and the engine is restarted (the stop signal reaches both within this).
 STOP_GRACE_S = 1.0
-# Put in a request's queue when its deadline passes (GenerateRequest.deadline).
+# Put in a request's mailbox when its deadline passes (GenerateRequest.deadline).
 PAST_DEADLINE = GenerateFailure("the request's deadline passed")
 
 
@@ -195,7 +197,7 @@ class _GatePass:
 
 class PooledEngine:
     """One engine as the router's pool holds it: its link, what the router knows of its
-    load and cache (``ReplicaState``), and its requests' queues. (Not vLLM's
+    load and cache (``ReplicaState``), and its requests' mailboxes. (Not vLLM's
     ``EngineClient``, which router/http/vllm_frontend.py implements over the dispatch.)"""
 
     def __init__(
@@ -220,7 +222,7 @@ class PooledEngine:
         self._gate = gate or PrefillGate(None)
         self._link = link
         self._subscriber = f"router-{uuid.uuid4().hex[:12]}"
-        self._pending: dict[str, asyncio.Queue[GenerateChunk | GenerateFailure]] = {}
+        self._pending: dict[str, DeltaMailbox] = {}
         self._listener: asyncio.Task[None] | None = None
 
     @property
@@ -274,8 +276,8 @@ class PooledEngine:
         """
         self.start()
         request.subscriber = self._subscriber
-        queue: asyncio.Queue[GenerateChunk | GenerateFailure] = asyncio.Queue()
-        self._pending[request.request_id] = queue
+        mailbox = DeltaMailbox()
+        self._pending[request.request_id] = mailbox
         if prefill_tokens is None:
             prefill_tokens = len(request.prompt_token_ids)
         ticket = self.state.enqueue_prefill(prefill_tokens, time.perf_counter(), request.priority)
@@ -285,7 +287,7 @@ class PooledEngine:
         timer = None
         loop = asyncio.get_running_loop()
         if request.deadline is not None:
-            timer = loop.call_at(request.deadline, queue.put_nowait, PAST_DEADLINE)
+            timer = loop.call_at(request.deadline, mailbox.put, PAST_DEADLINE)
         inside = _GatePass(self._gate) if prefill_tokens else None
         try:
             if inside is not None:
@@ -299,7 +301,7 @@ class PooledEngine:
                 raise EngineUnavailable(f"{self.name} did not accept the request in time") from None
             if on_accepted is not None:
                 on_accepted()
-            async for item in self._deltas(queue, ticket):
+            async for item in self._deltas(mailbox, ticket):
                 if inside is not None and item.token_ids:
                     inside.leave()  # its prefill is done: the next one may enter the engine
                 unfinished -= item.finish_reason is not None
@@ -322,18 +324,18 @@ class PooledEngine:
 
     def queued(self, request_id: str) -> int:
         """Deltas of a request that arrived and wait to be read (0 for one not here)."""
-        queue = self._pending.get(request_id)
-        return 0 if queue is None else queue.qsize()
+        mailbox = self._pending.get(request_id)
+        return 0 if mailbox is None else len(mailbox)
 
     async def _deltas(
         self,
-        queue: asyncio.Queue[GenerateChunk | GenerateFailure],
+        mailbox: DeltaMailbox,
         ticket: PrefillTicket,
     ) -> AsyncIterator[GenerateChunk]:
-        """The queue's chunks, timing the first token and the steps after it."""
+        """The mailbox's chunks, timing the first token and the steps after it."""
         last_token_at: float | None = None
         while True:
-            item = await queue.get()
+            item = await mailbox.get()
             if item is PAST_DEADLINE:
                 raise TimeoutError(f"{self.name} did not finish the request in time")
             if isinstance(item, GenerateFailure):
@@ -363,9 +365,9 @@ class PooledEngine:
                         if isinstance(item, CacheUpdate):
                             self.state.apply_cache_update(item)
                             continue
-                        queue = self._pending.get(request_id)
-                        if queue is not None:
-                            queue.put_nowait(item)
+                        mailbox = self._pending.get(request_id)
+                        if mailbox is not None:
+                            mailbox.put(item)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
@@ -375,6 +377,6 @@ class PooledEngine:
             self.state.blocks = None
             # Whatever was in flight on that stream is lost with it.
             lost = GenerateFailure(f"engine replica {self.name} went away", engine_dead=True)
-            for queue in self._pending.values():
-                queue.put_nowait(lost)
+            for mailbox in self._pending.values():
+                mailbox.put(lost)
             await asyncio.sleep(RESUBSCRIBE_DELAY_S)
