@@ -113,7 +113,8 @@ async def test_tokens_stats_and_health_cross_the_connection() -> None:
         chunks = [chunk async for chunk in client.generate(_request("a", 4))]
         stats = await client.link.stats()
         await client.link.check_health()
-    assert [len(chunk.token_ids) for chunk in chunks] == [1, 1, 1, 1]
+    # A token a step; what waits unread arrives joined (router/pool/mailbox.py).
+    assert sum(len(chunk.token_ids) for chunk in chunks) == 4
     assert chunks[-1].finish_reason == "length"
     assert isinstance(stats, EngineStats) and stats.replica == "engine-0"
 
@@ -298,7 +299,7 @@ async def test_hostile_frames_run_nothing_close_the_connection_and_the_engine_se
             assert not marker.exists(), f"{name}: a frame was unpickled"
         assert server.refused == len(payloads)
         chunks = [chunk async for chunk in client.generate(_request("after", 3))]
-    assert [len(chunk.token_ids) for chunk in chunks] == [1, 1, 1]
+    assert sum(len(chunk.token_ids) for chunk in chunks) == 3  # the engine still serves
 
 
 async def test_a_peer_that_says_nothing_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
