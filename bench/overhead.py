@@ -72,8 +72,9 @@ PROCESS_ROLES = {
     "ray::ServeReplica:default:": "ray.serve.llm replica",
     "VLLM::EngineCore": "vllm engine core",
     f"{sys.executable} -m vllm.entrypoints.openai.api_server": "vllm api server",
-    # bench/relay_capacity.py's peer row: vllm-router (from peer_tool) over fake servers.
-    str(REPO_ROOT / ".splitserve-cache" / "vllm-router-"): "vllm-router",
+    # bench/relay_capacity.py's peer row: vllm-router (it renames its process so) over
+    # the load generator's fake servers.
+    "vllm::router": "vllm-router",
     f"{sys.executable} -m loadgen fake-server": "fake server",
 }
 

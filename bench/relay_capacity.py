@@ -66,7 +66,7 @@ console = Console(width=140)
 DP_YAML = REPO_ROOT / "deployments" / "dp.yaml"
 SSE_EVENT = b"data: "
 SSE_DONE = b"data: [DONE]"
-USAGE_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+USAGE_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 READ_BLOCK = 1 << 16
 VLLM_ROUTER_VERSION = "0.1.17"  # as bench/peers.py
 PEER_PORT = 8200  # vllm-router; its fake servers on the ports after it
