@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from engines.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
-from router.pd_flow import PrefillDecodeFlow, decode_request_id
+from router.pd_flow import PrefillDecodeFlow
 from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
 from router.policies.qos import ENGINE_PRIORITY
 from router.policies.replica_choice import Choice, ReplicaChoice, make_replica_choice
@@ -64,15 +64,6 @@ class Dispatch:
     def decision(self) -> PrefillDecision:
         """Where the prompt was computed, as it ran (final once the first token exists)."""
         return self.plan.decision
-
-    def backlog(self) -> int:
-        """Deltas of this request that already wait in the router, on the engine that
-        generates it: the relay reads them without waiting, and writes them at once."""
-        main, request_id = self.plan.main.replica, self.plan.request.request_id
-        queued = main.queued(request_id)
-        if self.disaggregated:
-            queued += main.queued(decode_request_id(request_id))
-        return queued
 
     def response_headers(self) -> dict[str, str]:
         """Where the request ran, as it ran: read once its first token exists, since a

@@ -23,10 +23,6 @@ from router.observation.requests import RequestObserver
 from router.settings import Priority
 
 logger = logging.getLogger("splitserve.router")
-# Events held back for one write while more of the request waits in the router: enough
-# to take a socket write and the server's framing off most tokens when the relay is
-# behind, bounded so a long backlog is still written as it is read.
-COALESCED_EVENTS_MAX = 64
 # What an engine's failure is answered with: (error, engines' names, sent anything yet).
 FailureStatus = Callable[[Exception, str, bool], OpenAIError]
 
@@ -68,14 +64,10 @@ class Relay:
     ) -> AsyncGenerator[Any, None]:
         """SSE strings when streaming; for non-stream requests, the final Transcript.
         ``first``: the stream's first chunk, already read (ServedModel._open), and when.
-
-        Where the relay is behind the engine (more of the request already waits in the
-        router), the events of what waits are joined into one string: one write to the
-        client for several tokens, each still an event of its own. An event is never
-        held back for a token that has not arrived."""
+        A relay behind its engine reads what waits as one chunk (router/pool/mailbox.py)
+        and writes it as one event."""
         transcript = Transcript(prompt_token_ids=prepared.prompt_token_ids)
         last_token_at: float | None = None
-        held: list[str] = []
         # Closing the stream early (client gone) aborts the request in the engine.
         stream = dispatch.stream
         try:
@@ -90,14 +82,7 @@ class Relay:
                     self._observer.prefix_estimate(dispatch, chunk)
                 transcript.add(chunk)
                 if prepared.stream:
-                    held.append(writer.delta_event(chunk, transcript, is_first))
-                    if len(held) < COALESCED_EVENTS_MAX and dispatch.backlog():
-                        continue
-                    yield held[0] if len(held) == 1 else "".join(held)
-                    held.clear()
-            if held:  # the stream ended on a chunk that was not its own read
-                yield "".join(held)
-                held.clear()
+                    yield writer.delta_event(chunk, transcript, is_first)
             self._observer.finished(
                 dispatch, arrival, transcript.prompt_token_ids, len(transcript.token_ids)
             )
@@ -115,8 +100,6 @@ class Relay:
             failure = self._failure(error, names, sent)
             if not prepared.stream:
                 raise failure from error
-            if held:  # what the client would have had, had the relay kept up
-                yield "".join(held)
             yield writer.error_event(failure)
             yield SSE_DONE
         finally:

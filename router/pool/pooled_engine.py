@@ -322,11 +322,6 @@ class PooledEngine:
             if not finished:
                 self._abort_soon(request.request_id)
 
-    def queued(self, request_id: str) -> int:
-        """Deltas of a request that arrived and wait to be read (0 for one not here)."""
-        mailbox = self._pending.get(request_id)
-        return 0 if mailbox is None else len(mailbox)
-
     async def _deltas(
         self,
         mailbox: DeltaMailbox,
