@@ -29,9 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
 
 from kv_transfer.metrics import Operation
 from kv_transfer.object_store.stats import (
+    CountsTransferStats,
     TransferStats,
     TransferStatsRecorder,
-    build_transfer_stats,
 )
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class TimedExampleConnector(ExampleConnector):
+class TimedExampleConnector(CountsTransferStats, ExampleConnector):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -78,10 +78,6 @@ class TimedExampleConnector(ExampleConnector):
 
     def get_kv_connector_stats(self) -> TransferStats | None:
         return self._stats.take()
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats | None:
-        return build_transfer_stats(data)
 
     def _step_tokens(self, is_store: bool) -> int:
         metadata = self._get_connector_metadata()

@@ -39,7 +39,7 @@ from kv_transfer.handle import consumer_id, layout_fingerprint
 from kv_transfer.object_store.directory import disconnect_ray
 from kv_transfer.object_store.metadata import TransferOrders
 from kv_transfer.object_store.scheduler import TransferScheduler
-from kv_transfer.object_store.stats import TransferStats, build_transfer_stats
+from kv_transfer.object_store.stats import CountsTransferStats, TransferStats
 from kv_transfer.object_store.worker import TransferWorker
 from kv_transfer.settings import ObjectStoreSettings
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class ObjectStoreConnector(KVConnectorBase_V1):
+class ObjectStoreConnector(CountsTransferStats, KVConnectorBase_V1):
     """Moves one request's KV blocks from a prefill engine to a decode engine via Ray."""
 
     _cache_hit_source = CacheHitSource.P2P
@@ -154,10 +154,6 @@ class ObjectStoreConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> TransferStats | None:
         return None if self._worker is None else self._worker.take_stats()
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats | None:
-        return build_transfer_stats(data)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -83,5 +83,10 @@ class TransferStatsRecorder:
         return TransferStats(data=taken.data)
 
 
-def build_transfer_stats(data: dict[str, Any] | None) -> TransferStats | None:
-    return TransferStats(data=data) if data else None
+class CountsTransferStats:
+    """For a connector that counts its transfers in ``TransferStats``: vLLM's hook that
+    turns the payload a stat logger gets back into them (put it before vLLM's base)."""
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TransferStats | None:
+        return TransferStats(data=data) if data else None
