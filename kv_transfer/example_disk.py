@@ -49,8 +49,14 @@ class TimedExampleConnector(CountsTransferStats, ExampleConnector):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        # One hand-over per step and operation: a single rank's count is the engine's.
-        self._stats = TransferStatsRecorder(rank=0)
+        # One hand-over per step and operation, counted by the first rank; every rank
+        # counts the bytes of its own shard.
+        rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        self._stats = TransferStatsRecorder(rank)
         self._bytes_per_token = _bytes_per_token(kv_cache_config)
         self._save_seconds = 0.0  # this step's save_kv_layer calls, every layer
 
