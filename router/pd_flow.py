@@ -129,11 +129,6 @@ def _consumer_of(decode: PooledEngine) -> str | None:
     return stats.kv_consumer if stats is not None else None
 
 
-def decode_request_id(request_id: str) -> str:
-    """The id of a request's decode half on its decode engine."""
-    return f"{request_id}-decode"
-
-
 def _decode_request(
     request: GenerateRequest, first: GenerateChunk, kv_transfer_params: dict[str, Any]
 ) -> GenerateRequest:
@@ -144,7 +139,7 @@ def _decode_request(
     params.prompt_logprobs = None
     return msgspec.structs.replace(
         request,
-        request_id=decode_request_id(request.request_id),
+        request_id=f"{request.request_id}-decode",
         sampling_params=params,
         kv_transfer_params=kv_transfer_params,
     )
