@@ -1,22 +1,22 @@
 """The connector's worker half, in each vLLM worker rank (one process per TP rank).
 
-Save (prefill): in ``wait_for_save``, after the forward pass that wrote the prompt's
-KV, each rank hands the request's blocks to its saver thread, which puts its own shard
-(one object holding every layer) and registers it with the directory (naming the
-decode engine, if the router chose one) without waiting for the answer, and counts it
-in its transfer statistics (stats.py). The step, and
-with it the first token, pays for neither. vLLM keeps the blocks until the put is
-reported done (``finished_sending``), which happens once the scheduler has finished the
-request too; and before any forward pass, a put whose request the scheduler has not
-finished is waited for, since only a finished request's blocks are sure to stay put
-(a running one could be preempted and its blocks handed to another request).
+Save (prefill): in ``wait_for_save``, after the forward pass that wrote the prompt's KV,
+each rank hands the request's blocks to its saver thread, which puts its own shard (one
+object holding every layer), registers it with the directory (naming the decode engine,
+if the router chose one) without waiting for the answer, and counts it in its transfer
+statistics (stats.py). The step, and with it the first token, pays for neither. vLLM
+keeps the blocks until the put is reported done (``finished_sending``), which happens
+once the scheduler has finished the request too; and before any forward pass, a put
+whose request the scheduler has not finished is waited for, since only a finished
+request's blocks are sure to stay put (a running one could be preempted and its blocks
+handed to another request).
 
 Load (decode): ``start_load_kv`` hands each LoadOrder to a thread that takes the part
 pushed to this rank (``PushedParts``; already fetched) or else claims it from the
 directory and gets it (zero copy from the local object store), checks its page layout
-against ours, writes the pages, confirms and counts it; the scheduler hears about it through
-``transfer_results`` on a later step. A failed load reports its blocks as load errors,
-and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+against ours, writes the pages, confirms and counts it; the scheduler hears about it
+through ``transfer_results`` on a later step. A failed load reports its blocks as load
+errors, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 """
 
 from __future__ import annotations
