@@ -4,7 +4,8 @@ Backends by name (``KV_BACKENDS``, kv_transfer/backend_registry.py): ``object_st
 ``example_disk`` (vLLM's ExampleConnector, a benchmark baseline). A backend gives each
 engine its vLLM ``kv_transfer_config`` and the router its side of the hand-over
 (``KVRouterSide``: the prefill request's params, releasing a transfer nobody will
-load, the metrics that ``KVTransferCollector`` exports) and each engine's host its
+load, the ledger ``KVTransferCollector`` exports beside the engines' transfer
+statistics) and each engine's host its
 side (``KVEngineSide``: how a decode engine is named, which handles it refuses).
 The connector class is imported lazily, so the router does not import torch for it.
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kv_transfer.metrics import LoadPath, Operation, TransferTotals
+from kv_transfer.metrics import OPERATIONS, LoadPath, Operation, TransferTotals
 
 MIB = 1 << 20
 
@@ -43,7 +43,7 @@ class TransferStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         data = self.data
         summary: dict[str, int | float] = {}
-        for op in ("put", "get"):
+        for op in OPERATIONS:
             parts = data["parts"][op]
             summary[f"{op}_handovers"] = data["handovers"][op]
             summary[f"{op}_MiB"] = round(data["bytes"][op] / MIB, 3)
