@@ -21,7 +21,11 @@ class DeltaStreams:
         self._outboxes: dict[str, Outbox] = {}
 
     def outbox(self, subscriber: str) -> Outbox:
-        return self._outboxes.setdefault(subscriber, asyncio.Queue())
+        # Called once per token: build a queue only for a subscriber that has none.
+        outbox = self._outboxes.get(subscriber)
+        if outbox is None:
+            outbox = self._outboxes[subscriber] = asyncio.Queue()
+        return outbox
 
     async def stream(
         self, subscriber: str, on_gone: Callable[[str], None]
