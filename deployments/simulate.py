@@ -27,6 +27,7 @@ import dataclasses
 import heapq
 import itertools
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -40,7 +41,7 @@ from deployments.config import KV_SHAPES, AppConfig, load_application
 from deployments.launcher import config_path, simulated_config
 from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
 from engines.settings import EngineSpec
-from engines.simulated.host import simulated_stats
+from engines.simulated.host import count_prompt_sources, record_handover, simulated_stats
 from engines.simulated.scheduler import (
     ScheduledStep,
     SimRequest,
@@ -48,10 +49,12 @@ from engines.simulated.scheduler import (
 )
 from engines.simulated.settings import engine_profile, scheduler_limits
 from kv_transfer import make_kv_backend
+from kv_transfer.metrics import TransferTotals
 from router.dispatch import Dispatcher, Plan
 from router.http.errors import REFUSAL_STATUS
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl
 from router.pool.engine_pool import EnginePool
+from router.pool.engine_state import TransferCostMeter, summed_transfer_totals, transferred_tokens
 from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
 from router.pool.replica_state import ReplicaState
@@ -137,6 +140,9 @@ class VirtualEngine:
         # request id -> what to call with its new tokens' times (times, finished)
         self._listeners: dict[str, Callable[[list[float], bool], None]] = {}
         self._kv_events = spec.kv_events
+        # What a real-time simulated engine reports of its prompts and hand-overs.
+        self.prompt_tokens: dict[str, int] = {}
+        self.transfers = TransferTotals()
 
     def submit(self, request: SimRequest, on_tokens: Callable[[list[float], bool], None]) -> None:
         self._listeners[request.request_id] = on_tokens
@@ -198,6 +204,10 @@ class VirtualEngine:
         started = self._started
         times = [started + end for end in ends]
         for request in result.sampled:
+            if request.output_tokens == 1:
+                count_prompt_sources(request, self.prompt_tokens)
+                if request.kv_from_elsewhere:
+                    record_handover(self.transfers, self.profile, request, 1.0)
             done = request.request_id in finished
             listener = self._listeners.get(request.request_id)
             if done:
@@ -214,7 +224,9 @@ class VirtualEngine:
 
     def stats(self) -> EngineStats:
         max_model_len = self.spec.model.max_model_len or self.profile.max_model_len
-        return simulated_stats(self.spec, self.scheduler, max_model_len)
+        return simulated_stats(
+            self.spec, self.scheduler, max_model_len, dict(self.prompt_tokens), self.transfers
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +256,12 @@ class OfflineCluster:
         self.kv = None
         if config.shape in KV_SHAPES:
             self.kv = make_kv_backend(config.kv_transfer).router_side()
-        self.dispatcher = Dispatcher(self.settings, self.pool, self.kv)
+        # The hand-over's cost as the router's poller measures it, from the engines' stats.
+        self.transfer_cost = TransferCostMeter(self.settings.qos.ema_weight)
+        self._kv_polled_at = -math.inf
+        self.dispatcher = Dispatcher(
+            self.settings, self.pool, self.kv, self.transfer_cost.estimate_s
+        )
         self.admission = AdmissionControl(self.settings.qos)
         self.outcomes: list[Outcome] = []
         self._open = 0
@@ -276,6 +293,15 @@ class OfflineCluster:
         chain of polls at a time; an idle cluster stops it, the next request restarts it)."""
         for engine in self.engines.values():
             engine.client.state.update_engine(engine.stats())
+        now = self.queue.now
+        if (
+            self.kv is not None
+            and now - self._kv_polled_at >= self.settings.router.kv_metrics_interval_s
+        ):
+            self._kv_polled_at = now
+            totals = summed_transfer_totals(self.pool)
+            if totals is not None:
+                self.transfer_cost.update(totals, transferred_tokens(self.pool))
         self._polling = bool(self._open)
         if self._polling:
             self.queue.at(self.queue.now + self.settings.router.stats_interval_s, self._poll)

@@ -10,12 +10,15 @@ one box's router keeps up with many engines; reports divide it back out.
 
 PD: a prefill engine's answer carries the prompt's token count as its KV handle; the
 decode engine waits the profile's hand-over time for it, then computes the prompt's last
-token only. No KV moves.
+token only. No KV moves, but the decode engine reports each hand-over's bytes and time
+as a vLLM engine's connector does (``EngineStats.kv_transfer``, one load per hand-over),
+so that the router's cost policy weighs the link as it would on real engines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +46,7 @@ from engines.simulated.scheduler import (
     SimScheduler,
 )
 from engines.simulated.settings import SIMULATED_KV_TOKENS, engine_profile, scheduler_limits
+from kv_transfer.metrics import TransferTotals
 from splitserve.latency.profile import LatencyProfile
 
 logger = logging.getLogger("splitserve.engines")
@@ -81,6 +85,7 @@ class SimulatedEngineHost:
         self._work = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
         self._prompt_tokens = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+        self._transfers = TransferTotals()
         # vLLM's metric names through Ray's metrics, where there is a Ray worker to export.
         self._metrics = SimulatedEngineMetrics(spec) if _in_ray() else None
 
@@ -171,7 +176,11 @@ class SimulatedEngineHost:
 
     def stats(self) -> EngineStats:
         return simulated_stats(
-            self._spec, self._scheduler, self._max_model_len, dict(self._prompt_tokens)
+            self._spec,
+            self._scheduler,
+            self._max_model_len,
+            dict(self._prompt_tokens),
+            self._transfers,
         )
 
     async def check_health(self) -> None:
@@ -214,7 +223,9 @@ class SimulatedEngineHost:
         prompt_sources: dict[str, int] = {}
         for request in result.sampled:
             if request.output_tokens == 1:
-                self._count_prompt(request, prompt_sources)
+                count_prompt_sources(request, self._prompt_tokens, prompt_sources)
+                if request.kv_from_elsewhere:
+                    record_handover(self._transfers, self.profile, request, self._time_scale)
             client = self._clients.get(request.request_id)
             if client is None:
                 continue
@@ -225,14 +236,6 @@ class SimulatedEngineHost:
         if self._metrics is not None:
             self._metrics.step(self._scheduler, result.sampled, result.finished, prompt_sources)
         self._publish_cache_events()
-
-    def _count_prompt(self, request: SimRequest, this_step: dict[str, int]) -> None:
-        """Where a prompt's tokens came from, as vLLM counts them, once per request."""
-        cached = request.cached_tokens
-        source = "external_kv_transfer" if request.kv_from_elsewhere else "local_cache_hit"
-        for name, tokens in ((source, cached), ("local_compute", request.prompt_tokens - cached)):
-            self._prompt_tokens[name] += tokens
-            this_step[name] = this_step.get(name, 0) + tokens
 
     def _send(self, request: SimRequest, client: _Client, done: bool) -> None:
         outbox = self._streams.outbox(client.subscriber)
@@ -273,6 +276,7 @@ def simulated_stats(
     scheduler: SimScheduler,
     max_model_len: int,
     prompt_tokens: dict[str, int] | None = None,
+    transfers: TransferTotals | None = None,
 ) -> EngineStats:
     """A simulated engine's load, as a vLLM engine host reports it to routers; decode
     engines of PD are named in prefill requests by their engine name."""
@@ -291,7 +295,33 @@ def simulated_stats(
         prompt_tokens=prompt_tokens or {},
         kv_consumer=spec.name if spec.role == "decode" else None,
         max_model_len=max_model_len,
+        kv_transfer=None
+        if transfers is None or transfers.is_empty()
+        else copy.deepcopy(transfers.data),
     )
+
+
+def count_prompt_sources(request: SimRequest, *counts: dict[str, int]) -> None:
+    """Where a prompt's tokens came from, as vLLM counts them, into each of ``counts``;
+    once per request, at its first token."""
+    cached = request.cached_tokens
+    source = "external_kv_transfer" if request.kv_from_elsewhere else "local_cache_hit"
+    for name, tokens in ((source, cached), ("local_compute", request.prompt_tokens - cached)):
+        for count in counts:
+            count[name] = count.get(name, 0) + tokens
+
+
+def record_handover(
+    transfers: TransferTotals, profile: LatencyProfile, request: SimRequest, time_scale: float
+) -> None:
+    """The hand-over of a request's prompt KV, counted at its first token as a vLLM
+    engine's connector counts the load of the step that computes it (so the router reads
+    its seconds with the prompt tokens it moved), as one load claimed: the profile's link
+    time covers the whole move, so there is no put of its own."""
+    tokens = request.prompt_tokens
+    seconds = profile.handover_seconds(tokens) * time_scale
+    transfers.observe("get", seconds, tokens * profile.kv_bytes_per_token, first_part=True)
+    transfers.count_load("claimed")
 
 
 def _certain(token_id: int) -> tuple[int, float, int | None, str | None]:

@@ -49,6 +49,25 @@ class TransferCostMeter:
         return None if per_token is None else per_token * tokens
 
 
+def transferred_tokens(pool: EnginePool) -> int:
+    """Prompt tokens whose KV the pool's engines report as handed over to them."""
+    return sum(
+        replica.state.engine.prompt_tokens.get(TRANSFERRED_TOKENS, 0)
+        for replica in pool
+        if replica.state.engine is not None
+    )
+
+
+def summed_transfer_totals(pool: EnginePool) -> TransferTotals | None:
+    """Every engine's transfer statistics added up; None where none moved KV."""
+    reported = [
+        replica.state.engine.kv_transfer
+        for replica in pool
+        if replica.state.engine is not None and replica.state.engine.kv_transfer is not None
+    ]
+    return sum_totals(reported) if reported else None
+
+
 logger = logging.getLogger("splitserve.router")
 
 
@@ -94,27 +113,11 @@ class EngineStatePoller:
                 self._kv_polled_at = started
                 polls.append(self._poll_kv_ledger(self._kv))
             await asyncio.gather(*polls)
-            self.kv_transfer_totals = self._summed_transfer_totals()
+            self.kv_transfer_totals = summed_transfer_totals(self._pool)
             if kv_due and self.kv_transfer_totals is not None:
-                self.transfer_cost.update(self.kv_transfer_totals, self._transferred_tokens())
+                self.transfer_cost.update(self.kv_transfer_totals, transferred_tokens(self._pool))
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self._interval_s - elapsed))
-
-    def _transferred_tokens(self) -> int:
-        return sum(
-            replica.state.engine.prompt_tokens.get(TRANSFERRED_TOKENS, 0)
-            for replica in self._pool
-            if replica.state.engine is not None
-        )
-
-    def _summed_transfer_totals(self) -> TransferTotals | None:
-        """Every engine's transfer statistics added up; None where none moved KV."""
-        reported = [
-            replica.state.engine.kv_transfer
-            for replica in self._pool
-            if replica.state.engine is not None and replica.state.engine.kv_transfer is not None
-        ]
-        return sum_totals(reported) if reported else None
 
     async def _poll_kv_ledger(self, kv: KVRouterSide) -> None:
         try:

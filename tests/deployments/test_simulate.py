@@ -8,12 +8,15 @@ import json
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from deployments.config import load_application
+from deployments.launcher import config_path
 from deployments.simulate import Arrival, OfflineCluster, Worker, simulated_application
 from engines.simulated.scheduler import SimScheduler
 from loadgen.study.simulate import SimulatedTarget, describe
@@ -69,6 +72,40 @@ def test_pd_always_prefills_remotely_and_the_decode_waits_for_the_hand_over() ->
         gap = outcome.token_times[1] - outcome.token_times[0]
         assert gap >= profile.handover_seconds(1024)
     assert decode.scheduler.prefix_queries == 0  # its prompts' KV arrived; none computed
+
+
+def test_the_hand_overs_reach_the_cost_meter_as_real_engines_report_them() -> None:
+    cluster = _run("pd_always", _arrivals(20, rate=2.0, output=4))
+    decode = cluster.engines["decode-0"]
+    transfers = decode.stats().kv_transfer
+    assert transfers is not None and transfers["handovers"]["get"] == 20
+    assert transfers["bytes"]["get"] == 20 * 1024 * decode.profile.kv_bytes_per_token
+    # Seconds per handed-over token: every prompt token's KV but the last one's.
+    estimate = cluster.transfer_cost.estimate_s(1023)
+    assert estimate == pytest.approx(decode.profile.handover_seconds(1024), rel=1e-6)
+
+
+def test_the_cost_policy_keeps_prompts_local_once_it_has_measured_a_slow_link(
+    tmp_path: Path,
+) -> None:
+    """pd.yaml with the cost policy, over the shipped profile's link and over one a
+    hundred times slower: only the slow one's measured hand-overs keep prompts local."""
+    application = yaml.safe_load(config_path("pd").read_text())
+    application["applications"][0]["args"]["prefill_policy"] = {"name": "cost"}
+    config = tmp_path / "pd_cost.yaml"
+    config.write_text(yaml.safe_dump(application))
+    shipped = load_profile(f"{PROFILE}-tp1-pp1")
+    slow = shipped.model_copy(update={"handover_bytes_per_s": shipped.handover_bytes_per_s / 100})
+    slow.save(tmp_path / "slow-link.yaml")
+    arrivals = _arrivals(200, rate=20.0, prompt=2048, output=32)
+    reasons = {}
+    for link, profile in (("shipped", PROFILE), ("slow", str(tmp_path / "slow-link.yaml"))):
+        cluster = OfflineCluster(simulated_application(str(config), profile))
+        cluster.run(arrivals)
+        reasons[link] = Counter(outcome.prefill for outcome in cluster.outcomes)
+    # 2048 tokens of KV: about 26 ms over the shipped link, 2.6 s over the slow one.
+    assert reasons["shipped"]["local:transfer_too_slow"] == 0
+    assert reasons["slow"]["local:transfer_too_slow"] > 0.5 * len(arrivals)
 
 
 def test_qos_refuses_what_would_break_the_ttft_objective() -> None:

@@ -20,6 +20,7 @@ from tests.support.in_process_router import (
     in_process_router,
     only_model,
     ready,
+    until,
 )
 
 # Steps of tens of milliseconds: long beside this loop's own delays, short for a test.
@@ -125,6 +126,42 @@ async def test_pd_decode_waits_for_the_hand_over_of_the_prompts_kv(tmp_path: Pat
         }
     # 0.2 s of hand-over for 200 tokens of KV (the last one is computed again).
     assert elapsed >= 0.2 + 3 * STEP_S
+
+
+async def test_a_hand_over_reaches_the_routers_cost_meter_as_a_real_engines_does(
+    tmp_path: Path,
+) -> None:
+    """The decode engine counts each hand-over's bytes and link time where a vLLM
+    engine's connector would, and the router's cost policy learns the link from them."""
+    engine = _engine(tmp_path)
+    async with (
+        in_process_router(
+            shape="pd",
+            pools=[{"role": "prefill"}, {"role": "decode"}],
+            engine=engine,
+            prefill_policy={"name": "always"},
+            router={"stats_interval_s": 0.05, "kv_metrics_interval_s": 0.1},
+        ) as router,
+        http_client(router) as client,
+    ):
+        await ready(client, timeout_s=20)
+        model = only_model(router)
+        host = model.pool.get("decode-0").link._host
+        _, response = await _complete(client, max_tokens=2)
+        await asyncio.sleep(0.2)  # a reading of the meter with the first hand-over
+        _, response = await _complete(client, max_tokens=2)
+        transfers = host.stats().kv_transfer
+        meter = model.engine_state.transfer_cost
+        await until(lambda: meter.estimate_s(1) is not None, timeout_s=5)
+    tokens = response.json()["usage"]["prompt_tokens"]
+    assert transfers["handovers"] == {"put": 0, "get": 2}
+    assert transfers["bytes"]["get"] == 2 * tokens * 1000
+    assert transfers["seconds_sum"]["get"] == pytest.approx(
+        2 * host.profile.handover_seconds(tokens)
+    )
+    # Seconds per prompt token whose KV was handed over (all of it but the last token).
+    estimate = meter.estimate_s(tokens - 1)
+    assert estimate == pytest.approx(host.profile.handover_seconds(tokens), rel=1e-6)
 
 
 async def test_the_prefix_cache_reaches_the_router_through_kv_events(tmp_path: Path) -> None:

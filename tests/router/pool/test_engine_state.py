@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kv_transfer.metrics import TransferTotals
-from router.pool.engine_state import EngineStatePoller
+from router.pool.engine_state import EngineStatePoller, summed_transfer_totals
 
 
 class _StartingReplica:
@@ -71,16 +71,10 @@ def _engine_with(put_bytes: int | None) -> Any:
 
 def test_the_engines_transfer_statistics_are_summed() -> None:
     engines = [_engine_with(1000), _engine_with(None), _engine_with(500)]
-    poller = EngineStatePoller(
-        engines,  # type: ignore[arg-type]
-        metrics=None,  # type: ignore[arg-type]
-        interval_s=0.01,
-        unhealthy_after_failed_polls=1,
-    )
-    totals = poller._summed_transfer_totals()
+    totals = summed_transfer_totals(engines)  # type: ignore[arg-type]
     assert totals is not None
     assert totals.data["bytes"]["put"] == 1500
     assert totals.data["handovers"]["put"] == 2
     assert sum(totals.data["seconds_buckets"]["put"]) == 2
     no_statistics = [_engine_with(None)]
-    assert EngineStatePoller(no_statistics, None, 0.01, 1)._summed_transfer_totals() is None  # type: ignore[arg-type]
+    assert summed_transfer_totals(no_statistics) is None  # type: ignore[arg-type]
