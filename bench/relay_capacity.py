@@ -17,11 +17,16 @@ stream tokens back to back as the synthetic engines do; its row is the bar for a
 that only forwards bytes. ``--repeat``: rounds, each running every row once in turn
 (this box drifts between runs: compare rows within a round, and medians).
 
-Both engines here are faster than any relay, so every row is a relay that is behind.
-Ours then sends what waits for a request as one event of several tokens (as vLLM's
-server does; router/pool/mailbox.py); the fake servers send a token an event, which
-vllm-router forwards as it reads them. So read tokens/s per router core (what the
-issue's target is) beside events/s per router core (the cost of one write's framing).
+Both engines here are faster than any relay. Apart (and behind vllm-router) the relay
+is then behind its engines: ours sends what waits for a request as one event of several
+tokens (as vLLM's server does; router/pool/mailbox.py); the fake servers send a token
+an event, which vllm-router forwards as it reads them. In the router, the synthetic
+engine steps in the relays' own event loop, between their turns, so it is never ahead
+of them: that row writes a token an event and measures the per-token path alone. (A
+vLLM engine in the router is not like it: its engine core steps in a process of its
+own, and a relay that falls behind reads joined chunks, as apart.) So read tokens/s per
+router core (what the issue's target is) beside events/s per router core (the cost of
+one write's framing).
 
     python bench/relay_capacity.py [--layouts in_router,apart] [--router-replicas 1,2]
         [--peer vllm-router] [--engines 2] [--streams 64] [--max-tokens 512]
