@@ -47,6 +47,8 @@ NAMESPACE = "splitserve-kv-test"
 TTL_S = 4.0
 # Long enough that a named decode engine always loads the pushed part, never a claim.
 PUSH_WAIT_S = 5.0
+# How long the directory may take to hear of a load (see _assert_counted).
+LEDGER_SETTLE_S = 10.0
 BLOCK_SIZE = 128  # vLLM's default on the CPU; see test_engine_block_size
 MAX_TOKENS = 12
 # 1 token; around one block of 16 (GPU default) and of 128 (CPU default); long prompts.
@@ -239,6 +241,21 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {key: after[key] - before[key] for key in after if after[key] != before[key]}
 
 
+def _assert_counted(
+    before: dict[str, int], directory: Any, decode: Any, expected: dict[str, int]
+) -> None:
+    """The counts moved by ``expected`` since ``before``. A worker tells the directory
+    that a part loaded without waiting for it (a Ray call it does not await), so the
+    ledger may hear of the last load just after the request finished: give it
+    LEDGER_SETTLE_S."""
+    deadline = time.monotonic() + LEDGER_SETTLE_S
+    delta = _delta(before, _counters(directory, decode))
+    while delta != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+        delta = _delta(before, _counters(directory, decode))
+    assert delta == expected
+
+
 def _pd_tokens(prefill: Any, decode: Any, prompt: list[int], named: bool = True) -> list[int]:
     """``named``: the prefill request names the decode engine, as the router does."""
     first_token, handle = _prefill_step(prefill, prompt, _consumer(decode) if named else None)
@@ -288,12 +305,17 @@ class TestOneRankEachSide:
         # Loaded (not recomputed): one transfer, pushed to the decode engine the prefill
         # request named, every block of the prompt written once.
         blocks = -(-length // BLOCK_SIZE)
-        assert _delta(before, _counters(directory, decode)) == {
-            "loaded": 1,
-            "pushed": 1,
-            "get_handovers": 1,
-            "get_bytes": blocks * BYTES_PER_BLOCK,
-        }
+        _assert_counted(
+            before,
+            directory,
+            decode,
+            {
+                "loaded": 1,
+                "pushed": 1,
+                "get_handovers": 1,
+                "get_bytes": blocks * BYTES_PER_BLOCK,
+            },
+        )
 
     def test_unnamed_decode_engine_claims_the_part(
         self, prefill: Any, decode: Any, directory: Any
@@ -303,12 +325,17 @@ class TestOneRankEachSide:
         expected = _single_engine_tokens(prefill, prompt)
         before = _counters(directory, decode)
         assert _pd_tokens(prefill, decode, prompt, named=False) == expected
-        assert _delta(before, _counters(directory, decode)) == {
-            "loaded": 1,
-            "claimed": 1,
-            "get_handovers": 1,
-            "get_bytes": 3 * BYTES_PER_BLOCK,
-        }
+        _assert_counted(
+            before,
+            directory,
+            decode,
+            {
+                "loaded": 1,
+                "claimed": 1,
+                "get_handovers": 1,
+                "get_bytes": 3 * BYTES_PER_BLOCK,
+            },
+        )
 
     def test_prefill_that_keeps_decoding_hands_over_its_prompt(
         self, prefill: Any, decode: Any, directory: Any
@@ -326,12 +353,17 @@ class TestOneRankEachSide:
         before = _counters(directory, decode)
         handle = output.kv_transfer_params
         assert _decode_step(decode, prompt, expected[0], handle) == expected
-        assert _delta(before, _counters(directory, decode)) == {
-            "loaded": 1,
-            "pushed": 1,
-            "get_handovers": 1,
-            "get_bytes": 4 * BYTES_PER_BLOCK,
-        }
+        _assert_counted(
+            before,
+            directory,
+            decode,
+            {
+                "loaded": 1,
+                "pushed": 1,
+                "get_handovers": 1,
+                "get_bytes": 4 * BYTES_PER_BLOCK,
+            },
+        )
 
     def test_concurrent_transfers(self, prefill: Any, decode: Any, directory: Any) -> None:
         """Several prompts prefilled in one batch, then loaded and decoded in one batch."""
@@ -340,12 +372,17 @@ class TestOneRankEachSide:
         before = _counters(directory, decode)
         assert _pd_batch_tokens(prefill, decode, prompts) == expected
         blocks = sum(-(-len(prompt) // BLOCK_SIZE) for prompt in prompts)
-        assert _delta(before, _counters(directory, decode)) == {
-            "loaded": len(prompts),
-            "pushed": len(prompts),
-            "get_handovers": len(prompts),
-            "get_bytes": blocks * BYTES_PER_BLOCK,
-        }
+        _assert_counted(
+            before,
+            directory,
+            decode,
+            {
+                "loaded": len(prompts),
+                "pushed": len(prompts),
+                "get_handovers": len(prompts),
+                "get_bytes": blocks * BYTES_PER_BLOCK,
+            },
+        )
 
     @pytest.mark.parametrize(
         ("length", "blocks_loaded"),
@@ -366,9 +403,7 @@ class TestOneRankEachSide:
             "get_handovers": 1,
             "get_bytes": blocks_loaded * BYTES_PER_BLOCK,
         }
-        assert _delta(before, _counters(directory, decode)) == (
-            loaded if blocks_loaded else {"released": 1}
-        )
+        _assert_counted(before, directory, decode, (loaded if blocks_loaded else {"released": 1}))
 
     def test_layout_mismatch_is_refused_never_loaded(
         self, prefill: Any, decode: Any, directory: Any
@@ -431,12 +466,17 @@ class TestTensorParallelTwo:
         before = _counters(directory, decode_tp2)
         assert _pd_tokens(prefill_tp2, decode_tp2, prompt) == expected
         blocks = -(-length // BLOCK_SIZE)  # two shards of half a block's bytes each
-        assert _delta(before, _counters(directory, decode_tp2)) == {
-            "loaded": 1,
-            "pushed": 2,  # one part per rank
-            "get_handovers": 1,  # counted by the first rank's
-            "get_bytes": blocks * BYTES_PER_BLOCK,
-        }
+        _assert_counted(
+            before,
+            directory,
+            decode_tp2,
+            {
+                "loaded": 1,
+                "pushed": 2,  # one part per rank
+                "get_handovers": 1,  # counted by the first rank's
+                "get_bytes": blocks * BYTES_PER_BLOCK,
+            },
+        )
 
     def test_tp_mismatch_is_refused(self, prefill_tp2: Any) -> None:
         from vllm.engine.arg_utils import EngineArgs
