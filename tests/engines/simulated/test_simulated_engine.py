@@ -147,11 +147,12 @@ async def test_a_hand_over_reaches_the_routers_cost_meter_as_a_real_engines_does
         await ready(client, timeout_s=20)
         model = only_model(router)
         host = model.pool.get("decode-0").link._host
+        meter = model.engine_state.transfer_cost
         _, response = await _complete(client, max_tokens=2)
-        await asyncio.sleep(0.2)  # a reading of the meter with the first hand-over
+        # The meter's first reading, with the first hand-over: the next one gives a sample.
+        await until(lambda: meter._last is not None, timeout_s=5)
         _, response = await _complete(client, max_tokens=2)
         transfers = host.stats().kv_transfer
-        meter = model.engine_state.transfer_cost
         await until(lambda: meter.estimate_s(1) is not None, timeout_s=5)
     tokens = response.json()["usage"]["prompt_tokens"]
     assert transfers["handovers"] == {"put": 0, "get": 2}
