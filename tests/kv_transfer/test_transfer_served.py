@@ -241,6 +241,11 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {key: after[key] - before[key] for key in after if after[key] != before[key]}
 
 
+def _one_load(path: str, blocks: int) -> dict[str, int]:
+    """What one hand-over of ``blocks`` that a single decode rank got by ``path`` counts."""
+    return {"loaded": 1, path: 1, "get_handovers": 1, "get_bytes": blocks * BYTES_PER_BLOCK}
+
+
 def _assert_counted(
     before: dict[str, int], directory: Any, decode: Any, expected: dict[str, int]
 ) -> None:
@@ -305,17 +310,7 @@ class TestOneRankEachSide:
         # Loaded (not recomputed): one transfer, pushed to the decode engine the prefill
         # request named, every block of the prompt written once.
         blocks = -(-length // BLOCK_SIZE)
-        _assert_counted(
-            before,
-            directory,
-            decode,
-            {
-                "loaded": 1,
-                "pushed": 1,
-                "get_handovers": 1,
-                "get_bytes": blocks * BYTES_PER_BLOCK,
-            },
-        )
+        _assert_counted(before, directory, decode, _one_load("pushed", blocks))
 
     def test_unnamed_decode_engine_claims_the_part(
         self, prefill: Any, decode: Any, directory: Any
@@ -325,17 +320,7 @@ class TestOneRankEachSide:
         expected = _single_engine_tokens(prefill, prompt)
         before = _counters(directory, decode)
         assert _pd_tokens(prefill, decode, prompt, named=False) == expected
-        _assert_counted(
-            before,
-            directory,
-            decode,
-            {
-                "loaded": 1,
-                "claimed": 1,
-                "get_handovers": 1,
-                "get_bytes": 3 * BYTES_PER_BLOCK,
-            },
-        )
+        _assert_counted(before, directory, decode, _one_load("claimed", 3))
 
     def test_prefill_that_keeps_decoding_hands_over_its_prompt(
         self, prefill: Any, decode: Any, directory: Any
@@ -353,17 +338,7 @@ class TestOneRankEachSide:
         before = _counters(directory, decode)
         handle = output.kv_transfer_params
         assert _decode_step(decode, prompt, expected[0], handle) == expected
-        _assert_counted(
-            before,
-            directory,
-            decode,
-            {
-                "loaded": 1,
-                "pushed": 1,
-                "get_handovers": 1,
-                "get_bytes": 4 * BYTES_PER_BLOCK,
-            },
-        )
+        _assert_counted(before, directory, decode, _one_load("pushed", 4))
 
     def test_concurrent_transfers(self, prefill: Any, decode: Any, directory: Any) -> None:
         """Several prompts prefilled in one batch, then loaded and decoded in one batch."""
@@ -397,13 +372,8 @@ class TestOneRankEachSide:
         expected = _single_engine_tokens(prefill, prompt)
         before = _counters(directory, decode)
         assert _pd_tokens(prefill, decode, prompt) == expected
-        loaded = {
-            "loaded": 1,
-            "pushed": 1,
-            "get_handovers": 1,
-            "get_bytes": blocks_loaded * BYTES_PER_BLOCK,
-        }
-        _assert_counted(before, directory, decode, (loaded if blocks_loaded else {"released": 1}))
+        loaded = _one_load("pushed", blocks_loaded)
+        _assert_counted(before, directory, decode, loaded if blocks_loaded else {"released": 1})
 
     def test_layout_mismatch_is_refused_never_loaded(
         self, prefill: Any, decode: Any, directory: Any
