@@ -11,10 +11,13 @@ profile was fitted on.
     python bench/sim_fidelity.py [--configs single,dp,pd_always,auto]
         [--workloads general,prefill-heavy,decode-heavy] [--rates 1,2,4]
         [--rounds 2] [--num-requests 40] [--profile FILE | --fit-cores 1]
-        [--out results/sim_fidelity]
+        [--spend wall|cpu] [--out results/sim_fidelity]
 
 The profile fits one engine: on both cores for single.yaml, on one (``--fit-cores 1``)
-for the configs that pin each engine to a core of its own.
+for the configs that pin each engine to a core of its own. A simulated engine that
+sleeps its steps (``--spend wall``) leaves the cores to the router and the client, which
+a real CPU engine shares them with; ``--spend cpu`` computes each step on the engine's
+cores instead (engine.spend), so both contend for this box's cores alike.
 """
 
 from __future__ import annotations
@@ -140,10 +143,10 @@ def fit_profile(out: Path, cores: int) -> Path:
     return path
 
 
-def served(config: str, kind: str, profile: Path) -> AbstractContextManager[RunningApp]:
+def served(config: str, kind: str, profile: Path, spend: str) -> AbstractContextManager[RunningApp]:
     path = config_path(config)
     if kind == "simulated":
-        path = simulated_config(path, str(profile))
+        path = simulated_config(path, str(profile), spend=spend)
     return serve_run(str(path))
 
 
@@ -233,7 +236,7 @@ def run_rounds(args: argparse.Namespace, profile: Path) -> list[dict[str, Any]]:
             # Alternate which goes first, so neither always runs on a fresher box.
             kinds = ("real", "simulated") if round_index % 2 == 0 else ("simulated", "real")
             for kind in kinds:
-                with served(config, kind, profile) as app:
+                with served(config, kind, profile, args.spend) as app:
                     rows += served_rows(app, config, kind, round_index, args)
             if round_index == 0:  # virtual time: the same every round
                 rows += offline_rows(config, profile, round_index, args)
@@ -311,6 +314,14 @@ def main() -> None:
         choices=(1, 2),
         default=2,
         help="fit on an engine with both cores (single.yaml) or one (dp, pd_always, auto)",
+    )
+    parser.add_argument(
+        "--spend",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="the simulated engines' engine.spend: sleep each step (wall), or compute it on"
+        " the engine's cores (cpu), sharing them with the router and client as the real"
+        " engine does",
     )
     parser.add_argument(
         "--offline-only",

@@ -125,14 +125,18 @@ def wait_until_bindable(port: int, timeout_s: float = TIME_WAIT_S) -> None:
         time.sleep(1.0)
 
 
-def simulated_config(path: Path, profile: str, time_scale: float = 1.0) -> Path:
+def simulated_config(
+    path: Path, profile: str, time_scale: float = 1.0, spend: str = "wall"
+) -> Path:
     """A copy of a Serve YAML whose engines are simulated (engine.backend: simulated) on
     ``profile``'s time, each model's pools and policies as they are: the same shape on a
-    GPU fleet's time, on this machine."""
+    GPU fleet's time, on this machine (``spend``: engine.spend, wall or cpu)."""
     config = yaml.safe_load(path.read_text())
     if Path(profile).exists():
         profile = str(Path(profile).resolve())  # replicas do not start in this folder
     engine = {"backend": "simulated", "profile": profile, "time_scale": time_scale}
+    if spend != "wall":
+        engine["spend"] = spend
     for application in config.get("applications", []):
         args = application.setdefault("args", {})
         # A simulated engine holds no device: a GPU YAML (one the advisor wrote, say)

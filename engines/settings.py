@@ -6,7 +6,7 @@ it over. The YAML's ``model:``, ``pools:`` and ``engine:`` blocks validate into 
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -434,6 +434,15 @@ class EngineBackendConfig(StrictModel):
         " YAML's SLOs and prefill-policy times stay in the engines' own time: the router"
         " stretches them by this.",
     )
+    spend: Literal["wall", "cpu"] = Field(
+        "wall",
+        description="simulated only: how a step's time passes. wall: the engine sleeps it, as"
+        " a GPU's time takes none of the host's cores; cpu: a child process bound to the"
+        " engine's cores (cpu_binds) computes for it, so that a simulated CPU engine"
+        " shares its cores with the router and the client as a real one does (for checking"
+        " a profile of this box's CPU engine: bench/sim_fidelity.py --spend cpu). Offline"
+        " runs have no host and ignore it.",
+    )
     step_interval_s: float = Field(
         0.0, ge=0, description="synthetic only: pause between steps; 0 runs them back to back."
     )
@@ -460,7 +469,7 @@ class EngineBackendConfig(StrictModel):
                 " profile's name (python -m loadgen profile --list)"
             )
         set_here = self.model_fields_set
-        for name in ("profile", "time_scale"):
+        for name in ("profile", "time_scale", "spend"):
             if name in set_here and not simulated:
                 raise ValueError(f"engine.{name} is for engine.backend 'simulated' only")
         return self

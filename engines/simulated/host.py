@@ -37,7 +37,8 @@ from engines.protocol import (
     LoraAdapter,
     TokenLogprobs,
 )
-from engines.settings import EngineSpec
+from engines.settings import CPU_BIND_ENV, EngineSpec
+from engines.simulated.cpu_spender import CpuSpender, bound_cores
 from engines.simulated.metrics import SimulatedEngineMetrics
 from engines.simulated.scheduler import (
     ScheduledStep,
@@ -76,6 +77,12 @@ class SimulatedEngineHost:
         self.profile: LatencyProfile = engine_profile(spec)
         self.limits: SchedulerLimits = scheduler_limits(spec, self.profile)
         self._time_scale = spec.backend.time_scale
+        # spend: cpu computes each step on the engine's cores instead of sleeping it.
+        self._spender = (
+            CpuSpender(bound_cores(spec.process_env.get(CPU_BIND_ENV)))
+            if spec.backend.spend == "cpu"
+            else None
+        )
         self._max_model_len = spec.model.max_model_len or self.profile.max_model_len
         self._scheduler = SimScheduler(self.limits)
         self._clients: dict[str, _Client] = {}
@@ -197,6 +204,8 @@ class SimulatedEngineHost:
     def shutdown(self) -> None:
         if self._stepper is not None:
             self._stepper.cancel()
+        if self._spender is not None:
+            self._spender.close()
 
     async def _step_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -208,11 +217,15 @@ class SimulatedEngineHost:
                 await self._work.wait()
                 due = loop.time()
                 continue
-            # Steps follow each other on the profile's time, not on this loop's delays:
-            # a late wake-up shortens the next wait instead of adding up.
-            due = max(due, loop.time() - self._time_scale * self.profile.step_overhead_s)
-            due += self.profile.step_seconds(step.shape) * self._time_scale
-            await asyncio.sleep(max(0.0, due - loop.time()))
+            seconds = self.profile.step_seconds(step.shape) * self._time_scale
+            if self._spender is not None:
+                await self._spender.spend(seconds)
+            else:
+                # Steps follow each other on the profile's time, not on this loop's
+                # delays: a late wake-up shortens the next wait instead of adding up.
+                due = max(due, loop.time() - self._time_scale * self.profile.step_overhead_s)
+                due += seconds
+                await asyncio.sleep(max(0.0, due - loop.time()))
             self._emit(step)
 
     def _emit(self, step: ScheduledStep) -> None:

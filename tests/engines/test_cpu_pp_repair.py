@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engines import cpu_pp_repair, vllm_plugin
+from tests.support.processes import alive
 
 
 def _cpu_platform() -> bool:
@@ -132,17 +132,6 @@ def test_orphaned_engine_process_ends(tmp_path: Path) -> None:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 20
-    while _alive(child_pid) and time.monotonic() < deadline:
+    while alive(child_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(child_pid), "the orphaned child outlived its parent"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError):
-        # A zombie awaiting its reaper has already ended.
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    return False
+    assert not alive(child_pid), "the orphaned child outlived its parent"

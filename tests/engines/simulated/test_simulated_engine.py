@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.support.in_process_router import (
     ready,
     until,
 )
+from tests.support.processes import TICKS_PER_S, alive, cpu_seconds
 
 # Steps of tens of milliseconds: long beside this loop's own delays, short for a test.
 STEP_S = 0.02
@@ -100,6 +102,26 @@ async def test_time_scale_stretches_every_step(tmp_path: Path) -> None:
         await ready(client, timeout_s=20)
         elapsed, _ = await _complete(client, max_tokens=5)
     assert elapsed >= 3 * 5 * STEP_S
+
+
+async def test_spend_cpu_computes_each_step_on_the_engines_cores(tmp_path: Path) -> None:
+    """With engine.spend: cpu the profile's step times are CPU time of a child process
+    bound to the engine's cores (cpu_binds), which ends with the engine."""
+    engine = {**_engine(tmp_path), "spend": "cpu"}
+    async with (
+        in_process_router(engine=engine, pools=[{"cpu_binds": ["0"]}]) as router,
+        http_client(router) as client,
+    ):
+        await ready(client, timeout_s=20)
+        host = only_model(router).pool.get("engine-0").link._host
+        elapsed, _ = await _complete(client, max_tokens=10)
+        pid = host._spender.pid
+        assert os.sched_getaffinity(pid) == {0}
+        spent = cpu_seconds(pid)
+    expected = 10 * STEP_S + 0.0001 * (201 + 9)
+    assert spent >= expected - 2 / TICKS_PER_S
+    assert elapsed >= expected
+    await until(lambda: not alive(pid), timeout_s=5)
 
 
 async def test_pd_decode_waits_for_the_hand_over_of_the_prompts_kv(tmp_path: Path) -> None:
