@@ -284,7 +284,7 @@ class OfflineCluster:
         for engine in self.engines.values():
             pairs = tokens * (tokens + 1) // 2
             alone = engine.profile.request_overhead_s + engine.profile.step_seconds(
-                StepShape(prefill_tokens=tokens, attention_pairs=pairs)
+                StepShape(prefill_tokens=tokens, attention_pairs=pairs, prefill_seqs=1)
             )
             engine.client.state.prefill_s_per_token.add(alone / tokens)
 

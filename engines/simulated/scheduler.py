@@ -415,9 +415,10 @@ class SimScheduler:
         request.blocks = []
 
     def _shape(self, work: list[tuple[SimRequest, int]]) -> StepShape:
-        prefill_tokens = attention_pairs = decode_seqs = decode_context = 0
+        prefill_tokens = attention_pairs = prefill_seqs = decode_seqs = decode_context = 0
         for request, tokens in work:
             if request.prefilling:
+                prefill_seqs += 1
                 prefill_tokens += tokens
                 attention_pairs += tokens * request.computed + tokens * (tokens + 1) // 2
             else:
@@ -426,6 +427,7 @@ class SimScheduler:
         return StepShape(
             prefill_tokens=prefill_tokens,
             attention_pairs=attention_pairs,
+            prefill_seqs=prefill_seqs,
             decode_seqs=decode_seqs,
             decode_context_tokens=decode_context,
         )

@@ -214,7 +214,8 @@ def profile_table(
         table.add_column(column, justify="right")
     for sample in prefills:
         tokens = sample.prompt_tokens
-        shape = StepShape(prefill_tokens=tokens, attention_pairs=tokens * (tokens + 1) // 2)
+        pairs = tokens * (tokens + 1) // 2
+        shape = StepShape(prefill_tokens=tokens, attention_pairs=pairs, prefill_seqs=1)
         fitted = profile.request_overhead_s + profile.step_seconds(shape)
         table.add_row(*_row("prefill", tokens, 1, 0, sample.seconds, fitted))
     for decode in decodes:

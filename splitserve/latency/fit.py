@@ -5,7 +5,9 @@ first token: the request's own overhead plus one step of its prompt) and a decod
 batch of requests in lockstep, the gap between their tokens). One least-squares fit over
 both, with every coefficient non-negative, gives the profile's step terms; the linear
 layers' memory-bound floor is the batch size below which steps stop getting cheaper,
-chosen by the same fit's error over candidate sizes.
+chosen by the same fit's error over candidate sizes. A lone prefill is one request's
+tokens, a decode batch as many requests as tokens: the two together tell a token's
+arithmetic from a request's own cost per step (``per_sequence_s``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class StepFit:
     step_overhead_s: float
     weights_read_s: float
     compute_per_token_s: float
+    per_sequence_s: float
     per_context_token_s: float
     per_attention_pair_s: float
     errors: dict[str, float]
@@ -61,10 +64,10 @@ def _design(
     for sample in prefills:
         tokens = sample.prompt_tokens
         pairs = tokens * (tokens + 1) // 2
-        rows.append([1.0, 1.0, max(tokens, knee), 0.0, pairs])
+        rows.append([1.0, 1.0, max(tokens, knee), 1.0, 0.0, pairs])
         target.append(sample.seconds)
     for decode in decodes:
-        rows.append([0.0, 1.0, max(decode.batch, knee), decode.context_tokens, 0.0])
+        rows.append([0.0, 1.0, max(decode.batch, knee), decode.batch, decode.context_tokens, 0.0])
         target.append(decode.seconds)
     return np.array(rows, dtype=float), np.array(target, dtype=float)
 
@@ -82,12 +85,13 @@ def fit_steps(prefills: list[PrefillSample], decodes: list[DecodeSample]) -> Ste
         if best is None or error < best[0] - 1e-9:
             best = (error, knee, coefficients)
     assert best is not None
-    _, knee, (request_s, step_s, per_token_s, context_s, pair_s) = best
+    _, knee, (request_s, step_s, per_token_s, per_sequence_s, context_s, pair_s) = best
     fit = StepFit(
         request_overhead_s=float(request_s),
         step_overhead_s=float(step_s),
         weights_read_s=float(per_token_s * knee),
         compute_per_token_s=float(per_token_s),
+        per_sequence_s=float(per_sequence_s),
         per_context_token_s=float(context_s),
         per_attention_pair_s=float(pair_s),
         errors={},
@@ -100,11 +104,12 @@ def _errors(
 ) -> dict[str, float]:
     """Median and worst relative error of the fit on its own measurements, by kind."""
 
-    def step(tokens: int, context: int, pairs: int) -> float:
+    def step(tokens: int, seqs: int, context: int, pairs: int) -> float:
         linear = max(fit.weights_read_s, fit.compute_per_token_s * tokens)
         return (
             fit.step_overhead_s
             + linear
+            + fit.per_sequence_s * seqs
             + fit.per_context_token_s * context
             + fit.per_attention_pair_s * pairs
         )
@@ -112,14 +117,14 @@ def _errors(
     prefill_errors = [
         abs(
             fit.request_overhead_s
-            + step(s.prompt_tokens, 0, s.prompt_tokens * (s.prompt_tokens + 1) // 2)
+            + step(s.prompt_tokens, 1, 0, s.prompt_tokens * (s.prompt_tokens + 1) // 2)
             - s.seconds
         )
         / s.seconds
         for s in prefills
     ]
     decode_errors = [
-        abs(step(s.batch, s.context_tokens, 0) - s.seconds) / s.seconds for s in decodes
+        abs(step(s.batch, s.batch, s.context_tokens, 0) - s.seconds) / s.seconds for s in decodes
     ]
     return {
         "prefill_median": float(np.median(prefill_errors)),
@@ -137,6 +142,7 @@ def fitted_profile(fit: StepFit, **identity: object) -> LatencyProfile:
             "request_overhead_s": fit.request_overhead_s,
             "weights_read_s": fit.weights_read_s,
             "compute_per_token_s": fit.compute_per_token_s,
+            "per_sequence_s": fit.per_sequence_s,
             "per_context_token_s": fit.per_context_token_s,
             "per_attention_pair_s": fit.per_attention_pair_s,
             "fit_error": fit.errors,

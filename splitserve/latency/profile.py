@@ -10,8 +10,10 @@ through the model at once. Its time has the parts a roofline names:
 - attention: a decode token reads its whole context's KV (``per_context_token_s``), a
   prefill chunk's tokens attend to each other and to what is cached before them
   (``per_attention_pair_s`` per query-key pair);
-- what does not overlap the arithmetic: the step's fixed cost (scheduling, launches,
-  sampling) and TP's all-reduces and PP's hand-offs per token (``serial_per_token_s``).
+- what does not overlap the arithmetic: the step's fixed cost (scheduling, launches),
+  each scheduled request's own (``per_sequence_s``: its inputs, sampling, its output; what
+  makes a decode batch's token dearer than a prefill's on a host-bound engine), and TP's
+  all-reduces and PP's hand-offs per token (``serial_per_token_s``).
 
 Profiles are fitted from measurements (``python -m loadgen profile``) or built from a
 roofline of published specs (splitserve/latency/roofline.py); ``source`` says which, and
@@ -40,6 +42,8 @@ class StepShape:
     prefill_tokens: int = 0
     # Sum over the step's prefill chunks of chunk tokens x the keys each attends to.
     attention_pairs: int = 0
+    # Requests with a prefill chunk in the step.
+    prefill_seqs: int = 0
     decode_seqs: int = 0
     # Sum of the decode requests' context lengths (the KV they read).
     decode_context_tokens: int = 0
@@ -73,6 +77,12 @@ class LatencyProfile(StrictModel):
     serial_per_token_s: float = Field(
         0.0, ge=0, description="Per token, beside the arithmetic: TP all-reduces, PP hand-offs."
     )
+    per_sequence_s: float = Field(
+        0.0,
+        ge=0,
+        description="Per request scheduled in a step, beside its tokens: preparing its inputs,"
+        " sampling, its output. Fitted profiles measure it; the roofline's leave it at 0.",
+    )
     per_context_token_s: float = Field(
         ge=0, description="Decode attention: reading one context token's KV."
     )
@@ -104,6 +114,7 @@ class LatencyProfile(StrictModel):
             self.step_overhead_s
             + linear
             + self.serial_per_token_s * step.tokens
+            + self.per_sequence_s * (step.prefill_seqs + step.decode_seqs)
             + self.per_context_token_s * step.decode_context_tokens
             + self.per_attention_pair_s * step.attention_pairs
         )
@@ -114,7 +125,7 @@ class LatencyProfile(StrictModel):
         fixed = (
             self.step_overhead_s
             + max(self.weights_read_s, self.compute_per_token_s * batch)
-            + self.serial_per_token_s * batch
+            + (self.serial_per_token_s + self.per_sequence_s) * batch
         )
         growth = self.per_context_token_s * batch
         first = fixed + self.per_context_token_s * context_tokens

@@ -22,6 +22,7 @@ TRUE = LatencyProfile(
     request_overhead_s=0.010,
     weights_read_s=0.008,  # four tokens' arithmetic: steps stop getting cheaper below 4
     compute_per_token_s=0.002,
+    per_sequence_s=0.0005,  # a decode token dearer than a prefill token, as on a CPU
     per_context_token_s=1e-6,
     per_attention_pair_s=1e-8,
     kv_bytes_per_token=1024,
@@ -35,7 +36,7 @@ def _measured() -> tuple[list[PrefillSample], list[DecodeSample]]:
     for tokens in (16, 64, 256, 1024):
         pairs = tokens * (tokens + 1) // 2
         seconds = TRUE.request_overhead_s + TRUE.step_seconds(
-            StepShape(prefill_tokens=tokens, attention_pairs=pairs)
+            StepShape(prefill_tokens=tokens, attention_pairs=pairs, prefill_seqs=1)
         )
         prefills.append(PrefillSample(tokens, seconds))
     decodes = []
@@ -52,9 +53,29 @@ def test_the_fit_recovers_the_terms_that_made_the_measurements() -> None:
     assert fit.request_overhead_s == pytest.approx(TRUE.request_overhead_s, rel=1e-3)
     assert fit.weights_read_s == pytest.approx(TRUE.weights_read_s, rel=1e-3)
     assert fit.compute_per_token_s == pytest.approx(TRUE.compute_per_token_s, rel=1e-3)
+    assert fit.per_sequence_s == pytest.approx(TRUE.per_sequence_s, rel=1e-3)
     assert fit.per_context_token_s == pytest.approx(TRUE.per_context_token_s, rel=1e-3)
     assert fit.per_attention_pair_s == pytest.approx(TRUE.per_attention_pair_s, rel=1e-3)
     assert fit.errors["decode_max"] < 1e-6
+
+
+def test_a_per_sequence_cost_is_what_a_decode_token_costs_over_a_prefill_token() -> None:
+    """The fitted profile charges a batch's requests their own cost each step, so a batch
+    of 32 decodes costs more than a 32-token prefill's linear part, by 32 requests'."""
+    profile = fitted_profile(
+        fit_steps(*_measured()),
+        source="measured",
+        device="d",
+        model="m",
+        kv_bytes_per_token=1,
+        kv_capacity_tokens=1,
+        handover_bytes_per_s=1.0,
+    )
+    decode = profile.step_seconds(StepShape(decode_seqs=32))
+    prefill = profile.step_seconds(StepShape(prefill_tokens=32, prefill_seqs=1))
+    assert decode - prefill == pytest.approx(31 * TRUE.per_sequence_s, rel=1e-3)
+    runs = profile.decode_run_ends(batch=32, context_tokens=0, steps=1)
+    assert runs[0] == pytest.approx(decode, rel=1e-9)
 
 
 def test_a_fitted_profile_records_its_error_and_source() -> None:
