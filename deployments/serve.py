@@ -52,12 +52,19 @@ def main(argv: list[str] | None = None) -> None:
         default=1.0,
         help="with --simulate: stretch every simulated time by this factor",
     )
+    parser.add_argument(
+        "--spend",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="with --simulate: sleep each step (a GPU's time), or compute it on the"
+        " engine's cpu_binds cores (a CPU engine's time, sharing them as a real one does)",
+    )
     args = parser.parse_args(argv)
     path = config_path(args.config)
     if not path.exists():
         parser.error(f"no such config: {path}")
     if args.simulate:
-        path = simulated_config(path, args.simulate, args.time_scale)
+        path = simulated_config(path, args.simulate, args.time_scale, args.spend)
     if os.environ.get("RAY_ADDRESS"):
         # Serve reads these where the cluster starts, not here.
         settings = " ".join(f"{name}={value}" for name, value in cluster_env(args.port).items())

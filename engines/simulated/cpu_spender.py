@@ -18,9 +18,13 @@ import contextlib
 import os
 import sys
 
+# How the child's command line begins, so that a process list can tell it apart.
+SPENDER_TAG = "# splitserve: a simulated engine's CPU spender"
 # The child: read a CPU time in seconds per line, compute until this thread has spent
 # it, answer one byte. It ends when its input closes (its engine's process has gone).
-_CHILD = """
+_CHILD = (
+    SPENDER_TAG
+    + """
 import os, sys, time
 cores = sys.argv[1]
 if cores:
@@ -32,6 +36,7 @@ for line in sys.stdin.buffer:
         pass
     out.write(b"."); out.flush()
 """
+)
 
 
 def bound_cores(bind: str | None) -> set[int] | None:
