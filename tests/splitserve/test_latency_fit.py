@@ -8,6 +8,7 @@ import pytest
 from splitserve.latency.fit import (
     DecodeSample,
     PrefillSample,
+    StepFit,
     fit_steps,
     fitted_profile,
     nonnegative_least_squares,
@@ -47,6 +48,18 @@ def _measured() -> tuple[list[PrefillSample], list[DecodeSample]]:
     return prefills, decodes
 
 
+def _profile_of(fit: StepFit) -> LatencyProfile:
+    return fitted_profile(
+        fit,
+        source="measured",
+        device="d",
+        model="m",
+        kv_bytes_per_token=1,
+        kv_capacity_tokens=1,
+        handover_bytes_per_s=1.0,
+    )
+
+
 def test_the_fit_recovers_the_terms_that_made_the_measurements() -> None:
     fit = fit_steps(*_measured())
     assert fit.step_overhead_s == pytest.approx(TRUE.step_overhead_s, rel=1e-3)
@@ -62,15 +75,7 @@ def test_the_fit_recovers_the_terms_that_made_the_measurements() -> None:
 def test_a_per_sequence_cost_is_what_a_decode_token_costs_over_a_prefill_token() -> None:
     """The fitted profile charges a batch's requests their own cost each step, so a batch
     of 32 decodes costs more than a 32-token prefill's linear part, by 32 requests'."""
-    profile = fitted_profile(
-        fit_steps(*_measured()),
-        source="measured",
-        device="d",
-        model="m",
-        kv_bytes_per_token=1,
-        kv_capacity_tokens=1,
-        handover_bytes_per_s=1.0,
-    )
+    profile = _profile_of(fit_steps(*_measured()))
     decode = profile.step_seconds(StepShape(decode_seqs=32))
     prefill = profile.step_seconds(StepShape(prefill_tokens=32, prefill_seqs=1))
     assert decode - prefill == pytest.approx(31 * TRUE.per_sequence_s, rel=1e-3)
@@ -82,15 +87,7 @@ def test_a_fitted_profile_records_its_error_and_source() -> None:
     prefills, decodes = _measured()
     noisy = [DecodeSample(s.batch, s.context_tokens, s.seconds * 1.1) for s in decodes[:3]]
     fit = fit_steps(prefills, noisy + decodes[3:])
-    profile = fitted_profile(
-        fit,
-        source="measured",
-        device="d",
-        model="m",
-        kv_bytes_per_token=1,
-        kv_capacity_tokens=1,
-        handover_bytes_per_s=1.0,
-    )
+    profile = _profile_of(fit)
     assert profile.fit_error["decode_max"] > 0.01
     assert profile.source == "measured"
 
