@@ -4,11 +4,13 @@ A CPU engine's step is work on its cores: where the router, the client or anothe
 share those cores, the step takes longer in the wall clock. A simulated engine that
 sleeps takes no CPU, so on a box where everything shares two cores it runs as if it had
 a core of its own. With ``spend: cpu`` each step's time is spent computing in a child
-process bound to the engine's cores (its ``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's engine
-core computes in a process of its own beside the host's event loop: the scheduler of the
-OS then shares the cores between it and everything else, as it shares them with a real
-CPU engine. For checking a profile of a CPU engine on the box it was fitted on; a GPU's
-time is spent sleeping (``spend: wall``).
+process bound to the engine's cores (its ``VLLM_CPU_OMP_THREADS_BIND``), as vLLM's CPU
+worker computes in a process of its own, bound the same way, beside the host's event
+loop: the scheduler of the OS then shares the cores between it and everything else, as
+it shares them with a real CPU engine. vLLM's engine core (scheduling, messages, not
+bound) has no counterpart here (bench/cpu_share.py shows what it takes). For checking a
+profile of a CPU engine on the box it was fitted on; a GPU's time is spent sleeping
+(``spend: wall``).
 """
 
 from __future__ import annotations
