@@ -28,14 +28,9 @@ from typing import Any
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from rich.console import Console
 from rich.table import Table
+from sim_fidelity import served
 
-from deployments.launcher import (
-    REPO_ROOT,
-    config_path,
-    niced_like_ray_workers,
-    serve_run,
-    simulated_config,
-)
+from deployments.launcher import REPO_ROOT, niced_like_ray_workers
 from engines.simulated.cpu_spender import SPENDER_TAG
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.scheduling.runner import execute_run
@@ -83,10 +78,7 @@ def cpu_between(
 
 
 def measured(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    path = config_path(args.config)
-    if kind == "simulated":
-        path = simulated_config(path, str(args.profile.resolve()), spend=args.spend)
-    with serve_run(str(path)) as app:
+    with served(args.config, kind, args.profile.resolve(), args.spend) as app:
         run = RunConfig(
             base_url=app.base_url,
             workload=WorkloadConfig(name=args.workload),
