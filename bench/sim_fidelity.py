@@ -9,7 +9,8 @@ the rounds and the simulated/real ratio. The runs compared are never the runs th
 profile was fitted on.
 
     python bench/sim_fidelity.py [--configs single,dp,pd_always,auto]
-        [--workloads general,prefill-heavy,decode-heavy] [--rates 1,2,4]
+        [--workloads general,prefill-heavy,decode-heavy,T-general] [--rates 1,2,4]
+        [--trace burstgpt-synthetic|burstgpt]
         [--rounds 2] [--num-requests 40] [--profile FILE | --fit-cores 1]
         [--spend wall|cpu] [--out results/sim_fidelity]
 
@@ -155,7 +156,9 @@ def run_config(
 ) -> RunConfig:
     return RunConfig(
         base_url=base_url,
-        workload=WorkloadConfig(name=workload),
+        # BurstGPT's subsets (T-*) are drawn from its CSV or, where it cannot be fetched,
+        # from the trace with BurstGPT's shape (loadgen's burstgpt-synthetic).
+        workload=WorkloadConfig(name=workload, trace=args.trace),
         qps=rate,
         num_requests=args.num_requests,
         # Fresh prompts in every cell: a cell that resent the last one's prompts would
@@ -306,6 +309,13 @@ def main() -> None:
     parser.add_argument("--rates", default="1,2,4")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument(
+        "--trace",
+        choices=("burstgpt", "burstgpt-synthetic"),
+        default="burstgpt-synthetic",
+        help="where the T-* workloads' rows come from: BurstGPT's CSV (downloaded once)"
+        " or its synthetic stand-in",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="a fitted profile; default: fit one first")
     parser.add_argument(
