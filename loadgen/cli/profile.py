@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from datetime import datetime
 from pathlib import Path
 
@@ -101,11 +102,13 @@ async def _profile(args: argparse.Namespace, console: Console) -> int:
     if capacity is None:
         raise ValueError("the server's /metrics has no KV cache size: give --kv-capacity-tokens")
     console.print(f"measuring {model} at {base_url} ...")
-    prefills, decodes = await measure(target, grid)
+    measured = await measure(target, grid)
     baseline_note = ""
     if args.baseline_samples:
-        prefills, path_s = without_path_cost(prefills, args.baseline_samples)
+        prefills, path_s = without_path_cost(measured.prefills, args.baseline_samples)
+        measured = dataclasses.replace(measured, prefills=prefills)
         baseline_note = f"; less the serving path's own TTFT ({path_s * 1e3:.2f} ms median)"
+    prefills, decodes = measured.prefills, measured.decodes
     when = datetime.now().strftime("%Y-%m-%d")
     profile = profile_from(
         prefills,
@@ -132,7 +135,7 @@ async def _profile(args: argparse.Namespace, console: Console) -> int:
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     profile.save(out)
-    save_samples(out.with_suffix(".samples.json"), prefills, decodes)
+    save_samples(out.with_suffix(".samples.json"), measured)
     console.print(profile_table(profile, prefills, decodes))
     console.print(f"profile: {out}")
     return 0

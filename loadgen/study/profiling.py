@@ -6,7 +6,8 @@ Measured over HTTP from any OpenAI-compatible server that takes token-id prompts
 - prefill: one request at a time of each prompt length, ``max_tokens: 1``; its time to
   first token is the request's overhead plus one step of its prompt;
 - decode: a batch of requests of one context length, started together; once all stream,
-  the median gap between their tokens is one decode step of that batch.
+  the median gap between their tokens is one decode step of that batch, and every gap
+  over that median tells how far steps spread around it (pooled over the grid).
 Prompts are random token ids, different for every request, so the prefix cache never
 hits. The server's KV capacity comes from vLLM's ``vllm:cache_config_info`` where its
 /metrics has it, else from ``--kv-capacity-tokens``.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 from rich.table import Table
 
 from splitserve.latency.fit import DecodeSample, PrefillSample, fit_steps, fitted_profile
@@ -34,6 +36,8 @@ from splitserve.latency.profile import LatencyProfile, StepShape
 SETTLE_TOKENS = 4
 # The token ids prompts are drawn from: within every tokenizer's byte range.
 TOKEN_RANGE = (10, 250)
+# How many equally likely values describe the spread of a step's time around its median.
+SPREAD_POINTS = 20
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,8 @@ async def _decode_step(
     context: int,
     grid: ProfileGrid,
     rng: random.Random,
-) -> DecodeSample:
+) -> tuple[DecodeSample, list[float]]:
+    """One decode step of the batch (the median gap), and every gap over that median."""
     streams = await asyncio.gather(
         *(
             _stream_times(session, target, _prompt(context, rng), grid.decode_tokens)
@@ -119,24 +124,34 @@ async def _decode_step(
         raise RuntimeError(f"batch {batch} x {context} tokens: no gap after the batch settled")
     # Mid-run, each request's context is its prompt and half its output.
     context_tokens = batch * (context + grid.decode_tokens // 2)
-    return DecodeSample(batch, context_tokens, statistics.median(gaps))
+    median = statistics.median(gaps)
+    return DecodeSample(batch, context_tokens, median), [gap / median for gap in gaps]
 
 
-async def measure(
-    target: ProfileTarget, grid: ProfileGrid, seed: int = 0
-) -> tuple[list[PrefillSample], list[DecodeSample]]:
+@dataclass(frozen=True)
+class Measurements:
+    prefills: list[PrefillSample]
+    decodes: list[DecodeSample]
+    # Every decode gap over its batch's median step, pooled over the grid.
+    gap_ratios: list[float]
+
+
+async def measure(target: ProfileTarget, grid: ProfileGrid, seed: int = 0) -> Measurements:
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await _stream_times(session, target, _prompt(32, rng), 4)  # warm the server up
         prefills = await _prefills(session, target, grid, rng)
-        decodes = []
+        decodes, ratios = [], []
         for context in grid.contexts:
             for batch in grid.batches:
-                steps = [
-                    await _decode_step(session, target, batch, context, grid, rng)
-                    for _ in range(grid.repeats)
-                ]
+                steps = []
+                for _ in range(grid.repeats):
+                    step, step_ratios = await _decode_step(
+                        session, target, batch, context, grid, rng
+                    )
+                    steps.append(step)
+                    ratios += step_ratios
                 decodes.append(
                     DecodeSample(
                         batch,
@@ -144,7 +159,17 @@ async def measure(
                         statistics.median(s.seconds for s in steps),
                     )
                 )
-    return prefills, decodes
+    return Measurements(prefills, decodes, ratios)
+
+
+def spread_quantiles(ratios: list[float], points: int = SPREAD_POINTS) -> list[float]:
+    """``points`` equally likely values of a step's time over its median: the ratios'
+    quantiles at the middles of ``points`` equal slices of probability."""
+    if not ratios:
+        return []
+    ordered = np.sort(np.asarray(ratios))
+    probabilities = (np.arange(points) + 0.5) / points
+    return [round(float(q), 4) for q in np.quantile(ordered, probabilities)]
 
 
 async def kv_capacity_tokens(target: ProfileTarget) -> int | None:
@@ -192,13 +217,15 @@ async def served_models(base_url: str, headers: dict[str, str]) -> list[tuple[st
     return [(card["id"], card.get("max_model_len")) for card in cards]
 
 
-def save_samples(path: Path, prefills: list[PrefillSample], decodes: list[DecodeSample]) -> None:
+def save_samples(path: Path, measured: Measurements) -> None:
     """The measurements beside the profile, to fit again or to compare."""
     path.write_text(
         json.dumps(
             {
-                "prefill": [dataclasses.asdict(sample) for sample in prefills],
-                "decode": [dataclasses.asdict(sample) for sample in decodes],
+                "prefill": [dataclasses.asdict(sample) for sample in measured.prefills],
+                "decode": [dataclasses.asdict(sample) for sample in measured.decodes],
+                # Percentiles 1-99 of a decode gap over its batch's median step.
+                "decode_gap_percentiles": spread_quantiles(measured.gap_ratios, 99),
             },
             indent=1,
         )

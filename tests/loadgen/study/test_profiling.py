@@ -1,0 +1,43 @@
+"""python -m loadgen profile against the paced fake server: the fitted decode step is the
+server's token gap, and the samples say how far its gaps spread around it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+
+from loadgen.cli.profile import command_profile
+from loadgen.client.fake_server import FakeServerConfig, fake_server_in_thread
+from loadgen.study.profiling import spread_quantiles
+
+ITL_MS = 8.0
+
+
+def test_profile_of_a_paced_server_fits_its_token_gap(tmp_path: Path) -> None:
+    out = tmp_path / "paced.yaml"
+    config = FakeServerConfig(port=0, ttft_ms=20, itl_ms=ITL_MS, shape="fake")
+    with fake_server_in_thread(config) as url:
+        argv = [
+            "--base-url", url, "--device", "paced", "--kv-bytes-per-token", "64",
+            "--kv-capacity-tokens", "4096", "--prompt-lengths", "16,64",
+            "--batches", "1,2", "--contexts", "16", "--repeats", "1", "--out", str(out),
+        ]  # fmt: skip
+        assert command_profile(argv, Console(quiet=True)) == 0
+    profile = yaml.safe_load(out.read_text())
+    batch_one = profile["step_overhead_s"] + profile["weights_read_s"] + profile["per_sequence_s"]
+    assert batch_one * 1e3 == pytest.approx(ITL_MS, rel=0.25)
+    samples = json.loads(out.with_suffix(".samples.json").read_text())
+    assert {sample["batch"] for sample in samples["decode"]} == {1, 2}
+    percentiles = samples["decode_gap_percentiles"]
+    assert len(percentiles) == 99 and percentiles == sorted(percentiles)
+    assert percentiles[49] == pytest.approx(1.0, abs=0.05)  # the median gap is the step
+
+
+def test_spread_quantiles_are_equally_likely_values_of_the_ratios() -> None:
+    ratios = [float(value) for value in range(1, 101)]  # 1..100
+    assert spread_quantiles(ratios, 4) == pytest.approx([13.375, 38.125, 62.875, 87.625])
+    assert spread_quantiles([], 4) == []
