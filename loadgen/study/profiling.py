@@ -125,7 +125,9 @@ async def _decode_step(
     # Mid-run, each request's context is its prompt and half its output.
     context_tokens = batch * (context + grid.decode_tokens // 2)
     median = statistics.median(gaps)
-    return DecodeSample(batch, context_tokens, median), [gap / median for gap in gaps]
+    # An engine that takes no time (a serving path's baseline) has no spread to speak of.
+    ratios = [gap / median for gap in gaps] if median > 0 else []
+    return DecodeSample(batch, context_tokens, median), ratios
 
 
 @dataclass(frozen=True)
