@@ -59,7 +59,7 @@ from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
 from router.pool.replica_state import ReplicaState
 from router.settings import IngressSettings, Priority
-from splitserve.latency.profile import LatencyProfile, StepShape
+from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes
 
 
 class EventQueue:
@@ -129,6 +129,7 @@ class VirtualEngine:
         self.spec = spec
         self.client = client
         self.profile: LatencyProfile = engine_profile(spec)
+        self._step_times = StepTimes(self.profile, spec.name)
         self.limits = scheduler_limits(spec, self.profile)
         self.scheduler = SimScheduler(self.limits)
         self._queue = queue
@@ -171,11 +172,11 @@ class VirtualEngine:
         steps = self.scheduler.decode_run_length(step)
         if steps > 1:
             shape = step.shape
-            ends = self.profile.decode_run_ends(
+            ends = self._step_times.decode_run_ends(
                 shape.decode_seqs, shape.decode_context_tokens, steps
             )
         else:
-            ends = [self.profile.step_seconds(step.shape)]
+            ends = [self._step_times.step(step.shape)]
         self._step, self._started, self._ends = step, self._queue.now, ends
         self._generation += 1
         self._queue.at(self._started + ends[-1], self._done, self._generation)

@@ -48,7 +48,7 @@ from engines.simulated.scheduler import (
 )
 from engines.simulated.settings import SIMULATED_KV_TOKENS, engine_profile, scheduler_limits
 from kv_transfer.metrics import TransferTotals
-from splitserve.latency.profile import LatencyProfile
+from splitserve.latency.profile import LatencyProfile, StepTimes
 
 logger = logging.getLogger("splitserve.engines")
 
@@ -75,6 +75,7 @@ class SimulatedEngineHost:
     def __init__(self, spec: EngineSpec) -> None:
         self._spec = spec
         self.profile: LatencyProfile = engine_profile(spec)
+        self._step_times = StepTimes(self.profile, spec.name)
         self.limits: SchedulerLimits = scheduler_limits(spec, self.profile)
         self._time_scale = spec.backend.time_scale
         # spend: cpu computes each step on the engine's cores instead of sleeping it.
@@ -217,7 +218,7 @@ class SimulatedEngineHost:
                 await self._work.wait()
                 due = loop.time()
                 continue
-            seconds = self.profile.step_seconds(step.shape) * self._time_scale
+            seconds = self._step_times.step(step.shape) * self._time_scale
             if self._spender is not None:
                 await self._spender.spend(seconds)
             else:

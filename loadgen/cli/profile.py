@@ -26,6 +26,7 @@ from loadgen.study.profiling import (
     profile_table,
     save_samples,
     served_models,
+    spread_quantiles,
     without_path_cost,
 )
 from splitserve.latency.profile import shipped_profiles
@@ -128,6 +129,7 @@ async def _profile(args: argparse.Namespace, console: Console) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max_model_len,
+        step_spread=spread_quantiles(measured.gap_ratios),
     )
     out = args.out or Path("results/profiles") / (
         f"{args.device}-{profile.model}-tp{args.tensor_parallel_size}"
@@ -137,5 +139,12 @@ async def _profile(args: argparse.Namespace, console: Console) -> int:
     profile.save(out)
     save_samples(out.with_suffix(".samples.json"), measured)
     console.print(profile_table(profile, prefills, decodes))
+    if profile.step_spread:
+        spread = profile.step_spread
+        console.print(
+            f"step_spread: {len(spread)} equally likely ratios of a decode gap to its"
+            f" batch's median step, {spread[0]:.2f} to {spread[-1]:.2f},"
+            f" mean {sum(spread) / len(spread):.2f}"
+        )
     console.print(f"profile: {out}")
     return 0

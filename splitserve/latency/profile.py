@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from splitserve.config_base import StrictModel
 
@@ -105,6 +106,22 @@ class LatencyProfile(StrictModel):
         default_factory=dict,
         description="Fitted profiles: relative error of the fit on its measurements.",
     )
+    step_spread: list[float] = Field(
+        default_factory=list,
+        description="Fitted profiles: equally likely values of a step's time over its fitted"
+        " (median) time, as the engine's decode gaps spread; each simulated step draws one."
+        " Empty: every step takes its fitted time (the roofline's profiles).",
+    )
+
+    @field_validator("step_spread")
+    @classmethod
+    def _positive_spread(cls, spread: list[float]) -> list[float]:
+        # A 0 is a token that came with the one before it: two gaps, 0 and twice a step.
+        if any(value < 0 for value in spread) or (spread and not any(spread)):
+            raise ValueError(
+                "step_spread's values are ratios to the fitted time: none below 0, some above"
+            )
+        return spread
 
     def step_seconds(self, step: StepShape) -> float:
         if step.tokens == 0:
@@ -140,6 +157,36 @@ class LatencyProfile(StrictModel):
 
     def save(self, path: Path) -> None:
         path.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+
+class StepTimes:
+    """A profile's step times as one engine lives them: each step's fitted time, times a
+    draw from the profile's ``step_spread`` where it has one. Seeded by the engine's
+    name, so that a simulation replays exactly."""
+
+    def __init__(self, profile: LatencyProfile, seed: str) -> None:
+        self.profile = profile
+        self._spread = profile.step_spread
+        self._rng = random.Random(seed)
+
+    def step(self, step: StepShape) -> float:
+        seconds = self.profile.step_seconds(step)
+        return seconds * self._draw() if self._spread and seconds else seconds
+
+    def decode_run_ends(self, batch: int, context_tokens: int, steps: int) -> list[float]:
+        """LatencyProfile.decode_run_ends, each step drawn as ``step`` draws it."""
+        ends = self.profile.decode_run_ends(batch, context_tokens, steps)
+        if not self._spread:
+            return ends
+        drawn, previous, total = [], 0.0, 0.0
+        for end in ends:
+            total += (end - previous) * self._draw()
+            previous = end
+            drawn.append(total)
+        return drawn
+
+    def _draw(self) -> float:
+        return self._spread[self._rng.randrange(len(self._spread))]
 
 
 def shipped_profiles() -> list[str]:

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from loadgen.cli.profile import command_profile
 from loadgen.client.fake_server import FakeServerConfig, fake_server_in_thread
-from loadgen.study.profiling import spread_quantiles
+from loadgen.study.profiling import SPREAD_POINTS, spread_quantiles
 
 ITL_MS = 8.0
 
@@ -30,6 +30,9 @@ def test_profile_of_a_paced_server_fits_its_token_gap(tmp_path: Path) -> None:
     profile = yaml.safe_load(out.read_text())
     batch_one = profile["step_overhead_s"] + profile["weights_read_s"] + profile["per_sequence_s"]
     assert batch_one * 1e3 == pytest.approx(ITL_MS, rel=0.25)
+    # A paced server's steps hardly spread: its profile's do not either.
+    assert len(profile["step_spread"]) == SPREAD_POINTS
+    assert profile["step_spread"][SPREAD_POINTS // 2] == pytest.approx(1.0, abs=0.05)
     samples = json.loads(out.with_suffix(".samples.json").read_text())
     assert {sample["batch"] for sample in samples["decode"]} == {1, 2}
     percentiles = samples["decode_gap_percentiles"]
