@@ -8,21 +8,9 @@ import statistics
 import pytest
 from pydantic import ValidationError
 
-from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes
+from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes, load_profile
 
-PROFILE = LatencyProfile(
-    device="made-up",
-    model="made-up",
-    source="the test",
-    step_overhead_s=0.002,
-    weights_read_s=0.004,
-    compute_per_token_s=0.0001,
-    per_context_token_s=1e-6,
-    per_attention_pair_s=1e-9,
-    kv_bytes_per_token=1024,
-    kv_capacity_tokens=100_000,
-    handover_bytes_per_s=1e9,
-)
+PROFILE = load_profile("h100-llama-3.1-8b-tp1-pp1")  # any profile: the roofline's have no spread
 DECODE = StepShape(decode_seqs=4, decode_context_tokens=400)
 SPREAD = [0.5, 1.0, 2.5]
 
