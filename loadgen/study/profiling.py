@@ -167,11 +167,18 @@ async def measure(target: ProfileTarget, grid: ProfileGrid, seed: int = 0) -> Me
 def spread_quantiles(ratios: list[float], points: int = SPREAD_POINTS) -> list[float]:
     """``points`` equally likely values of a step's time over its median: the ratios'
     quantiles at the middles of ``points`` equal slices of probability."""
+    return _quantiles(ratios, (np.arange(points) + 0.5) / points)
+
+
+def gap_percentiles(ratios: list[float]) -> list[float]:
+    """The ratios' percentiles 1 to 99, to read beside the profile."""
+    return _quantiles(ratios, np.arange(1, 100) / 100)
+
+
+def _quantiles(ratios: list[float], probabilities: np.ndarray) -> list[float]:
     if not ratios:
         return []
-    ordered = np.sort(np.asarray(ratios))
-    probabilities = (np.arange(points) + 0.5) / points
-    return [round(float(q), 4) for q in np.quantile(ordered, probabilities)]
+    return [round(float(q), 4) for q in np.quantile(np.asarray(ratios), probabilities)]
 
 
 async def kv_capacity_tokens(target: ProfileTarget) -> int | None:
@@ -227,7 +234,7 @@ def save_samples(path: Path, measured: Measurements) -> None:
                 "prefill": [dataclasses.asdict(sample) for sample in measured.prefills],
                 "decode": [dataclasses.asdict(sample) for sample in measured.decodes],
                 # Percentiles 1-99 of a decode gap over its batch's median step.
-                "decode_gap_percentiles": spread_quantiles(measured.gap_ratios, 99),
+                "decode_gap_percentiles": gap_percentiles(measured.gap_ratios),
             },
             indent=1,
         )

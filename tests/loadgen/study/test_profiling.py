@@ -12,7 +12,7 @@ from rich.console import Console
 
 from loadgen.cli.profile import command_profile
 from loadgen.client.fake_server import FakeServerConfig, fake_server_in_thread
-from loadgen.study.profiling import SPREAD_POINTS, spread_quantiles
+from loadgen.study.profiling import SPREAD_POINTS, gap_percentiles, spread_quantiles
 
 ITL_MS = 8.0
 
@@ -44,3 +44,5 @@ def test_spread_quantiles_are_equally_likely_values_of_the_ratios() -> None:
     ratios = [float(value) for value in range(1, 101)]  # 1..100
     assert spread_quantiles(ratios, 4) == pytest.approx([13.375, 38.125, 62.875, 87.625])
     assert spread_quantiles([], 4) == []
+    assert gap_percentiles(ratios)[0] == pytest.approx(1.99)  # numpy's linear interpolation
+    assert gap_percentiles(ratios)[49] == pytest.approx(50.5)
