@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -75,7 +76,8 @@ class SimulatedEngineHost:
     def __init__(self, spec: EngineSpec) -> None:
         self._spec = spec
         self.profile: LatencyProfile = engine_profile(spec)
-        self._step_times = StepTimes(self.profile, spec.name)
+        # A scaled pool's replicas share one spec (one name): the process tells them apart.
+        self._step_times = StepTimes(self.profile, f"{spec.name}:{os.getpid()}")
         self.limits: SchedulerLimits = scheduler_limits(spec, self.profile)
         self._time_scale = spec.backend.time_scale
         # spend: cpu computes each step on the engine's cores instead of sleeping it.

@@ -115,7 +115,7 @@ class LatencyProfile(StrictModel):
 
     @field_validator("step_spread")
     @classmethod
-    def _positive_spread(cls, spread: list[float]) -> list[float]:
+    def _spread_of_ratios(cls, spread: list[float]) -> list[float]:
         # A 0 is a token that came with the one before it: two gaps, 0 and twice a step.
         if any(value < 0 for value in spread) or (spread and not any(spread)):
             raise ValueError(
@@ -161,8 +161,8 @@ class LatencyProfile(StrictModel):
 
 class StepTimes:
     """A profile's step times as one engine lives them: each step's fitted time, times a
-    draw from the profile's ``step_spread`` where it has one. Seeded by the engine's
-    name, so that a simulation replays exactly."""
+    draw from the profile's ``step_spread`` where it has one. Seeded (offline: by the
+    engine's name), so that a simulation replays exactly."""
 
     def __init__(self, profile: LatencyProfile, seed: str) -> None:
         self.profile = profile
