@@ -53,6 +53,8 @@ from splitserve.latency.profile import LatencyProfile
 
 console = Console()
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "output_tok_s")
+FIDELITY_TOLERANCE = 0.10  # issue 42's bar: a simulated figure within 10% of the real one
+Cell = tuple[str, str, float]  # config, workload, rate
 # The embedded model's KV per token: K and V, 2 layers, 2 KV heads of 32, float32.
 EMBEDDED_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
 # single.yaml's cache: 1 GiB (kv_cache_gib) of blocks of 128 tokens.
@@ -257,6 +259,42 @@ def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], dic
     }
 
 
+def within(ratio: float, tolerance: float = FIDELITY_TOLERANCE) -> bool:
+    return abs(ratio - 1) <= tolerance
+
+
+def real_rounds_ratios(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, float]]:
+    """Each cell's real runs against each other: the largest round's figure over the
+    smallest's, per metric. It is the ruler's resolution on this box: a simulator cannot
+    be shown closer to the real engine than the real engine is to itself."""
+    by_cell: dict[Cell, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["kind"] == "real":
+            by_cell.setdefault((row["config"], row["workload"], row["rate"]), []).append(row)
+    return {
+        cell: {
+            m: max(r[m] for r in group) / min(r[m] for r in group)
+            for m in METRICS
+            if min(r[m] for r in group) > 0
+        }
+        for cell, group in by_cell.items()
+        if len(group) > 1
+    }
+
+
+def agreement_counts(compared: list[dict[str, Any]]) -> dict[str, int]:
+    """How many figures the simulator gets within the tolerance of the real engine, and
+    how many the real engine gets within it of itself between rounds."""
+    figures = [v for cell in compared for v in cell["simulated_over_real"].values()]
+    spreads = [v for cell in compared for v in (cell["real_rounds"] or {}).values()]
+    return {
+        "figures": len(figures),
+        "simulated_within": sum(within(v) for v in figures),
+        "real_round_pairs": len(spreads),
+        "real_rounds_within": sum(within(v) for v in spreads),
+    }
+
+
 def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     table = Table(
         title="real / simulated (ratio) / offline (ratio to simulated); medians over rounds;"
@@ -265,6 +303,7 @@ def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for column in ("config", "workload", "req/s", *METRICS):
         table.add_column(column, justify="right")
     by_cell = medians(rows)
+    spreads = real_rounds_ratios(rows)
     compared = []
     for config, workload, rate, kind in sorted(by_cell):
         if kind != "real":
@@ -286,6 +325,7 @@ def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "offline": offline,
                 "simulated_over_real": ratio,
                 "offline_over_simulated": agreement,
+                "real_rounds": spreads.get((config, workload, rate)),
             }
         )
         table.add_row(
@@ -299,7 +339,33 @@ def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ),
         )
     console.print(table)
+    counts = agreement_counts(compared)
+    console.print(
+        f"simulated within {FIDELITY_TOLERANCE:.0%} of real: {counts['simulated_within']}"
+        f" of {counts['figures']} figures; real within {FIDELITY_TOLERANCE:.0%} of itself"
+        f" between its rounds (largest over smallest): {counts['real_rounds_within']} of"
+        f" {counts['real_round_pairs']}"
+    )
     return compared
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    profile = args.profile or fit_profile(args.out, args.fit_cores)
+    console.print(f"profile: {profile}")
+    if args.offline_only:
+        # The served rows of an earlier run, the offline ones computed again.
+        earlier = json.loads((args.out / "sim_fidelity.json").read_text())["runs"]
+        rows = [row for row in earlier if row["kind"] != "offline"]
+        for config in args.configs:
+            rows += offline_rows(config, profile, 0, args)
+    else:
+        rows = run_rounds(args, profile)
+    return {
+        "profile": str(profile),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "runs": rows,
+        "cells": print_table(rows),
+    }
 
 
 def main() -> None:
@@ -338,6 +404,11 @@ def main() -> None:
         action="store_true",
         help="keep --out's served runs, run the offline cells again",
     )
+    parser.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="serve nothing: print --out's saved runs again (and save their cells)",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "sim_fidelity")
     args = parser.parse_args()
     args.configs = args.configs.split(",")
@@ -345,24 +416,12 @@ def main() -> None:
     args.rates = [float(rate) for rate in args.rates.split(",")]
     args.out = args.out.resolve()  # the profile command runs in the repository
     args.out.mkdir(parents=True, exist_ok=True)
-    profile = args.profile or fit_profile(args.out, args.fit_cores)
-    console.print(f"profile: {profile}")
-    if args.offline_only:
-        # The served rows of an earlier run, the offline ones computed again.
-        earlier = json.loads((args.out / "sim_fidelity.json").read_text())["runs"]
-        rows = [row for row in earlier if row["kind"] != "offline"]
-        for config in args.configs:
-            rows += offline_rows(config, profile, 0, args)
-    else:
-        rows = run_rounds(args, profile)
-    ratios = print_table(rows)
-    result = {
-        "profile": str(profile),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "runs": rows,
-        "cells": ratios,
-    }
     path = args.out / "sim_fidelity.json"
+    if args.tables_only:
+        result = json.loads(path.read_text())
+        result["cells"] = print_table(result["runs"])
+    else:
+        result = measure(args)
     path.write_text(json.dumps(result, indent=1))
     console.print(f"saved {path}")
 
