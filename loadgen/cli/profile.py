@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from datetime import datetime
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from loadgen.study.profiling import (
     ProfileTarget,
     kv_capacity_tokens,
     measure,
+    measure_prefills,
     profile_from,
     profile_table,
     save_samples,
@@ -29,7 +31,8 @@ from loadgen.study.profiling import (
     spread_quantiles,
     without_path_cost,
 )
-from splitserve.latency.profile import shipped_profiles
+from splitserve.latency.fit import PrefillSample, fit_handover, handover_costs
+from splitserve.latency.profile import load_profile, shipped_profiles
 
 
 def build_profile_parser() -> argparse.ArgumentParser:
@@ -71,6 +74,16 @@ def build_profile_parser() -> argparse.ArgumentParser:
         " lone-request TTFT is taken off each prefill measurement, so that a simulated"
         " engine behind that path does not pay it twice",
     )
+    parser.add_argument(
+        "--handover-of",
+        type=Path,
+        metavar="PROFILE",
+        help="fit only PROFILE's PD hand-over (a profile this command fitted on one engine):"
+        " --base-url is then a PD application of the same engines (pd_always.yaml), whose"
+        " lone prefills at PROFILE's prompt lengths, over PROFILE's own, give the"
+        " hand-over's latency and link rate (instead of --handover-gbps); needs"
+        " --baseline-samples of that application; writes --out (default: PROFILE)",
+    )
     parser.add_argument("--out", type=Path, help="the profile's file (YAML)")
     return parser
 
@@ -86,6 +99,13 @@ def command_profile(argv: list[str], console: Console) -> int:
         for name in shipped_profiles():
             console.print(name)
         return 0
+    if args.handover_of:
+        if args.baseline_samples is None:
+            raise ValueError(
+                "--handover-of needs --baseline-samples of the PD application: a served"
+                " simulation pays its path's own cost for real, and would pay it twice"
+            )
+        return run_event_loop(_fit_handover(args, console))
     if args.device is None or args.kv_bytes_per_token is None:
         raise ValueError("profile needs --device and --kv-bytes-per-token (or --list)")
     return run_event_loop(_profile(args, console))
@@ -147,4 +167,42 @@ async def _profile(args: argparse.Namespace, console: Console) -> int:
             f" mean {sum(spread) / len(spread):.2f}"
         )
     console.print(f"profile: {out}")
+    return 0
+
+
+async def _fit_handover(args: argparse.Namespace, console: Console) -> int:
+    """PROFILE again, its hand-over fitted from lone prefills through a PD application."""
+    profile = load_profile(str(args.handover_of))
+    samples = json.loads(args.handover_of.with_suffix(".samples.json").read_text())
+    engine = [PrefillSample(**sample) for sample in samples["prefill"]]
+    base_url = args.base_url.rstrip("/")
+    headers = request_headers()
+    model = args.model or (await served_models(base_url, headers))[0][0]
+    lengths = tuple(sample.prompt_tokens for sample in engine)
+    console.print(f"measuring hand-overs through {base_url} ...")
+    measured = await measure_prefills(
+        ProfileTarget(base_url, model, headers),
+        ProfileGrid(prompt_lengths=lengths, repeats=args.repeats),
+    )
+    through_pd, _ = without_path_cost(measured, args.baseline_samples)
+    costs = handover_costs(engine, through_pd, profile)
+    fit = fit_handover(costs)
+    fitted = profile.model_copy(
+        update={
+            "handover_latency_s": fit.latency_s,
+            "handover_bytes_per_s": fit.bytes_per_s(profile.kv_bytes_per_token),
+            "source": f"{profile.source}; hand-over fitted from lone prefills through a PD"
+            f" application ({datetime.now():%Y-%m-%d}) over the same on one engine",
+        }
+    )
+    out = args.out or args.handover_of
+    fitted.save(out)
+    out.with_suffix(".samples.json").write_text(
+        json.dumps({**samples, "handover": [dataclasses.asdict(cost) for cost in costs]}, indent=1)
+    )
+    console.print(
+        f"hand-over: {fit.latency_s * 1e3:.2f} ms + {fit.seconds_per_token * 1e6:.2f} us a"
+        f" prompt token ({fitted.handover_bytes_per_s / 1e6:.0f} MB/s of"
+        f" {fitted.kv_bytes_per_token}-byte tokens); profile: {out}"
+    )
     return 0

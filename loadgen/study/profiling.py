@@ -164,6 +164,16 @@ async def measure(target: ProfileTarget, grid: ProfileGrid, seed: int = 0) -> Me
     return Measurements(prefills, decodes, ratios)
 
 
+async def measure_prefills(
+    target: ProfileTarget, grid: ProfileGrid, seed: int = 0
+) -> list[PrefillSample]:
+    """Lone prefills alone: through a PD application, they carry a hand-over each."""
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _stream_times(session, target, _prompt(32, rng), 4)  # warm the server up
+        return await _prefills(session, target, grid, rng)
+
+
 def spread_quantiles(ratios: list[float], points: int = SPREAD_POINTS) -> list[float]:
     """``points`` equally likely values of a step's time over its median: the ratios'
     quantiles at the middles of ``points`` equal slices of probability."""

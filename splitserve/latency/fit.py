@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from splitserve.latency.profile import LatencyProfile
+from splitserve.latency.profile import LatencyProfile, StepShape
 
 
 @dataclass(frozen=True)
@@ -149,3 +149,55 @@ def fitted_profile(fit: StepFit, **identity: object) -> LatencyProfile:
             **identity,
         }
     )
+
+
+# The link rate a profile records when the fit finds no cost per token: one it cannot
+# tell from free (a rate must be positive).
+UNMEASURED_LINK_BYTES_PER_S = 1e15
+
+
+@dataclass(frozen=True)
+class HandoverFit:
+    latency_s: float
+    seconds_per_token: float
+
+    def bytes_per_s(self, kv_bytes_per_token: int) -> float:
+        if self.seconds_per_token <= 0:
+            return UNMEASURED_LINK_BYTES_PER_S
+        return kv_bytes_per_token / self.seconds_per_token
+
+
+def handover_costs(
+    engine_prefills: list[PrefillSample],
+    pd_prefills: list[PrefillSample],
+    profile: LatencyProfile,
+) -> list[PrefillSample]:
+    """What a hand-over costs at each prompt length: a lone prefill through a PD
+    application over the same prefill on one engine, less what a simulated decode engine
+    already charges beside the hand-over (its request overhead, and the step that
+    computes the prompt's last token again). Both prefills are less their serving
+    path's own cost, so that a second engine's hop through the router, which a served
+    simulation pays for real, is not counted twice."""
+    alone = {sample.prompt_tokens: sample.seconds for sample in engine_prefills}
+    missing = sorted({sample.prompt_tokens for sample in pd_prefills} - set(alone))
+    if missing:
+        raise ValueError(f"no lone prefill on one engine of {missing} tokens to compare with")
+    costs = []
+    for sample in pd_prefills:
+        tokens = sample.prompt_tokens
+        last_token = StepShape(prefill_tokens=1, attention_pairs=tokens, prefill_seqs=1)
+        decode_side = profile.request_overhead_s + profile.step_seconds(last_token)
+        costs.append(PrefillSample(tokens, sample.seconds - alone[tokens] - decode_side))
+    return costs
+
+
+def fit_handover(costs: list[PrefillSample]) -> HandoverFit:
+    """A fixed latency and a cost per prompt token, both >= 0, fitted to hand-over costs
+    at two or more prompt lengths (absolute error: a short prompt's cost is mostly
+    noise around the latency, and relative weights would let it steer the slope)."""
+    if len({cost.prompt_tokens for cost in costs}) < 2:
+        raise ValueError("a hand-over fit needs costs at two or more prompt lengths")
+    features = np.array([[1.0, cost.prompt_tokens] for cost in costs])
+    target = np.array([cost.seconds for cost in costs])
+    latency_s, per_token_s = nonnegative_least_squares(features, target)
+    return HandoverFit(float(latency_s), float(per_token_s))

@@ -8,9 +8,12 @@ import pytest
 from splitserve.latency.fit import (
     DecodeSample,
     PrefillSample,
+    UNMEASURED_LINK_BYTES_PER_S,
     StepFit,
+    fit_handover,
     fit_steps,
     fitted_profile,
+    handover_costs,
     nonnegative_least_squares,
 )
 from splitserve.latency.profile import LatencyProfile, StepShape
@@ -106,3 +109,49 @@ def test_a_fit_needs_both_kinds_of_measurement() -> None:
     prefills, _ = _measured()
     with pytest.raises(ValueError, match="two prefill and two decode"):
         fit_steps(prefills, [])
+
+
+def _through_pd(latency_s: float, seconds_per_token: float) -> list[PrefillSample]:
+    """Lone prefills through a PD application whose hand-over costs so much: the prefill
+    on one engine, then the decode engine's overhead and its step of the last token."""
+    prefills, _ = _measured()
+    samples = []
+    for sample in prefills:
+        tokens = sample.prompt_tokens
+        last = StepShape(prefill_tokens=1, attention_pairs=tokens, prefill_seqs=1)
+        decode_side = TRUE.request_overhead_s + TRUE.step_seconds(last)
+        handover = latency_s + seconds_per_token * tokens
+        samples.append(PrefillSample(tokens, sample.seconds + handover + decode_side))
+    return samples
+
+
+def test_the_handover_fit_recovers_the_link_that_made_the_measurements() -> None:
+    prefills, _ = _measured()
+    costs = handover_costs(prefills, _through_pd(0.002, 8e-6), TRUE)
+    assert [cost.seconds for cost in costs] == pytest.approx(
+        [0.002 + 8e-6 * cost.prompt_tokens for cost in costs]
+    )
+    fit = fit_handover(costs)
+    assert fit.latency_s == pytest.approx(0.002)
+    assert fit.seconds_per_token == pytest.approx(8e-6)
+    assert fit.bytes_per_s(TRUE.kv_bytes_per_token) == pytest.approx(1024 / 8e-6)
+
+
+def test_a_free_link_is_recorded_as_one_the_fit_cannot_tell_from_free() -> None:
+    prefills, _ = _measured()
+    fit = fit_handover(handover_costs(prefills, _through_pd(0.001, 0.0), TRUE))
+    assert fit.seconds_per_token == pytest.approx(0.0, abs=1e-12)
+    assert fit.latency_s == pytest.approx(0.001)
+    # Noise that makes a long prompt's hand-over cheaper never gives a negative rate.
+    noisy = [PrefillSample(16, 0.003), PrefillSample(1024, 0.001)]
+    assert fit_handover(noisy).seconds_per_token == 0.0
+    assert fit_handover(noisy).bytes_per_s(1024) == UNMEASURED_LINK_BYTES_PER_S
+
+
+def test_a_handover_fit_needs_the_same_prompt_lengths_on_one_engine() -> None:
+    prefills, _ = _measured()
+    with pytest.raises(ValueError, match=r"\[2048\] tokens"):
+        handover_costs(prefills, [PrefillSample(2048, 0.5)], TRUE)
+    with pytest.raises(ValueError, match="two or more prompt lengths"):
+        fit_handover([PrefillSample(16, 0.003)])
+

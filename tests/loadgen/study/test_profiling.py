@@ -13,6 +13,7 @@ from rich.console import Console
 from loadgen.cli.profile import command_profile
 from loadgen.client.fake_server import FakeServerConfig, fake_server_in_thread
 from loadgen.study.profiling import SPREAD_POINTS, gap_percentiles, spread_quantiles
+from splitserve.latency.profile import LatencyProfile, StepShape
 
 ITL_MS = 8.0
 
@@ -46,3 +47,54 @@ def test_spread_quantiles_are_equally_likely_values_of_the_ratios() -> None:
     assert spread_quantiles([], 4) == []
     assert gap_percentiles(ratios)[0] == pytest.approx(1.99)  # numpy's linear interpolation
     assert gap_percentiles(ratios)[49] == pytest.approx(50.5)
+
+
+def _zero_path(path: Path, lengths: tuple[int, ...]) -> Path:
+    """Baseline samples of a serving path that costs nothing."""
+    path.write_text(
+        json.dumps({"prefill": [{"prompt_tokens": n, "seconds": 0.0} for n in lengths]})
+    )
+    return path
+
+
+def test_profile_fits_the_handover_from_prefills_through_a_pd_application(
+    tmp_path: Path,
+) -> None:
+    """A "PD application" whose first token comes 40 ms after the engine's: its
+    hand-over is those 40 ms less what the simulated decode engine charges beside it."""
+    engine_profile = tmp_path / "paced.yaml"
+    engine = FakeServerConfig(port=0, ttft_ms=20, itl_ms=ITL_MS, shape="fake")
+    with fake_server_in_thread(engine) as url:
+        argv = [
+            "--base-url", url, "--device", "paced", "--kv-bytes-per-token", "64",
+            "--kv-capacity-tokens", "4096", "--prompt-lengths", "16,64",
+            "--batches", "1,2", "--contexts", "16", "--repeats", "3",
+            "--out", str(engine_profile),
+        ]  # fmt: skip
+        assert command_profile(argv, Console(quiet=True)) == 0
+    out = tmp_path / "paced-pd.yaml"
+    pd = FakeServerConfig(port=0, ttft_ms=60, itl_ms=ITL_MS, shape="fake")
+    with fake_server_in_thread(pd) as pd_url:
+        argv = [
+            "--base-url", pd_url, "--handover-of", str(engine_profile), "--repeats", "3",
+            "--baseline-samples", str(_zero_path(tmp_path / "pd-path.json", (16, 64))),
+            "--out", str(out),
+        ]  # fmt: skip
+        assert command_profile(argv, Console(quiet=True)) == 0
+    before = LatencyProfile.model_validate(yaml.safe_load(engine_profile.read_text()))
+    profile = LatencyProfile.model_validate(yaml.safe_load(out.read_text()))
+    assert before.handover_latency_s == 0.0
+    last_token = StepShape(prefill_tokens=1, attention_pairs=16, prefill_seqs=1)
+    decode_side = profile.request_overhead_s + profile.step_seconds(last_token)
+    assert profile.handover_latency_s == pytest.approx(0.040 - decode_side, abs=0.004)
+    assert profile.step_overhead_s == before.step_overhead_s  # only the hand-over is fitted
+    assert "hand-over fitted from lone prefills" in profile.source
+    samples = json.loads(out.with_suffix(".samples.json").read_text())
+    assert [cost["prompt_tokens"] for cost in samples["handover"]] == [16, 64]
+    assert samples["decode"]  # the engine's own samples are kept beside them
+
+
+def test_profile_refuses_a_handover_fit_without_the_pd_baseline(tmp_path: Path) -> None:
+    argv = ["--handover-of", str(tmp_path / "any.yaml"), "--base-url", "http://127.0.0.1:9"]
+    with pytest.raises(ValueError, match="--baseline-samples"):
+        command_profile(argv, Console(quiet=True))
