@@ -12,13 +12,19 @@ profile was fitted on.
         [--workloads general,prefill-heavy,decode-heavy,T-general] [--rates 1,2,4]
         [--trace burstgpt-synthetic|burstgpt]
         [--rounds 2] [--num-requests 40] [--profile FILE | --fit-cores 1]
-        [--spend wall|cpu] [--out results/sim_fidelity]
+        [--profile-b FILE] [--spend wall|cpu] [--out results/sim_fidelity] [--tables-only]
 
 The profile fits one engine: on both cores for single.yaml, on one (``--fit-cores 1``)
 for the configs that pin each engine to a core of its own. A simulated engine that
 sleeps its steps (``--spend wall``) leaves the cores to the router and the client, which
 a real CPU engine shares them with; ``--spend cpu`` computes each step on the engine's
-cores instead (engine.spend), so both contend for this box's cores alike.
+cores instead (engine.spend), so both contend for this box's cores alike. A fit for a
+PD config (pd_always, auto) also fits the hand-over, from lone prefills through
+pd_always.yaml (python -m loadgen profile --handover-of).
+
+Each table ends with two counts: the simulated figures within 10% of the real ones, and
+the real figures within 10% of themselves between rounds (largest over smallest). The
+second is the ruler's resolution on this box.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ console = Console()
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "output_tok_s")
 FIDELITY_TOLERANCE = 0.10  # issue 42's bar: a simulated figure within 10% of the real one
 Cell = tuple[str, str, float]  # config, workload, rate
+# The configs that hand prompts over: a profile fitted for them fits the hand-over too.
+PD_CONFIGS = ("pd", "pd_always", "auto")
+SIMULATED, SIMULATED_B = "simulated", "simulated_b"  # the runs on --profile, --profile-b
 # The embedded model's KV per token: K and V, 2 layers, 2 KV heads of 32, float32.
 EMBEDDED_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
 # single.yaml's cache: 1 GiB (kv_cache_gib) of blocks of 128 tokens.
@@ -132,24 +141,47 @@ def fit_config(out: Path, cores: int) -> Path:
     return path
 
 
-def fit_profile(out: Path, cores: int) -> Path:
+def fit_profile(out: Path, cores: int, handover: bool) -> Path:
     """Fit the CPU engine's profile on ``fit_config`` (its own grid, not the runs below),
-    less what single.yaml's router costs alone (measured on zero-time engines)."""
+    less what single.yaml's router costs alone (measured on zero-time engines); with
+    ``handover``, its PD hand-over too, from lone prefills through pd_always.yaml (less
+    that application's own path, also measured on zero-time engines)."""
     baseline = out / "path-alone.yaml"
-    simulated = simulated_config(config_path("single"), str(zero_profile(out)))
-    with serve_run(str(simulated)) as app, niced_like_ray_workers():
-        subprocess.run(profile_command(app.base_url, baseline), check=True, cwd=REPO_ROOT)
+    zero = str(zero_profile(out))
+    _profile_run(simulated_config(config_path("single"), zero), baseline)
     path = out / f"cpu{cores}-embedded-tp1-pp1.yaml"
-    samples = ("--baseline-samples", str(baseline.with_suffix(".samples.json")))
-    with serve_run(str(fit_config(out, cores))) as app, niced_like_ray_workers():
-        subprocess.run(profile_command(app.base_url, path, *samples), check=True, cwd=REPO_ROOT)
+    extra = ("--baseline-samples", str(baseline.with_suffix(".samples.json")))
+    _profile_run(fit_config(out, cores), path, *extra)
+    if handover:
+        fit_handover(out, path)
     return path
 
 
-def served(config: str, kind: str, profile: Path, spend: str) -> AbstractContextManager[RunningApp]:
+def fit_handover(out: Path, profile: Path) -> None:
+    """Fit ``profile``'s hand-over in place: lone prefills through pd_always.yaml over the
+    same on one engine, less that application's own path (on zero-time engines)."""
+    pd_baseline = out / "pd-path-alone.yaml"
+    pd_always = config_path("pd_always")
+    _profile_run(simulated_config(pd_always, str(zero_profile(out))), pd_baseline)
+    baseline_samples = str(pd_baseline.with_suffix(".samples.json"))
+    with serve_run(str(pd_always)) as app, niced_like_ray_workers():
+        command = [sys.executable, "-m", "loadgen", "profile", "--base-url", app.base_url]
+        command += ["--handover-of", str(profile), "--baseline-samples", baseline_samples]
+        subprocess.run([*command, "--repeats", "5"], check=True, cwd=REPO_ROOT)
+
+
+def _profile_run(config: Path, out: Path, *extra: str) -> None:
+    with serve_run(str(config)) as app, niced_like_ray_workers():
+        command = profile_command(app.base_url, out, *extra)
+        subprocess.run(command, check=True, cwd=REPO_ROOT)
+
+
+def served(
+    config: str, kind: str, profiles: dict[str, Path], spend: str
+) -> AbstractContextManager[RunningApp]:
     path = config_path(config)
-    if kind == "simulated":
-        path = simulated_config(path, str(profile), spend=spend)
+    if kind in profiles:
+        path = simulated_config(path, str(profiles[kind]), spend=spend)
     return serve_run(str(path))
 
 
@@ -235,13 +267,16 @@ def _labelled(
 
 
 def run_rounds(args: argparse.Namespace, profile: Path) -> list[dict[str, Any]]:
+    profiles = {SIMULATED: profile}
+    if args.profile_b:
+        profiles[SIMULATED_B] = args.profile_b
     rows = []
     for round_index in range(args.rounds):
         for config in args.configs:
-            # Alternate which goes first, so neither always runs on a fresher box.
-            kinds = ("real", "simulated") if round_index % 2 == 0 else ("simulated", "real")
-            for kind in kinds:
-                with served(config, kind, profile, args.spend) as app:
+            # Alternate which goes first, so none always runs on a fresher box.
+            kinds = ("real", *profiles)
+            for kind in kinds if round_index % 2 == 0 else reversed(kinds):
+                with served(config, kind, profiles, args.spend) as app:
                     rows += served_rows(app, config, kind, round_index, args)
             if round_index == 0:  # virtual time: the same every round
                 rows += offline_rows(config, profile, round_index, args)
@@ -295,10 +330,10 @@ def agreement_counts(compared: list[dict[str, Any]]) -> dict[str, int]:
     }
 
 
-def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def print_table(rows: list[dict[str, Any]], simulated: str = SIMULATED) -> list[dict[str, Any]]:
     table = Table(
-        title="real / simulated (ratio) / offline (ratio to simulated); medians over rounds;"
-        " this box: 2 cores, no GPU"
+        title=f"real / {simulated} (ratio) / offline (ratio to simulated); medians over"
+        " rounds; this box: 2 cores, no GPU"
     )
     for column in ("config", "workload", "req/s", *METRICS):
         table.add_column(column, justify="right")
@@ -309,7 +344,7 @@ def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind != "real":
             continue
         real = by_cell[(config, workload, rate, "real")]
-        sim = by_cell.get((config, workload, rate, "simulated"))
+        sim = by_cell.get((config, workload, rate, simulated))
         offline = by_cell.get((config, workload, rate, "offline"))
         if sim is None:
             continue
@@ -350,7 +385,8 @@ def print_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    profile = args.profile or fit_profile(args.out, args.fit_cores)
+    handover = any(config in PD_CONFIGS for config in args.configs)
+    profile = args.profile or fit_profile(args.out, args.fit_cores, handover)
     console.print(f"profile: {profile}")
     if args.offline_only:
         # The served rows of an earlier run, the offline ones computed again.
@@ -364,8 +400,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "profile": str(profile),
         "args": {k: str(v) for k, v in vars(args).items()},
         "runs": rows,
-        "cells": print_table(rows),
+        **tables(rows),
     }
+
+
+def tables(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The cells compared, with the second profile's (cells_b) where it ran."""
+    compared = {"cells": print_table(rows)}
+    if any(row["kind"] == SIMULATED_B for row in rows):
+        compared["cells_b"] = print_table(rows, SIMULATED_B)
+    return compared
 
 
 def main() -> None:
@@ -384,6 +428,12 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="a fitted profile; default: fit one first")
+    parser.add_argument(
+        "--profile-b",
+        type=Path,
+        help="a second profile, served in the same rounds (kind simulated_b): an A/B of two"
+        " profiles against the same real runs",
+    )
     parser.add_argument(
         "--fit-cores",
         type=int,
@@ -419,7 +469,7 @@ def main() -> None:
     path = args.out / "sim_fidelity.json"
     if args.tables_only:
         result = json.loads(path.read_text())
-        result["cells"] = print_table(result["runs"])
+        result.update(tables(result["runs"]))
     else:
         result = measure(args)
     path.write_text(json.dumps(result, indent=1))
