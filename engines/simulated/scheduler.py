@@ -7,8 +7,9 @@ first, then waiting ones, a long prompt in chunks); a paged KV cache of
 same tokens, evicts the least recently freed block first and reports what it stores
 and evicts (vLLM's KV events); preemption by recompute when blocks run out (the newest,
 or under the priority policy the least urgent, running request gives its blocks back);
-and requests whose prompt KV arrives from elsewhere (PD), which wait for it and then
-compute only their last prompt token.
+and requests whose prompt KV arrives from elsewhere (PD), which wait for it, spend
+``kv_load_steps`` engine steps loading it (vLLM learns that an asynchronous load is
+done from a step's output) and then compute only their last prompt token.
 
 It keeps no clock: a caller asks for a step (``schedule``), spends the time a latency
 profile gives for its ``StepShape``, and hands it back (``complete``). The real-time
@@ -39,6 +40,7 @@ class SimRequest:
     # PD: the prompt's KV comes from a prefill engine; schedulable once it has.
     kv_from_elsewhere: bool = False
     kv_ready: bool = True
+    load_steps_left: int = 0  # steps that load its arrived KV before it can compute
     # What the scheduler has done for it.
     computed: int = 0
     output_tokens: int = 0
@@ -65,6 +67,8 @@ class ScheduledStep:
     work: list[tuple[SimRequest, int]]
     shape: StepShape
     preempted: list[SimRequest]
+    # Requests whose handed-over KV this step loads.
+    loads: list[SimRequest] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -177,6 +181,7 @@ class SchedulerLimits:
     num_blocks: int
     policy: SchedulingPolicy = "fcfs"
     enable_prefix_caching: bool = True
+    kv_load_steps: int = 1  # LatencyProfile.handover_load_steps
 
 
 class SimScheduler:
@@ -211,6 +216,8 @@ class SimScheduler:
     def add(self, request: SimRequest) -> None:
         self.check(request)
         self._by_id[request.request_id] = request
+        if request.kv_from_elsewhere:
+            request.load_steps_left = self.limits.kv_load_steps
         self.waiting.append(request)
 
     def kv_arrived(self, request_id: str) -> None:
@@ -252,15 +259,18 @@ class SimScheduler:
                 budget -= tokens
         if not preempted:
             budget = self._admit_waiting(budget, work)
-        if not work:
+        loads = [r for r in self.waiting if r.kv_ready and r.load_steps_left > 0]
+        if not work and not loads:
             return None
-        return ScheduledStep(work, self._shape(work), preempted)
+        return ScheduledStep(work, self._shape(work, len(loads)), preempted, loads)
 
     def complete(self, step: ScheduledStep) -> StepResult:
         """The step ran: its tokens are computed, and each request past its prompt has
         sampled one token."""
         sampled: list[SimRequest] = []
         finished: list[SimRequest] = []
+        for request in step.loads:
+            request.load_steps_left -= 1
         for request, tokens in step.work:
             if request.request_id not in self._by_id:
                 continue  # aborted while the step ran
@@ -279,7 +289,12 @@ class SimScheduler:
         """How many steps exactly like ``step`` follow each other if nothing arrives: a
         batch of decodes only, with nothing waiting that could join it, runs unchanged
         until its first request finishes or its blocks run out. 1 for any other step."""
-        if step.shape.prefill_tokens or step.preempted or len(step.work) != len(self.running):
+        if (
+            step.shape.prefill_tokens
+            or step.preempted
+            or step.loads
+            or len(step.work) != len(self.running)
+        ):
             return 1
         if len(self.running) < self.limits.max_num_seqs and any(r.kv_ready for r in self.waiting):
             return 1
@@ -322,7 +337,7 @@ class SimScheduler:
         for request in self.waiting:
             if budget == 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
-            if not request.kv_ready:
+            if not request.kv_ready or request.load_steps_left > 0:
                 continue
             if not request.started:
                 self._start(request)
@@ -414,7 +429,7 @@ class SimScheduler:
         self.blocks.free(request.blocks)
         request.blocks = []
 
-    def _shape(self, work: list[tuple[SimRequest, int]]) -> StepShape:
+    def _shape(self, work: list[tuple[SimRequest, int]], kv_loads: int = 0) -> StepShape:
         prefill_tokens = attention_pairs = prefill_seqs = decode_seqs = decode_context = 0
         for request, tokens in work:
             if request.prefilling:
@@ -430,4 +445,5 @@ class SimScheduler:
             prefill_seqs=prefill_seqs,
             decode_seqs=decode_seqs,
             decode_context_tokens=decode_context,
+            kv_loads=kv_loads,
         )

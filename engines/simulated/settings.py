@@ -71,4 +71,5 @@ def scheduler_limits(spec: EngineSpec, profile: LatencyProfile) -> SchedulerLimi
         num_blocks=int(blocks),
         policy="priority" if kwargs.get("scheduling_policy") == "priority" else "fcfs",
         enable_prefix_caching=spec.model.enable_prefix_caching,
+        kv_load_steps=profile.handover_load_steps,
     )

@@ -48,6 +48,9 @@ class StepShape:
     decode_seqs: int = 0
     # Sum of the decode requests' context lengths (the KV they read).
     decode_context_tokens: int = 0
+    # PD: requests whose handed-over KV this step loads (a step with nothing else to
+    # compute still runs, for the connector alone).
+    kv_loads: int = 0
 
     @property
     def tokens(self) -> int:
@@ -96,6 +99,14 @@ class LatencyProfile(StrictModel):
         gt=0, description="PD: the KV link's rate between two engines (the host path's)."
     )
     handover_latency_s: float = Field(0.0, ge=0, description="PD: fixed cost of one hand-over.")
+    handover_load_steps: int = Field(
+        1,
+        ge=0,
+        description="PD: engine steps a decode engine spends loading a handed-over prompt's"
+        " KV before the step that computes its last token. vLLM hears of an asynchronous"
+        " load's end with a step's output and schedules the request in the step after: 1"
+        " for ours and NIXL's; 0 for a connector that loads within the computing step.",
+    )
     # vLLM's defaults on this device for an OpenAI server (EngineArgs'
     # _set_default_max_num_seqs_and_batched_tokens_args), and its KV block size.
     max_num_seqs: int = Field(256, gt=0)
@@ -125,7 +136,8 @@ class LatencyProfile(StrictModel):
 
     def step_seconds(self, step: StepShape) -> float:
         if step.tokens == 0:
-            return 0.0
+            # vLLM runs a step without a forward pass for the connector's loads alone.
+            return self.step_overhead_s if step.kv_loads else 0.0
         linear = max(self.weights_read_s, self.compute_per_token_s * step.tokens)
         return (
             self.step_overhead_s

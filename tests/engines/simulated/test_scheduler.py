@@ -129,13 +129,44 @@ def test_the_priority_policy_admits_the_most_urgent_first_and_preempts_the_least
 
 
 def test_handed_over_kv_waits_then_computes_only_the_last_prompt_token() -> None:
-    scheduler = _scheduler()
+    scheduler = _scheduler(kv_load_steps=0)
     request = _request("d", 20, out=2, kv_from_elsewhere=True, kv_ready=False)
     scheduler.add(request)
     assert scheduler.schedule() is None
     scheduler.kv_arrived("d")
     assert _run(scheduler) == [[("d", 1)], [("d", 1)]]
     assert request.cached_tokens == 19
+
+
+def test_handed_over_kv_is_loaded_in_a_step_before_the_one_that_computes() -> None:
+    """vLLM learns that an asynchronous load is done from a step's output: the request
+    computes in the step after, and an idle engine runs a step for the load alone."""
+    scheduler = _scheduler()  # one load step, as for ours and NIXL's connector
+    request = _request("d", 20, out=2, kv_from_elsewhere=True, kv_ready=False)
+    scheduler.add(request)
+    assert scheduler.schedule() is None  # its KV has not arrived: nothing to load yet
+    scheduler.kv_arrived("d")
+    load = scheduler.schedule()
+    assert load is not None and load.work == [] and load.loads == [request]
+    assert load.shape.kv_loads == 1 and load.shape.tokens == 0
+    scheduler.complete(load)
+    assert _run(scheduler) == [[("d", 1)], [("d", 1)]]
+
+
+def test_a_load_rides_along_a_busy_engines_step_and_holds_no_decode_run() -> None:
+    scheduler = _scheduler(kv_load_steps=2)
+    scheduler.add(_request("busy", 4, out=20))
+    scheduler.complete(scheduler.schedule())  # type: ignore[arg-type]  (its prompt)
+    scheduler.add(_request("d", 20, out=1, kv_from_elsewhere=True))
+    steps = []
+    for _ in range(3):
+        step = scheduler.schedule()
+        assert step is not None
+        # A step that loads is never stretched into a run of decodes.
+        assert scheduler.decode_run_length(step) == 1
+        steps.append(sorted(r.request_id for r, _ in step.work))
+        scheduler.complete(step)
+    assert steps == [["busy"], ["busy"], ["busy", "d"]]
 
 
 def test_an_aborted_request_gives_its_blocks_back() -> None:
