@@ -174,10 +174,10 @@ def handover_costs(
 ) -> list[PrefillSample]:
     """What a hand-over costs at each prompt length: a lone prefill through a PD
     application over the same prefill on one engine, less what a simulated decode engine
-    already charges beside the hand-over (its request overhead, and the step that
-    computes the prompt's last token again). Both prefills are less their serving
-    path's own cost, so that a second engine's hop through the router, which a served
-    simulation pays for real, is not counted twice."""
+    already charges beside the hand-over (its request overhead, its steps that load the
+    KV, and the step that computes the prompt's last token again). Both prefills are
+    less their serving path's own cost, so that a second engine's hop through the
+    router, which a served simulation pays for real, is not counted twice."""
     alone = {sample.prompt_tokens: sample.seconds for sample in engine_prefills}
     missing = sorted({sample.prompt_tokens for sample in pd_prefills} - set(alone))
     if missing:
@@ -186,7 +186,11 @@ def handover_costs(
     for sample in pd_prefills:
         tokens = sample.prompt_tokens
         last_token = StepShape(prefill_tokens=1, attention_pairs=tokens, prefill_seqs=1)
-        decode_side = profile.request_overhead_s + profile.step_seconds(last_token)
+        decode_side = (
+            profile.request_overhead_s
+            + profile.handover_load_steps * profile.step_seconds(StepShape(kv_loads=1))
+            + profile.step_seconds(last_token)
+        )
         costs.append(PrefillSample(tokens, sample.seconds - alone[tokens] - decode_side))
     return costs
 

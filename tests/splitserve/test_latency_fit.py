@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from splitserve.latency.fit import (
+    UNMEASURED_LINK_BYTES_PER_S,
     DecodeSample,
     PrefillSample,
-    UNMEASURED_LINK_BYTES_PER_S,
     StepFit,
     fit_handover,
     fit_steps,
@@ -119,7 +119,8 @@ def _through_pd(latency_s: float, seconds_per_token: float) -> list[PrefillSampl
     for sample in prefills:
         tokens = sample.prompt_tokens
         last = StepShape(prefill_tokens=1, attention_pairs=tokens, prefill_seqs=1)
-        decode_side = TRUE.request_overhead_s + TRUE.step_seconds(last)
+        load = TRUE.handover_load_steps * TRUE.step_seconds(StepShape(kv_loads=1))
+        decode_side = TRUE.request_overhead_s + load + TRUE.step_seconds(last)
         handover = latency_s + seconds_per_token * tokens
         samples.append(PrefillSample(tokens, sample.seconds + handover + decode_side))
     return samples
@@ -154,4 +155,3 @@ def test_a_handover_fit_needs_the_same_prompt_lengths_on_one_engine() -> None:
         handover_costs(prefills, [PrefillSample(2048, 0.5)], TRUE)
     with pytest.raises(ValueError, match="two or more prompt lengths"):
         fit_handover([PrefillSample(16, 0.003)])
-

@@ -85,7 +85,8 @@ def test_profile_fits_the_handover_from_prefills_through_a_pd_application(
     profile = LatencyProfile.model_validate(yaml.safe_load(out.read_text()))
     assert before.handover_latency_s == 0.0
     last_token = StepShape(prefill_tokens=1, attention_pairs=16, prefill_seqs=1)
-    decode_side = profile.request_overhead_s + profile.step_seconds(last_token)
+    load_step = profile.step_seconds(StepShape(kv_loads=1))
+    decode_side = profile.request_overhead_s + load_step + profile.step_seconds(last_token)
     assert profile.handover_latency_s == pytest.approx(0.040 - decode_side, abs=0.004)
     assert profile.step_overhead_s == before.step_overhead_s  # only the hand-over is fitted
     assert "hand-over fitted from lone prefills" in profile.source
