@@ -42,6 +42,7 @@ from deployments.launcher import config_path, simulated_config
 from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
 from engines.settings import EngineSpec
 from engines.simulated.host import count_prompt_sources, record_handover, simulated_stats
+from engines.simulated.link import HandoverLink
 from engines.simulated.scheduler import (
     ScheduledStep,
     SimRequest,
@@ -130,6 +131,7 @@ class VirtualEngine:
         self.client = client
         self.profile: LatencyProfile = engine_profile(spec)
         self._step_times = StepTimes(self.profile, spec.name)
+        self._link = HandoverLink(self.profile)
         self.limits = scheduler_limits(spec, self.profile)
         self.scheduler = SimScheduler(self.limits)
         self._queue = queue
@@ -150,8 +152,11 @@ class VirtualEngine:
         delay = self.profile.request_overhead_s
         self._queue.at(self._queue.now + delay, self._admit, request)
 
-    def kv_arrives(self, request_id: str, delay_s: float) -> None:
-        self._queue.at(self._queue.now + delay_s, self._kv_arrived, request_id)
+    def kv_arrives(self, request_id: str, tokens: int) -> None:
+        """A hand-over of ``tokens`` of KV for a request just submitted: it moves once the
+        front end has taken the request in, behind the link's earlier hand-overs."""
+        start = self._queue.now + self.profile.request_overhead_s
+        self._queue.at(self._link.arrival(start, tokens), self._kv_arrived, request_id)
 
     def _kv_arrived(self, request_id: str) -> None:
         self.scheduler.kv_arrived(request_id)
@@ -357,18 +362,7 @@ class OfflineCluster:
             if arrival.max_tokens <= 1:
                 self._closed(now)
                 return
-            decode = self.engines[main.name]
-            transfer = decode.profile.handover_seconds(len(arrival.prompt))
-            self._generate(
-                main,
-                arrival,
-                plan.prompt,
-                0,
-                outcome,
-                self._closed,
-                kv_in_s=transfer,
-                drop_first=True,
-            )
+            self._generate(main, arrival, plan.prompt, 0, outcome, self._closed, handed_over=True)
 
         self._generate(
             prefill, arrival, plan.prompt, plan.prefill_tokens, outcome, handed_over, prefill=True
@@ -383,8 +377,7 @@ class OfflineCluster:
         outcome: Outcome,
         on_end: Callable[[float], None],
         prefill: bool = False,
-        kv_in_s: float | None = None,
-        drop_first: bool = False,
+        handed_over: bool = False,
     ) -> None:
         """PooledEngine.generate's bookkeeping around one engine's part of a request."""
         engine = self.engines[replica.name]
@@ -402,8 +395,8 @@ class OfflineCluster:
             block_hashes=prompt.hashes(block_size),
             priority=ticket.priority,
             arrival=now,
-            kv_from_elsewhere=kv_in_s is not None,
-            kv_ready=kv_in_s is None,
+            kv_from_elsewhere=handed_over,
+            kv_ready=not handed_over,
         )
         last: list[float | None] = [None]
 
@@ -411,7 +404,8 @@ class OfflineCluster:
             previous = last[0]
             if previous is None:
                 state.finish_prefill(ticket, times[0], first_token=True)
-                outcome.token_times.extend(times[1:] if drop_first else times)
+                # A handed-over request's first token was the prefill engine's.
+                outcome.token_times.extend(times[1:] if handed_over else times)
             else:
                 outcome.token_times.extend(times)
             earlier = times[-2] if len(times) > 1 else previous
@@ -433,8 +427,8 @@ class OfflineCluster:
             self._closed(now)
             return
         engine.submit(request, on_tokens)
-        if kv_in_s is not None:
-            engine.kv_arrives(request.request_id, engine.profile.request_overhead_s + kv_in_s)
+        if handed_over:
+            engine.kv_arrives(request.request_id, len(arrival.prompt))
 
     def _closed(self, now: float) -> None:
         self._open -= 1

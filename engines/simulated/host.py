@@ -40,6 +40,7 @@ from engines.protocol import (
 )
 from engines.settings import CPU_BIND_ENV, EngineSpec
 from engines.simulated.cpu_spender import CpuSpender, bound_cores
+from engines.simulated.link import HandoverLink
 from engines.simulated.metrics import SimulatedEngineMetrics
 from engines.simulated.scheduler import (
     ScheduledStep,
@@ -80,6 +81,7 @@ class SimulatedEngineHost:
         self._step_times = StepTimes(self.profile, f"{spec.name}:{os.getpid()}")
         self.limits: SchedulerLimits = scheduler_limits(spec, self.profile)
         self._time_scale = spec.backend.time_scale
+        self._link = HandoverLink(self.profile, self._time_scale)
         # spend: cpu computes each step on the engine's cores instead of sleeping it.
         self._spender = (
             CpuSpender(bound_cores(spec.process_env.get(CPU_BIND_ENV)))
@@ -140,8 +142,8 @@ class SimulatedEngineHost:
         else:
             self._admit(sim)
         if handle is not None:
-            delay = overhead + self.profile.handover_seconds(int(handle)) * self._time_scale
-            loop.call_later(delay, self._kv_arrived, request.request_id)
+            arrived = self._link.arrival(loop.time() + overhead, int(handle))
+            loop.call_at(arrived, self._kv_arrived, request.request_id)
 
     def _admit(self, request: SimRequest) -> None:
         self._admissions.pop(request.request_id, None)

@@ -74,6 +74,18 @@ def test_pd_always_prefills_remotely_and_the_decode_waits_for_the_hand_over() ->
     assert decode.scheduler.prefix_queries == 0  # its prompts' KV arrived; none computed
 
 
+def test_a_burst_of_hand_overs_to_one_decode_engine_queues_on_its_link() -> None:
+    """Prompts that arrive together are prefilled together; their KV then crosses the
+    decode engine's link one prompt after another, not all at the link's full rate."""
+    arrivals = [dataclasses.replace(a, at=0.0) for a in _arrivals(8, rate=1.0, output=2)]
+    cluster = _run("pd_always", arrivals)
+    decode = cluster.engines["decode-0"]
+    moving = decode.profile.handover_seconds(1024) - decode.profile.handover_latency_s
+    seconds = sorted(o.token_times[1] - o.token_times[0] for o in cluster.outcomes)
+    # The last waits for the seven before it: far longer than a hand-over alone.
+    assert seconds[-1] - seconds[0] >= 6 * moving
+
+
 def test_the_hand_overs_reach_the_cost_meter_as_real_engines_report_them() -> None:
     cluster = _run("pd_always", _arrivals(20, rate=2.0, output=4))
     decode = cluster.engines["decode-0"]
@@ -103,9 +115,11 @@ def test_the_cost_policy_keeps_prompts_local_once_it_has_measured_a_slow_link(
         cluster = OfflineCluster(simulated_application(str(config), profile))
         cluster.run(arrivals)
         reasons[link] = Counter(outcome.prefill for outcome in cluster.outcomes)
-    # 2048 tokens of KV: about 26 ms over the shipped link, 2.6 s over the slow one.
+    # 2048 tokens of KV: about 26 ms over the shipped link, 2.6 s over the slow one. The
+    # meter hears of a hand-over at its first token, and over the slow link the first
+    # ones queue behind each other: prompts go remote until then (116 of 200 here).
     assert reasons["shipped"]["local:transfer_too_slow"] == 0
-    assert reasons["slow"]["local:transfer_too_slow"] > 0.5 * len(arrivals)
+    assert reasons["slow"]["local:transfer_too_slow"] > 0.3 * len(arrivals)
 
 
 def test_qos_refuses_what_would_break_the_ttft_objective() -> None:
