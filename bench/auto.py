@@ -285,7 +285,7 @@ def measure_rounds(
             base_url,
             args,
             workload=WorkloadConfig(name=RECORDED_WORKLOAD, trace_file=trace),
-            num_requests=len(read_record(trace).shapes),
+            num_requests=len(read_record(trace).sizes),
             seed=args.seed + index,
         )
         phases = _run(replay, target)
