@@ -169,6 +169,26 @@ def test_the_simulator_runs_in_the_repository_whatever_the_callers_folder(
     assert describe(SimulatedTarget("dp", "mine.yaml"))["shape"] == "dp"
 
 
+def test_the_phase_shifting_bench_runs_offline(tmp_path: Path) -> None:
+    """bench/auto.py --simulate, the README's "which shape" figures, at a size a test can
+    wait for: it reads loadgen's traffic records and the simulator's results."""
+    bench = config_path("dp").parents[1] / "bench" / "auto.py"
+    command = [
+        sys.executable, str(bench), "--simulate", PROFILE, "--engines", "2",
+        "--phase-s", "2", "--chat-rate", "10", "--summarize-rate", "5",
+        "--slo-ttft-ms", "250", "--slo-tpot-ms", "20", "--burst-requests", "0",
+        "--rounds", "1", "--only", "dp,pd", "--out", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    shapes = json.loads((tmp_path / "auto.json").read_text())["shapes"]
+    for shape in ("dp", "pd"):
+        (round_,) = shapes[shape]["rounds"]
+        phases = [phase["phase"] for phase in round_["phases"]]
+        assert phases == ["chat", "summarize", "chat"]
+        assert all(phase["requests"] > 0 for phase in round_["phases"])
+
+
 def test_advise_simulate_chooses_a_split_from_offline_cells(tmp_path: Path) -> None:
     advised = tmp_path / "advised.yaml"
     command = [
