@@ -18,16 +18,22 @@ from splitserve.latency.profile import LatencyProfile, StepShape
 ITL_MS = 8.0
 
 
-def test_profile_of_a_paced_server_fits_its_token_gap(tmp_path: Path) -> None:
-    out = tmp_path / "paced.yaml"
+def _profile_paced_server(out: Path, repeats: int) -> None:
+    """python -m loadgen profile against a fake server: TTFT 20 ms, ITL_MS a token."""
     config = FakeServerConfig(port=0, ttft_ms=20, itl_ms=ITL_MS, shape="fake")
     with fake_server_in_thread(config) as url:
         argv = [
             "--base-url", url, "--device", "paced", "--kv-bytes-per-token", "64",
             "--kv-capacity-tokens", "4096", "--prompt-lengths", "16,64",
-            "--batches", "1,2", "--contexts", "16", "--repeats", "1", "--out", str(out),
+            "--batches", "1,2", "--contexts", "16", "--repeats", str(repeats),
+            "--out", str(out),
         ]  # fmt: skip
         assert command_profile(argv, Console(quiet=True)) == 0
+
+
+def test_profile_of_a_paced_server_fits_its_token_gap(tmp_path: Path) -> None:
+    out = tmp_path / "paced.yaml"
+    _profile_paced_server(out, repeats=1)
     profile = yaml.safe_load(out.read_text())
     batch_one = profile["step_overhead_s"] + profile["weights_read_s"] + profile["per_sequence_s"]
     assert batch_one * 1e3 == pytest.approx(ITL_MS, rel=0.25)
@@ -63,15 +69,7 @@ def test_profile_fits_the_handover_from_prefills_through_a_pd_application(
     """A "PD application" whose first token comes 40 ms after the engine's: its
     hand-over is those 40 ms less what the simulated decode engine charges beside it."""
     engine_profile = tmp_path / "paced.yaml"
-    engine = FakeServerConfig(port=0, ttft_ms=20, itl_ms=ITL_MS, shape="fake")
-    with fake_server_in_thread(engine) as url:
-        argv = [
-            "--base-url", url, "--device", "paced", "--kv-bytes-per-token", "64",
-            "--kv-capacity-tokens", "4096", "--prompt-lengths", "16,64",
-            "--batches", "1,2", "--contexts", "16", "--repeats", "3",
-            "--out", str(engine_profile),
-        ]  # fmt: skip
-        assert command_profile(argv, Console(quiet=True)) == 0
+    _profile_paced_server(engine_profile, repeats=3)
     out = tmp_path / "paced-pd.yaml"
     pd = FakeServerConfig(port=0, ttft_ms=60, itl_ms=ITL_MS, shape="fake")
     with fake_server_in_thread(pd) as pd_url:
