@@ -191,6 +191,8 @@ class SimScheduler:
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self._by_id: dict[str, SimRequest] = {}
+        # Waiting requests whose handed-over KV has arrived and is being loaded.
+        self._loading: dict[str, SimRequest] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.preemptions = 0
@@ -218,17 +220,25 @@ class SimScheduler:
         self._by_id[request.request_id] = request
         if request.kv_from_elsewhere:
             request.load_steps_left = self.limits.kv_load_steps
+            if request.kv_ready:
+                self._start_loading(request)
         self.waiting.append(request)
 
     def kv_arrived(self, request_id: str) -> None:
         request = self._by_id.get(request_id)
         if request is not None:
             request.kv_ready = True
+            self._start_loading(request)
+
+    def _start_loading(self, request: SimRequest) -> None:
+        if request.load_steps_left > 0:
+            self._loading[request.request_id] = request
 
     def abort(self, request_id: str) -> SimRequest | None:
         request = self._by_id.pop(request_id, None)
         if request is None:
             return None
+        self._loading.pop(request_id, None)
         if request in self.running:
             self.running.remove(request)
         else:
@@ -259,7 +269,7 @@ class SimScheduler:
                 budget -= tokens
         if not preempted:
             budget = self._admit_waiting(budget, work)
-        loads = [r for r in self.waiting if r.kv_ready and r.load_steps_left > 0]
+        loads = list(self._loading.values())
         if not work and not loads:
             return None
         return ScheduledStep(work, self._shape(work, len(loads)), preempted, loads)
@@ -271,6 +281,8 @@ class SimScheduler:
         finished: list[SimRequest] = []
         for request in step.loads:
             request.load_steps_left -= 1
+            if request.load_steps_left <= 0:
+                self._loading.pop(request.request_id, None)
         for request, tokens in step.work:
             if request.request_id not in self._by_id:
                 continue  # aborted while the step ran

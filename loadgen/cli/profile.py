@@ -34,6 +34,8 @@ from loadgen.study.profiling import (
 from splitserve.latency.fit import PrefillSample, fit_handover, handover_costs
 from splitserve.latency.profile import load_profile, shipped_profiles
 
+HANDOVER_NOTE = "; hand-over fitted from lone prefills through a PD application"
+
 
 def build_profile_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -173,7 +175,13 @@ async def _profile(args: argparse.Namespace, console: Console) -> int:
 async def _fit_handover(args: argparse.Namespace, console: Console) -> int:
     """PROFILE again, its hand-over fitted from lone prefills through a PD application."""
     profile = load_profile(str(args.handover_of))
-    samples = json.loads(args.handover_of.with_suffix(".samples.json").read_text())
+    samples_path = args.handover_of.with_suffix(".samples.json")
+    if not samples_path.exists():
+        raise ValueError(
+            f"{samples_path} is missing: --handover-of needs the lone prefills that this"
+            " command saved beside the profile it fitted"
+        )
+    samples = json.loads(samples_path.read_text())
     engine = [PrefillSample(**sample) for sample in samples["prefill"]]
     base_url = args.base_url.rstrip("/")
     headers = request_headers()
@@ -191,8 +199,9 @@ async def _fit_handover(args: argparse.Namespace, console: Console) -> int:
         update={
             "handover_latency_s": fit.latency_s,
             "handover_bytes_per_s": fit.bytes_per_s(profile.kv_bytes_per_token),
-            "source": f"{profile.source}; hand-over fitted from lone prefills through a PD"
-            f" application ({datetime.now():%Y-%m-%d}) over the same on one engine",
+            # A profile fitted again keeps one note of its hand-over, the latest.
+            "source": f"{profile.source.split(HANDOVER_NOTE)[0]}{HANDOVER_NOTE}"
+            f" ({datetime.now():%Y-%m-%d}) over the same on one engine",
         }
     )
     out = args.out or args.handover_of

@@ -13,7 +13,7 @@ from rich.console import Console
 from loadgen.cli.profile import command_profile
 from loadgen.client.fake_server import FakeServerConfig, fake_server_in_thread
 from loadgen.study.profiling import SPREAD_POINTS, gap_percentiles, spread_quantiles
-from splitserve.latency.profile import LatencyProfile, StepShape
+from splitserve.latency.profile import LatencyProfile, StepShape, load_profile
 
 ITL_MS = 8.0
 
@@ -72,13 +72,13 @@ def test_profile_fits_the_handover_from_prefills_through_a_pd_application(
     _profile_paced_server(engine_profile, repeats=3)
     out = tmp_path / "paced-pd.yaml"
     pd = FakeServerConfig(port=0, ttft_ms=60, itl_ms=ITL_MS, shape="fake")
+    baseline = _zero_path(tmp_path / "pd-path.json", (16, 64))
     with fake_server_in_thread(pd) as pd_url:
-        argv = [
-            "--base-url", pd_url, "--handover-of", str(engine_profile), "--repeats", "3",
-            "--baseline-samples", str(_zero_path(tmp_path / "pd-path.json", (16, 64))),
-            "--out", str(out),
-        ]  # fmt: skip
+        common = ["--base-url", pd_url, "--repeats", "3", "--baseline-samples", str(baseline)]
+        argv = [*common, "--handover-of", str(engine_profile), "--out", str(out)]
         assert command_profile(argv, Console(quiet=True)) == 0
+        # Fitted again, in place: the profile keeps one note of its hand-over.
+        assert command_profile([*common, "--handover-of", str(out)], Console(quiet=True)) == 0
     before = LatencyProfile.model_validate(yaml.safe_load(engine_profile.read_text()))
     profile = LatencyProfile.model_validate(yaml.safe_load(out.read_text()))
     assert before.handover_latency_s == 0.0
@@ -87,7 +87,7 @@ def test_profile_fits_the_handover_from_prefills_through_a_pd_application(
     decode_side = profile.request_overhead_s + load_step + profile.step_seconds(last_token)
     assert profile.handover_latency_s == pytest.approx(0.040 - decode_side, abs=0.004)
     assert profile.step_overhead_s == before.step_overhead_s  # only the hand-over is fitted
-    assert "hand-over fitted from lone prefills" in profile.source
+    assert profile.source.count("hand-over fitted from lone prefills") == 1
     samples = json.loads(out.with_suffix(".samples.json").read_text())
     assert [cost["prompt_tokens"] for cost in samples["handover"]] == [16, 64]
     assert samples["decode"]  # the engine's own samples are kept beside them
@@ -96,4 +96,15 @@ def test_profile_fits_the_handover_from_prefills_through_a_pd_application(
 def test_profile_refuses_a_handover_fit_without_the_pd_baseline(tmp_path: Path) -> None:
     argv = ["--handover-of", str(tmp_path / "any.yaml"), "--base-url", "http://127.0.0.1:9"]
     with pytest.raises(ValueError, match="--baseline-samples"):
+        command_profile(argv, Console(quiet=True))
+
+
+def test_profile_refuses_a_handover_fit_of_a_profile_without_its_samples(
+    tmp_path: Path,
+) -> None:
+    shipped = tmp_path / "shipped.yaml"
+    load_profile("h100-llama-3.1-8b-tp1-pp1").save(shipped)
+    baseline = _zero_path(tmp_path / "pd-path.json", (16,))
+    argv = ["--handover-of", str(shipped), "--baseline-samples", str(baseline)]
+    with pytest.raises(ValueError, match=r"shipped\.samples\.json is missing"):
         command_profile(argv, Console(quiet=True))
