@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,10 +53,10 @@ from deployments.launcher import (
     serve_run,
     simulated_config,
 )
-from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.config import CUSTOM_WORKLOAD, RunConfig, WorkloadConfig
 from loadgen.scheduling.runner import RunResult, execute_run
 from loadgen.study.simulate import SimulatedTarget, simulate_run
-from splitserve.latency.profile import LatencyProfile
+from splitserve.latency.profile import LatencyProfile, load_profile
 
 console = Console()
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "output_tok_s")
@@ -141,11 +142,12 @@ def fit_config(out: Path, cores: int) -> Path:
     return path
 
 
-def fit_profile(out: Path, cores: int, handover: bool) -> Path:
+def fit_profile(out: Path, cores: int, handover: bool, spend: str) -> Path:
     """Fit the CPU engine's profile on ``fit_config`` (its own grid, not the runs below),
     less what single.yaml's router costs alone (measured on zero-time engines); with
     ``handover``, its PD hand-over too, from lone prefills through pd_always.yaml (less
-    that application's own path, also measured on zero-time engines)."""
+    that application's own path, also measured on zero-time engines), and with ``spend``
+    cpu the host CPU a hand-over costs (``fit_handover_cpu``)."""
     baseline = out / "path-alone.yaml"
     zero = str(zero_profile(out))
     _profile_run(simulated_config(config_path("single"), zero), baseline)
@@ -154,6 +156,8 @@ def fit_profile(out: Path, cores: int, handover: bool) -> Path:
     _profile_run(fit_config(out, cores), path, *extra)
     if handover:
         fit_handover(out, path)
+        if spend == "cpu":
+            fit_handover_cpu(path, spend)
     return path
 
 
@@ -168,6 +172,65 @@ def fit_handover(out: Path, profile: Path) -> None:
         command = [sys.executable, "-m", "loadgen", "profile", "--base-url", app.base_url]
         command += ["--handover-of", str(profile), "--baseline-samples", baseline_samples]
         subprocess.run([*command, "--repeats", "5"], check=True, cwd=REPO_ROOT)
+
+
+# The burst a hand-over's host CPU is measured on: short prompts, a token or two each, all
+# at once, so that hand-overs (not decodes) make most of the work.
+HANDOVER_BURST = {"requests": 48, "input_len": 256, "output_len": 2, "repeats": 3}
+
+
+def box_cpu_seconds() -> float:
+    """CPU time every process on this box has spent since it started (/proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq = (
+        int(field) for field in Path("/proc/stat").read_text().split()[1:8]
+    )
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(app: RunningApp, seed: int) -> float:
+    """The box's CPU seconds per request over bursts of HANDOVER_BURST."""
+    spent = []
+    for repeat in range(HANDOVER_BURST["repeats"]):
+        run = RunConfig(
+            base_url=app.base_url,
+            workload=WorkloadConfig(
+                name=CUSTOM_WORKLOAD,
+                input_len=HANDOVER_BURST["input_len"],
+                output_len=HANDOVER_BURST["output_len"],
+            ),
+            qps=float("inf"),
+            num_requests=HANDOVER_BURST["requests"],
+            seed=seed + repeat,  # fresh prompts: none found in the prefix cache
+            show_progress=False,
+        )
+        before = box_cpu_seconds()
+        with niced_like_ray_workers():
+            asyncio.run(execute_run(run, Console(quiet=True)))
+        spent.append((box_cpu_seconds() - before) / HANDOVER_BURST["requests"])
+    return statistics.median(spent)
+
+
+def fit_handover_cpu(profile: Path, spend: str) -> None:
+    """Set ``profile``'s handover_cpu_s: the box's CPU per request through pd_always over
+    dp on real engines, less the same on simulated ones (whose steps the profile already
+    spends, and whose router pays the second hop for real)."""
+    per_request = {}
+    for kind in ("real", "simulated"):
+        for config in ("dp", "pd_always"):
+            with served(config, kind, {SIMULATED: profile}, spend) as app:
+                per_request[(kind, config)] = cpu_per_request(app, seed=1000)
+    real = per_request[("real", "pd_always")] - per_request[("real", "dp")]
+    simulated = per_request[("simulated", "pd_always")] - per_request[("simulated", "dp")]
+    fitted = load_profile(str(profile)).model_copy(
+        update={"handover_cpu_s": max(0.0, real - simulated)}
+    )
+    fitted.save(profile)
+    console.print(
+        "CPU s a request, pd_always over dp: real "
+        + f"{real * 1e3:.2f} ms, simulated {simulated * 1e3:.2f} ms;"
+        + f" handover_cpu_s {fitted.handover_cpu_s * 1e3:.2f} ms"
+        + f" ({', '.join(f'{k[0]} {k[1]} {v * 1e3:.2f}' for k, v in per_request.items())})"
+    )
 
 
 def _profile_run(config: Path, out: Path, *extra: str) -> None:
@@ -386,7 +449,7 @@ def print_table(rows: list[dict[str, Any]], simulated: str = SIMULATED) -> list[
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     handover = any(config in PD_CONFIGS for config in args.configs)
-    profile = args.profile or fit_profile(args.out, args.fit_cores, handover)
+    profile = args.profile or fit_profile(args.out, args.fit_cores, handover, args.spend)
     console.print(f"profile: {profile}")
     if args.offline_only:
         # The served rows of an earlier run, the offline ones computed again.

@@ -88,6 +88,14 @@ class SimulatedEngineHost:
             if spec.backend.spend == "cpu"
             else None
         )
+        # The host's own work for each hand-over, beside the steps (a thread of its own
+        # in the real path: puts, gets and the directory's messages float on any core).
+        self._handover_spender = (
+            CpuSpender(None)
+            if spec.backend.spend == "cpu" and self.profile.handover_cpu_s > 0
+            else None
+        )
+        self._handover_work: set[asyncio.Task[None]] = set()
         self._max_model_len = spec.model.max_model_len or self.profile.max_model_len
         self._scheduler = SimScheduler(self.limits)
         self._clients: dict[str, _Client] = {}
@@ -143,12 +151,26 @@ class SimulatedEngineHost:
             self._admit(sim)
         if handle is not None:
             arrived = self._link.arrival(loop.time() + overhead, int(handle))
-            loop.call_at(arrived, self._kv_arrived, request.request_id)
+            loop.call_at(arrived, self._kv_crossed, request.request_id)
 
     def _admit(self, request: SimRequest) -> None:
         self._admissions.pop(request.request_id, None)
         self._scheduler.add(request)
         self._work.set()
+
+    def _kv_crossed(self, request_id: str) -> None:
+        """The KV has crossed the link; with spend: cpu the host then does its part."""
+        if self._handover_spender is None:
+            self._kv_arrived(request_id)
+            return
+        task = asyncio.get_running_loop().create_task(self._host_handover(request_id))
+        self._handover_work.add(task)
+        task.add_done_callback(self._handover_work.discard)
+
+    async def _host_handover(self, request_id: str) -> None:
+        assert self._handover_spender is not None
+        await self._handover_spender.spend(self.profile.handover_cpu_s * self._time_scale)
+        self._kv_arrived(request_id)
 
     def _kv_arrived(self, request_id: str) -> None:
         self._scheduler.kv_arrived(request_id)
@@ -211,6 +233,10 @@ class SimulatedEngineHost:
             self._stepper.cancel()
         if self._spender is not None:
             self._spender.close()
+        for task in self._handover_work:
+            task.cancel()
+        if self._handover_spender is not None:
+            self._handover_spender.close()
 
     async def _step_forever(self) -> None:
         loop = asyncio.get_running_loop()

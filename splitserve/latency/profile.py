@@ -107,6 +107,15 @@ class LatencyProfile(StrictModel):
         " load's end with a step's output and schedules the request in the step after: 1"
         " for ours and NIXL's; 0 for a connector that loads within the computing step.",
     )
+    handover_cpu_s: float = Field(
+        0.0,
+        ge=0,
+        description="PD, engine.spend: cpu only: the host CPU one hand-over costs (the"
+        " prefill engine's put, the decode engine's get, the KV directory's messages),"
+        " computed once the KV has crossed the link, one hand-over at a time, on any core:"
+        " where the engines share their cores with the host, it slows them as the real"
+        " path does. Offline and with spend: wall it costs nothing.",
+    )
     # vLLM's defaults on this device for an OpenAI server (EngineArgs'
     # _set_default_max_num_seqs_and_batched_tokens_args), and its KV block size.
     max_num_seqs: int = Field(256, gt=0)

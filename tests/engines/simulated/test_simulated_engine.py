@@ -150,6 +150,34 @@ async def test_pd_decode_waits_for_the_hand_over_of_the_prompts_kv(tmp_path: Pat
     assert elapsed >= 0.2 + 3 * STEP_S
 
 
+async def test_spend_cpu_computes_a_hand_overs_host_work_before_the_kv_is_in(
+    tmp_path: Path,
+) -> None:
+    """With engine.spend: cpu the profile's handover_cpu_s is CPU time of a child of the
+    decode engine's host, after the link and before the request may compute."""
+    engine = {"backend": "simulated", "spend": "cpu"}
+    engine["profile"] = _profile(tmp_path, handover_cpu_s=0.1)
+    async with (
+        in_process_router(
+            shape="pd",
+            pools=[{"role": "prefill"}, {"role": "decode"}],
+            engine=engine,
+            prefill_policy={"name": "always"},
+        ) as router,
+        http_client(router) as client,
+    ):
+        await ready(client, timeout_s=20)
+        decode = only_model(router).pool.get("decode-0").link._host
+        elapsed, _ = await _complete(client, max_tokens=3)
+        pid = decode._handover_spender.pid
+        assert pid is not None
+        spent = cpu_seconds(pid)
+    assert spent >= 0.1 - 2 / TICKS_PER_S
+    # The link's 0.2 s, then the host's 0.1 s, then the load and the decode steps.
+    assert elapsed >= 0.2 + 0.1 + 3 * STEP_S
+    await until(lambda: not alive(pid), timeout_s=5)
+
+
 async def test_a_hand_over_reaches_the_routers_cost_meter_as_a_real_engines_does(
     tmp_path: Path,
 ) -> None:
