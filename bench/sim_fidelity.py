@@ -12,7 +12,8 @@ profile was fitted on.
         [--workloads general,prefill-heavy,decode-heavy,T-general] [--rates 1,2,4]
         [--trace burstgpt-synthetic|burstgpt]
         [--rounds 2] [--num-requests 40] [--profile FILE | --fit-cores 1]
-        [--profile-b FILE] [--spend wall|cpu] [--out results/sim_fidelity] [--tables-only]
+        [--profile-b FILE | --fit-handover-cpu] [--spend wall|cpu]
+        [--out results/sim_fidelity] [--tables-only]
 
 The profile fits one engine: on both cores for single.yaml, on one (``--fit-cores 1``)
 for the configs that pin each engine to a core of its own. A simulated engine that
@@ -450,6 +451,11 @@ def print_table(rows: list[dict[str, Any]], simulated: str = SIMULATED) -> list[
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     handover = any(config in PD_CONFIGS for config in args.configs)
     profile = args.profile or fit_profile(args.out, args.fit_cores, handover, args.spend)
+    if args.fit_handover_cpu:
+        # The same profile with and without the host's share, against the same real runs.
+        args.profile_b = args.out / f"{profile.stem}-host-cpu.yaml"
+        load_profile(str(profile)).save(args.profile_b)
+        fit_handover_cpu(args.profile_b, "cpu")
     console.print(f"profile: {profile}")
     if args.offline_only:
         # The served rows of an earlier run, the offline ones computed again.
@@ -496,6 +502,12 @@ def main() -> None:
         type=Path,
         help="a second profile, served in the same rounds (kind simulated_b): an A/B of two"
         " profiles against the same real runs",
+    )
+    parser.add_argument(
+        "--fit-handover-cpu",
+        action="store_true",
+        help="measure the host CPU a hand-over costs (fit_handover_cpu) on a copy of"
+        " --profile in --out, and serve that copy as --profile-b",
     )
     parser.add_argument(
         "--fit-cores",
