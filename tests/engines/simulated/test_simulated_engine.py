@@ -54,6 +54,13 @@ def _engine(tmp_path: Path) -> dict[str, Any]:
     return {"backend": "simulated", "profile": _profile(tmp_path)}
 
 
+def _pd_always(engine: dict[str, Any], **fields: Any) -> Any:
+    """A router over one prefill and one decode engine, every prompt handed over."""
+    pools = [{"role": "prefill"}, {"role": "decode"}]
+    split = {"name": "always"}
+    return in_process_router(shape="pd", pools=pools, engine=engine, prefill_policy=split, **fields)
+
+
 async def _complete(client: Any, max_tokens: int = 5, **fields: Any) -> tuple[float, Any]:
     body = {"model": EMBEDDED_MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, **fields}
     started = asyncio.get_running_loop().time()
@@ -157,15 +164,7 @@ async def test_spend_cpu_computes_a_hand_overs_host_work_before_the_kv_is_in(
     decode engine's host, after the link and before the request may compute."""
     engine = {"backend": "simulated", "spend": "cpu"}
     engine["profile"] = _profile(tmp_path, handover_cpu_s=0.1)
-    async with (
-        in_process_router(
-            shape="pd",
-            pools=[{"role": "prefill"}, {"role": "decode"}],
-            engine=engine,
-            prefill_policy={"name": "always"},
-        ) as router,
-        http_client(router) as client,
-    ):
+    async with _pd_always(engine) as router, http_client(router) as client:
         await ready(client, timeout_s=20)
         decode = only_model(router).pool.get("decode-0").link._host
         elapsed, _ = await _complete(client, max_tokens=3)
@@ -184,14 +183,9 @@ async def test_a_hand_over_reaches_the_routers_cost_meter_as_a_real_engines_does
     """The decode engine counts each hand-over's bytes and link time where a vLLM
     engine's connector would, and the router's cost policy learns the link from them."""
     engine = _engine(tmp_path)
+    router_settings = {"stats_interval_s": 0.05, "kv_metrics_interval_s": 0.1}
     async with (
-        in_process_router(
-            shape="pd",
-            pools=[{"role": "prefill"}, {"role": "decode"}],
-            engine=engine,
-            prefill_policy={"name": "always"},
-            router={"stats_interval_s": 0.05, "kv_metrics_interval_s": 0.1},
-        ) as router,
+        _pd_always(engine, router=router_settings) as router,
         http_client(router) as client,
     ):
         await ready(client, timeout_s=20)
