@@ -158,7 +158,7 @@ def fit_profile(out: Path, cores: int, handover: bool, spend: str) -> Path:
     if handover:
         fit_handover(out, path)
         if spend == "cpu":
-            fit_handover_cpu(path, spend)
+            fit_handover_cpu(path)
     return path
 
 
@@ -211,14 +211,14 @@ def cpu_per_request(app: RunningApp, seed: int) -> float:
     return statistics.median(spent)
 
 
-def fit_handover_cpu(profile: Path, spend: str) -> None:
+def fit_handover_cpu(profile: Path) -> None:
     """Set ``profile``'s handover_cpu_s: the box's CPU per request through pd_always over
-    dp on real engines, less the same on simulated ones (whose steps the profile already
-    spends, and whose router pays the second hop for real)."""
+    dp on real engines, less the same on simulated ones that spend their steps as CPU
+    (so the steps cancel, and their router pays the second hop for real)."""
     per_request = {}
     for kind in ("real", "simulated"):
         for config in ("dp", "pd_always"):
-            with served(config, kind, {SIMULATED: profile}, spend) as app:
+            with served(config, kind, {SIMULATED: profile}, "cpu") as app:
                 per_request[(kind, config)] = cpu_per_request(app, seed=1000)
     real = per_request[("real", "pd_always")] - per_request[("real", "dp")]
     simulated = per_request[("simulated", "pd_always")] - per_request[("simulated", "dp")]
@@ -455,7 +455,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # The same profile with and without the host's share, against the same real runs.
         args.profile_b = args.out / f"{profile.stem}-host-cpu.yaml"
         load_profile(str(profile)).save(args.profile_b)
-        fit_handover_cpu(args.profile_b, "cpu")
+        fit_handover_cpu(args.profile_b)
     console.print(f"profile: {profile}")
     if args.offline_only:
         # The served rows of an earlier run, the offline ones computed again.
