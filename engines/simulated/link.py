@@ -16,14 +16,13 @@ class HandoverLink:
     caller's, in real or virtual seconds)."""
 
     def __init__(self, profile: LatencyProfile, time_scale: float = 1.0) -> None:
-        self._seconds_per_token = profile.kv_bytes_per_token / profile.handover_bytes_per_s
-        self._latency_s = profile.handover_latency_s
+        self._profile = profile
         self._time_scale = time_scale
         self._free_at = float("-inf")
 
     def arrival(self, start: float, tokens: int) -> float:
         """The end of a hand-over of ``tokens`` of KV that is ready to move at ``start``,
         behind every hand-over already on the link."""
-        bytes_done = max(start, self._free_at) + tokens * self._seconds_per_token * self._time_scale
-        self._free_at = bytes_done
-        return bytes_done + self._latency_s * self._time_scale
+        moving_s = self._profile.handover_bytes_seconds(tokens) * self._time_scale
+        self._free_at = max(start, self._free_at) + moving_s
+        return self._free_at + self._profile.handover_latency_s * self._time_scale

@@ -16,12 +16,14 @@ hits. The server's KV capacity comes from vLLM's ``vllm:cache_config_info`` wher
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,11 +140,19 @@ class Measurements:
     gap_ratios: list[float]
 
 
+@contextlib.asynccontextmanager
+async def _warm_session(
+    target: ProfileTarget, rng: random.Random
+) -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session whose first request has warmed the server up."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _stream_times(session, target, _prompt(32, rng), 4)
+        yield session
+
+
 async def measure(target: ProfileTarget, grid: ProfileGrid, seed: int = 0) -> Measurements:
     rng = random.Random(seed)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        await _stream_times(session, target, _prompt(32, rng), 4)  # warm the server up
+    async with _warm_session(target, rng) as session:
         prefills = await _prefills(session, target, grid, rng)
         decodes, ratios = [], []
         for context in grid.contexts:
@@ -169,8 +179,7 @@ async def measure_prefills(
 ) -> list[PrefillSample]:
     """Lone prefills alone: through a PD application, they carry a hand-over each."""
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await _stream_times(session, target, _prompt(32, rng), 4)  # warm the server up
+    async with _warm_session(target, rng) as session:
         return await _prefills(session, target, grid, rng)
 
 

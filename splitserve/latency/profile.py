@@ -171,10 +171,13 @@ class LatencyProfile(StrictModel):
         return [(i + 1) * first + growth * i * (i + 1) / 2 for i in range(steps)]
 
     def handover_seconds(self, tokens: int) -> float:
-        """Moving ``tokens`` of KV from a prefill engine to a decode engine."""
-        return (
-            self.handover_latency_s + tokens * self.kv_bytes_per_token / self.handover_bytes_per_s
-        )
+        """Moving ``tokens`` of KV from a prefill engine to a decode engine, alone."""
+        return self.handover_latency_s + self.handover_bytes_seconds(tokens)
+
+    def handover_bytes_seconds(self, tokens: int) -> float:
+        """The part of a hand-over its link carries: ``tokens`` of KV at the link's rate
+        (what hand-overs to one engine queue for; their latencies overlap)."""
+        return tokens * self.kv_bytes_per_token / self.handover_bytes_per_s
 
     def save(self, path: Path) -> None:
         path.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))

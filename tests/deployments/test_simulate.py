@@ -80,7 +80,7 @@ def test_a_burst_of_hand_overs_to_one_decode_engine_queues_on_its_link() -> None
     arrivals = [dataclasses.replace(a, at=0.0) for a in _arrivals(8, rate=1.0, output=2)]
     cluster = _run("pd_always", arrivals)
     decode = cluster.engines["decode-0"]
-    moving = decode.profile.handover_seconds(1024) - decode.profile.handover_latency_s
+    moving = decode.profile.handover_bytes_seconds(1024)
     seconds = sorted(o.token_times[1] - o.token_times[0] for o in cluster.outcomes)
     # The last waits for the seven before it: far longer than a hand-over alone.
     assert seconds[-1] - seconds[0] >= 6 * moving
