@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 INPUT_LEN, OUTPUT_LEN = 256, 32
 RATE = 0.75  # per client; a request takes ~0.2 s, so most meet an idle engine
@@ -265,8 +266,8 @@ def _pin(pids: set[int], cores: set[int]) -> dict[int, set[int]]:
     """Every thread of ``pids`` onto ``cores``; returns each thread's mask before."""
     before = {}
     for pid in pids:
-        with contextlib.suppress(OSError):  # the process or thread has just ended
-            for task in (int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir()):
+        with contextlib.suppress(OSError, psutil.Error):  # the process or thread has just ended
+            for task in (thread.id for thread in psutil.Process(pid).threads()):
                 with contextlib.suppress(OSError):
                     before[task] = os.sched_getaffinity(task)
                     os.sched_setaffinity(task, cores)

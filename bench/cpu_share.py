@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from rich.console import Console
 from rich.table import Table
@@ -36,7 +37,6 @@ from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.scheduling.runner import execute_run
 
 console = Console(width=140)
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 # (what a process is, a test on its name and command line), first match wins.
 KINDS: list[tuple[str, Any]] = [
     ("vLLM worker (compute, bound)", lambda name, cmd: name.startswith("VLLM::Worker")),
@@ -52,19 +52,14 @@ OTHER = "Ray and the rest"
 def cpu_by_process() -> dict[int, tuple[str, float]]:
     """Every process's kind and CPU seconds so far."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
+    for process in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+        name, cmdline, times = (process.info[k] for k in ("name", "cmdline", "cpu_times"))
+        if name is None or cmdline is None or times is None:
             continue  # it ended meanwhile
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        command = f"{entry}:" if int(entry) == os.getpid() else raw.replace(b"\0", b" ").decode()
+        pid = process.pid
+        command = f"{pid}:" if pid == os.getpid() else " ".join(cmdline)
         kind = next((k for k, test in KINDS if test(name, command)), OTHER)
-        found[int(entry)] = (kind, (int(fields[11]) + int(fields[12])) / TICKS_PER_S)
+        found[pid] = (kind, times.user + times.system)
     return found
 
 

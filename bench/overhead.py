@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from rich.console import Console
@@ -81,17 +82,15 @@ PROCESS_ROLES = {
 
 def cpu_seconds_by_role() -> dict[str, float]:
     """CPU seconds so far of each serving process, summed by role."""
-    ticks = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            role = next((r for m, r in PROCESS_ROLES.items() if cmdline.startswith(m)), None)
-            if role is None or not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    for process in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmdline, times = process.info["cmdline"], process.info["cpu_times"]
+        if cmdline is None or times is None:
+            continue  # it ended meanwhile
+        command = " ".join(cmdline)
+        role = next((r for m, r in PROCESS_ROLES.items() if command.startswith(m)), None)
+        if role is not None:
+            totals[role] = totals.get(role, 0.0) + times.user + times.system
     return totals
 
 

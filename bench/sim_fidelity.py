@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from rich.console import Console
@@ -181,11 +181,9 @@ HANDOVER_BURST = {"requests": 48, "input_len": 256, "output_len": 2, "repeats": 
 
 
 def box_cpu_seconds() -> float:
-    """CPU time every process on this box has spent since it started (/proc/stat)."""
-    user, nice, system, _idle, _iowait, irq, softirq = (
-        int(field) for field in Path("/proc/stat").read_text().split()[1:8]
-    )
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    """CPU time every process on this box has spent since it started."""
+    times = psutil.cpu_times()
+    return float(times.user + times.nice + times.system + times.irq + times.softirq)
 
 
 def cpu_per_request(app: RunningApp, seed: int) -> float:

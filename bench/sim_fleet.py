@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from rich.console import Console
@@ -45,6 +46,7 @@ from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.scheduling.runner import execute_run
 from splitserve.processes import command_lines
 
+MIB = 1024**2
 console = Console(width=160)
 PROFILE = "h100-llama-3.1-8b"
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 128
@@ -110,14 +112,11 @@ def requests_by_engine(url: str) -> dict[str, float]:
 
 def _rollup_mib(pid: int) -> dict[str, float]:
     """Proportional and private memory of a process (shared libraries split by PSS)."""
-    fields: dict[str, float] = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        key, value, *_ = line.split()
-        fields[key.rstrip(":")] = int(value) / 1024
+    memory = psutil.Process(pid).memory_full_info()
     return {
-        "pss": fields["Pss"],
-        "private": fields["Private_Clean"] + fields["Private_Dirty"],
-        "rss": fields["Rss"],
+        "pss": memory.pss / MIB,
+        "private": memory.uss / MIB,
+        "rss": memory.rss / MIB,
     }
 
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from pool_scaling import EngineCounter
@@ -95,13 +97,8 @@ def _engine_memory() -> tuple[int, float]:
     sizes = []
     for pid, line in command_lines().items():
         if line.startswith(prefix) and "Router" not in line:
-            try:
-                status = Path(f"/proc/{pid}/status").read_text()
-            except OSError:
-                continue
-            rss = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
-            if rss:
-                sizes.append(int(rss.split()[1]) / 1024)
+            with contextlib.suppress(psutil.Error):  # it ended meanwhile
+                sizes.append(psutil.Process(pid).memory_info().rss / 1024**2)
     return len(sizes), statistics.mean(sizes) if sizes else 0.0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 LOG_TAIL_LINES = 40
 POLL_FIRST_S = 0.2  # then doubling up to POLL_MAX_S: quick servers are found quickly
@@ -226,34 +227,31 @@ def running_process(
             )
 
 
-ProcessId = tuple[int, int]  # (pid, start time in clock ticks): immune to pid reuse
+# (pid, creation time): a process, immune to pid reuse.
+ProcessId = tuple[int, float]
 
 
 def descendants(root: int) -> set[ProcessId]:
-    """Every process below ``root`` right now, however deep."""
-    children: dict[int, list[ProcessId]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
-            parent, started = stat
-            children.setdefault(parent, []).append((int(entry.name), started))
-    found: set[ProcessId] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child[0])
+    """Every process below ``root`` right now, however deep (zombies left out)."""
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return set()
+    found = set()
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.add((child.pid, child.create_time()))
     return found
 
 
 def command_lines() -> dict[int, str]:
     """Every process's command line, arguments joined by spaces."""
     lines = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                raw = (entry / "cmdline").read_bytes()
-                lines[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace")
+    for process in psutil.process_iter(["cmdline"]):
+        # psutil leaves a field it could not read as None (a process gone meanwhile).
+        if (argv := process.info["cmdline"]) is not None:
+            lines[process.pid] = " ".join(argv)
     return lines
 
 
@@ -261,11 +259,12 @@ def pids_with_env_entry(matches: Callable[[bytes], bool]) -> set[int]:
     """Processes with an environment entry (``NAME=value``, as bytes) that ``matches``:
     how a marker variable finds every process that inherited it, orphans included."""
     pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if any(map(matches, (entry / "environ").read_bytes().split(b"\0"))):
-                    pids.add(int(entry.name))
+    for process in psutil.process_iter(["environ"]):
+        environ = process.info["environ"]
+        if environ and any(
+            matches(f"{k}={v}".encode(errors="surrogateescape")) for k, v in environ.items()
+        ):
+            pids.add(process.pid)
     return pids
 
 
@@ -279,21 +278,14 @@ def wait_gone(processes: set[ProcessId], timeout_s: float) -> set[ProcessId]:
     return alive
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time) from /proc/PID/stat; None if it is gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    if fields[0] == "Z":
-        return None
-    return int(fields[1]), int(fields[19])
-
-
 def _alive(process: ProcessId) -> bool:
-    stat = _stat(process[0])
-    return stat is not None and stat[1] == process[1]
+    """The same process still runs (not a zombie nobody reaped, not a reused pid)."""
+    pid, created = process
+    try:
+        found = psutil.Process(pid)
+        return found.create_time() == created and found.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

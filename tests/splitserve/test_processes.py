@@ -1,7 +1,9 @@
-"""splitserve/processes.py: a server that ignores its stop signal is killed, and says so."""
+"""splitserve/processes.py: a server that ignores its stop signal is killed, and says so;
+the processes a server started are found however deep, and by a variable they inherited."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,8 +15,12 @@ from splitserve.processes import (
     SERVE_DEPLOY_FAILED,
     ChildSettings,
     LaunchError,
+    command_lines,
+    descendants,
+    pids_with_env_entry,
     start_process,
     stop_process,
+    wait_gone,
     wait_until_ready,
 )
 
@@ -87,3 +93,21 @@ def test_a_server_whose_log_says_it_will_never_be_ready_fails_at_once(tmp_path: 
         assert process.poll() is None  # it said so; it did not exit
     finally:
         stop_process(process, timeout_s=10.0)
+
+
+def test_descendants_however_deep_found_by_what_they_inherited_and_waited_out() -> None:
+    marker = f"SPLITSERVE_PROCESS_TEST={os.getpid()}"
+    # A shell that starts a shell that starts a sleep: two levels below the root.
+    source = "sleep 30 & sh -c 'sleep 30 & echo ready; wait' & wait"
+    env = dict(os.environ, SPLITSERVE_PROCESS_TEST=str(os.getpid()))
+    root = subprocess.Popen(["sh", "-c", source], env=env, stdout=subprocess.PIPE)
+    try:
+        assert root.stdout is not None and root.stdout.readline() == b"ready\n"
+        below = descendants(root.pid)
+        commands = command_lines()
+        assert len([pid for pid, _ in below if commands.get(pid, "").startswith("sleep")]) == 2
+        inherited = pids_with_env_entry(lambda entry: entry == marker.encode())
+        assert {pid for pid, _ in below} | {root.pid} <= inherited
+    finally:
+        stop_process(root, timeout_s=5, stop_signal=signal.SIGTERM)
+    assert wait_gone(below, timeout_s=5) == set()
