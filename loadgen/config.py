@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -15,15 +15,19 @@ from loadgen.data.burstgpt import BURSTGPT_URL, REPLAY_SUBSET, TRACE_SUBSETS
 from splitserve.config_base import StrictModel
 from splitserve.registry import Registry
 
+if TYPE_CHECKING:  # both modules import this one for its settings
+    from loadgen.data.workloads import WorkloadKind
+    from loadgen.scheduling.arrivals import RateArrivals
+
 # Workloads by name (loadgen/data/workloads.py registers the built-in ones: the study's
 # synthetic shapes, custom, mixed and the BurstGPT subsets) and arrival processes by
 # name (loadgen/scheduling/arrivals.py). A new one is a class and a register line there.
-WORKLOADS: Registry = Registry(
+WORKLOADS: Registry[WorkloadKind] = Registry(
     "workload",
     __name__,
     builtins=("loadgen.data.workloads", "loadgen.data.recorded", "loadgen.vllm_compat.datasets"),
 )
-ARRIVALS: Registry = Registry(
+ARRIVALS: Registry[type[RateArrivals]] = Registry(
     "arrival process", __name__, builtins=("loadgen.scheduling.arrivals",)
 )
 CUSTOM_WORKLOAD = "custom"

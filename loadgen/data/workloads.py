@@ -123,7 +123,7 @@ def plan_workload(
         max_model_len,
         seed,
     )
-    kind: WorkloadKind = WORKLOADS.get(config.name)
+    kind = WORKLOADS.get(config.name)
     return kind.plan(config, draws)
 
 

@@ -191,7 +191,7 @@ def make_arrivals(qps: float, process: str, seed: int, burstiness: float = 1.0) 
     default; gamma with shape ``burstiness``), inf is unlimited."""
     if math.isinf(qps):
         return UnlimitedArrivals()
-    factory: type[RateArrivals] = ARRIVALS.get(process)
+    factory = ARRIVALS.get(process)
     return factory.at_rate(qps, seed, burstiness)
 
 
