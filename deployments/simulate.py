@@ -3,8 +3,8 @@ virtual time, as fast as the machine computes it.
 
 The engines are the simulated backend's scheduler (engines/simulated/scheduler.py) on a
 latency profile's time; the router is the router's own decision-making: its
-``Dispatcher`` (replica choice, prefill policy, auto pool peers), ``AdmissionControl``
-(QoS), and one ``ReplicaState`` per engine, fed as the router feeds them (prefill tickets,
+``Dispatcher`` (engine choice, prefill policy, auto pool peers), ``AdmissionControl``
+(QoS), and one ``EngineState`` per engine, fed as the router feeds them (prefill tickets,
 first-token and step times, the engines' stats every ``router.stats_interval_s``, their
 KV events). Only HTTP, tokenization and the relay of tokens are left out: they cost the
 router, not the engines, and are the part a real-time run (deployments.serve --simulate)
@@ -55,10 +55,10 @@ from router.dispatch import Dispatcher, Plan
 from router.http.errors import REFUSAL_STATUS
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl
 from router.pool.engine_pool import EnginePool
-from router.pool.engine_state import TransferCostMeter, summed_transfer_totals, transferred_tokens
+from router.pool.engine_state import EngineState
 from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
-from router.pool.replica_state import ReplicaState
+from router.pool.stats_poller import TransferCostMeter, summed_transfer_totals, transferred_tokens
 from router.settings import IngressSettings, Priority
 from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes
 
@@ -256,7 +256,7 @@ class OfflineCluster:
         self.engines: dict[str, VirtualEngine] = {}
         for name, pool, index in engine_names(config):
             spec = engine_spec(config, name, pool, index)
-            client = PooledEngine(name, pool.role, _NoLink(), 1.0, self._replica_state())
+            client = PooledEngine(name, pool.role, _NoLink(), 1.0, self._engine_state())
             self.engines[name] = VirtualEngine(spec, client, self.queue)
         self.pool = EnginePool([engine.client for engine in self.engines.values()])
         self.kv = None
@@ -275,9 +275,9 @@ class OfflineCluster:
         self._calibrate()
         self._poll()
 
-    def _replica_state(self) -> ReplicaState:
+    def _engine_state(self) -> EngineState:
         qos, router = self.settings.qos, self.settings.router
-        return ReplicaState(
+        return EngineState(
             qos.ema_weight,
             qos.min_prefill_tokens_per_sample,
             kv_events_pending_s=router.kv_events_pending_s,
@@ -350,12 +350,12 @@ class OfflineCluster:
         self._start(plan, arrival, outcome)
 
     def _start(self, plan: Plan, arrival: Arrival, outcome: Outcome) -> None:
-        main = plan.main.replica
+        main = plan.main.engine
         main.state.record_prompt(plan.prompt)
         if plan.prefill is None:
             self._generate(main, arrival, plan.prompt, plan.prefill_tokens, outcome, self._closed)
             return
-        prefill = plan.prefill.replica
+        prefill = plan.prefill.engine
         prefill.state.record_prompt(plan.prompt)
 
         def handed_over(now: float) -> None:
@@ -370,7 +370,7 @@ class OfflineCluster:
 
     def _generate(
         self,
-        replica: PooledEngine,
+        pooled: PooledEngine,
         arrival: Arrival,
         prompt: PromptBlocks,
         prefill_tokens: int,
@@ -380,15 +380,15 @@ class OfflineCluster:
         handed_over: bool = False,
     ) -> None:
         """PooledEngine.generate's bookkeeping around one engine's part of a request."""
-        engine = self.engines[replica.name]
-        state = replica.state
+        engine = self.engines[pooled.name]
+        state = pooled.state
         now = self.queue.now
-        replica.in_flight += 1
+        pooled.state.in_flight += 1
         ticket = state.enqueue_prefill(prefill_tokens, now, self._engine_priority(arrival))
         state.enter_engine(ticket)
         block_size = engine.limits.block_size
         request = SimRequest(
-            f"{arrival.index}-{replica.name}",
+            f"{arrival.index}-{pooled.name}",
             prompt_tokens=len(arrival.prompt),
             max_tokens=1 if prefill else arrival.max_tokens,
             # The router's plan hashed the prompt already, once per block size.
@@ -415,13 +415,13 @@ class OfflineCluster:
             last[0] = times[-1]
             if done:
                 state.finish_prefill(ticket, times[-1], first_token=False)
-                replica.in_flight -= 1
+                pooled.state.in_flight -= 1
                 on_end(times[-1])
 
         try:
             engine.scheduler.check(request)
         except ValueError as error:
-            replica.in_flight -= 1
+            pooled.state.in_flight -= 1
             state.finish_prefill(ticket, now, first_token=False)
             outcome.status, outcome.outcome, outcome.error = 400, "error", str(error)
             self._closed(now)

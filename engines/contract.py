@@ -79,6 +79,10 @@ class EngineLink(Protocol):
     def ready(self) -> bool:
         """It could take a request now."""
 
+    def shutdown(self) -> None:
+        """Let go of what the link holds: an engine hosted in this process stops (and is
+        not restarted); a connection to an engine replica of its own closes. Any thread."""
+
 
 class EngineFailed(RuntimeError):
     """The engine replica failed the request or went away while it ran."""

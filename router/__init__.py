@@ -1,1 +1,1 @@
-"""The OpenAI-compatible ingress: validation, tokenization, replica choice, stream relay."""
+"""The OpenAI-compatible ingress: validation, tokenization, engine choice, stream relay."""

@@ -1,4 +1,4 @@
-"""Where one request runs: which replica of which pool, and for PD where it prefills.
+"""Where one request runs: which engine of which pool, and for PD where it prefills.
 
 ``plan`` decides without side effects, so admission control can refuse a planned request
 for free; ``start`` commits the plan: prefix-cache mirrors, choice counts, the stream.
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from engines.protocol import GenerateChunk, GenerateRequest
 from kv_transfer import KVRouterSide
 from router.pd_flow import PrefillDecodeFlow
+from router.policies.engine_choice import Choice, EngineChoice, make_engine_choice
 from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
 from router.policies.qos import ENGINE_PRIORITY
-from router.policies.replica_choice import Choice, ReplicaChoice, make_replica_choice
 from router.pool.engine_pool import EnginePool
 from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
@@ -31,48 +31,49 @@ class Plan:
     request: GenerateRequest
     prompt: PromptBlocks
     priority: Priority
-    main: Choice  # the replica that generates the answer (mixed or decode)
+    main: Choice  # the engine that generates the answer (mixed or decode)
     prefill: Choice | None  # PD remote prefill only
-    decision: PrefillDecision  # amended by the PD flow where a remote prefill cannot run
-    # Of the replica that computes the prompt: expected prefix-cache hit, tokens left.
+    decision: PrefillDecision  # as planned: the dispatch's is where the prompt ran
+    # Of the engine that computes the prompt: expected prefix-cache hit, tokens left.
     expected_cached_tokens: int
     prefill_tokens: int
-    # The same hit by each prefix signal that replica has (replica_state.KV_EVENTS, MIRROR).
+    # The same hit by each prefix signal that engine has (engine_state.KV_EVENTS, MIRROR).
     cached_by_signal: dict[str, int] = field(default_factory=dict)
 
     @property
-    def prefill_replica(self) -> PooledEngine:
-        return self.prefill.replica if self.prefill else self.main.replica
+    def prefill_engine(self) -> PooledEngine:
+        return self.prefill.engine if self.prefill else self.main.engine
 
     def ttft_estimate_s(self) -> float | None:
         engine_priority = ENGINE_PRIORITY[self.priority]
-        return self.prefill_replica.state.estimate_ttft_s(self.prefill_tokens, engine_priority)
+        return self.prefill_engine.state.estimate_ttft_s(self.prefill_tokens, engine_priority)
 
 
 @dataclass(slots=True)
 class Dispatch:
+    """A started plan: its stream of deltas, the engines it runs on and where its prompt
+    is computed, as it runs: the PD flow replaces ``decision`` where a planned remote
+    prefill falls back, always before the first delta (final once it exists)."""
+
     plan: Plan
     stream: AsyncGenerator[GenerateChunk, None]
-    replicas: list[PooledEngine]  # whose in-flight counts this request adds to
-    prefill_replica: PooledEngine
+    engines: list[PooledEngine]  # whose in-flight counts this request adds to
+    prefill_engine: PooledEngine
     expected_cached_tokens: int
+    decision: PrefillDecision
     headers: dict[str, str] = field(default_factory=dict)
-    released: bool = False  # its stream closed and its counts undone (router/http/ingress.py)
     disaggregated: bool = False
 
-    @property
-    def decision(self) -> PrefillDecision:
-        """Where the prompt was computed, as it ran (final once the first token exists)."""
-        return self.plan.decision
+    def fell_back(self, decision: PrefillDecision) -> None:
+        self.decision = decision
 
     def response_headers(self) -> dict[str, str]:
-        """Where the request ran, as it ran: read once its first token exists, since a
-        remote prefill that fails falls back to the decode replica."""
+        """Where the request ran, as it ran: read once its first token exists."""
         headers = dict(self.headers)
         if self.disaggregated:
             headers[PREFILL_HEADER] = f"{self.decision.where}:{self.decision.reason}"
             if self.decision.remote:
-                headers[PREFILL_REPLICA_HEADER] = self.prefill_replica.name
+                headers[PREFILL_REPLICA_HEADER] = self.prefill_engine.name
         return headers
 
 
@@ -94,8 +95,8 @@ class Dispatcher:
         router = settings.router
         roles = ("prefill", "decode") if self._disaggregated else ("mixed",)
         self._choice_names = {role: router.choice_for(role) for role in roles}
-        self._choices: dict[str, ReplicaChoice] = {
-            role: make_replica_choice(name, router.choice_settings(name))
+        self._choices: dict[str, EngineChoice] = {
+            role: make_engine_choice(name, router.choice_settings(name))
             for role, name in self._choice_names.items()
         }
         policy = settings.prefill_policy
@@ -104,21 +105,21 @@ class Dispatcher:
         self._transfer_s = transfer_s or (lambda tokens: None)
 
     def policy_of(self, choice: Choice, prefill: bool = False) -> str:
-        """The replica choice that picked ``choice`` for a plan (``prefill``: the replica
+        """The engine choice that picked ``choice`` for a plan (``prefill``: the engine
         that computes the prompt remotely)."""
         if self._auto_pool and (prefill or choice.reason == PEER_CHOICE):
             return PEER_CHOICE
-        return self._choice_names[choice.replica.role]
+        return self._choice_names[choice.engine.role]
 
     def earliest_ttft_s(self, priority: Priority) -> float | None:
-        """The soonest any replica that could compute a prompt of ``priority`` would
+        """The soonest any engine that could compute a prompt of ``priority`` would
         start it: the work queued ahead there, before the prompt's own tokens (a lower
         bound on the estimate of any request of that priority); None if unmeasured."""
         engine_priority = ENGINE_PRIORITY[priority]
         estimates = [
-            replica.state.estimate_ttft_s(0, engine_priority)
-            for replica in self._pool
-            if replica.healthy
+            engine.state.estimate_ttft_s(0, engine_priority)
+            for engine in self._pool
+            if engine.healthy
         ]
         known = [estimate for estimate in estimates if estimate is not None]
         return min(known) if known and len(known) == len(estimates) else None
@@ -131,14 +132,14 @@ class Dispatcher:
         prompt = PromptBlocks(request.prompt_token_ids)
         main_role = "decode" if self._disaggregated else "mixed"
         adapter = None if request.lora is None else request.lora.name
-        # An unhealthy replica is skipped while another is healthy.
+        # An unhealthy engine is skipped while another is healthy.
         main = self._choose(main_role, prompt, adapter) or Choice(
             self._pool.of_role(main_role)[0], "unhealthy"
         )
         decision = PrefillDecision("local", "colocated")
         prefill = None
         if self._pd is not None:
-            prefill = self._prefill_candidate(main.replica, prompt, priority, adapter)
+            prefill = self._prefill_candidate(main.engine, prompt, priority, adapter)
             if (stays := _stays_on_one_engine(request)) is not None:
                 decision, prefill = PrefillDecision("local", stays), None
             elif prefill is None:
@@ -146,13 +147,13 @@ class Dispatcher:
                 decision = PrefillDecision("local", unavailable)
             else:
                 decision = self._prefill_policy.decide(
-                    self._prefill_inputs(prompt, priority, main.replica, prefill.replica)
+                    self._prefill_inputs(prompt, priority, main.engine, prefill.engine)
                 )
                 if decision.remote and self._auto_pool and decision.whole_on_peer:
                     # A remote prefill would not pay: the peer computes and generates it all.
                     main, decision = prefill, PrefillDecision("local", decision.whole_on_peer)
                 prefill = prefill if decision.remote else None
-        computes = (prefill or main).replica.state
+        computes = (prefill or main).engine.state
         by_signal = computes.cached_tokens_by_signal(prompt)
         cached = by_signal[computes.prefix_signal]
         return Plan(
@@ -182,10 +183,10 @@ class Dispatcher:
             return None
         engine_priority = ENGINE_PRIORITY[priority]
 
-        def soonest(replica: PooledEngine) -> tuple[float, int, int]:
-            tokens = max(1, len(prompt) - replica.state.cached_tokens(prompt))
-            estimate = replica.state.estimate_ttft_s(tokens, engine_priority)
-            state = replica.state
+        def soonest(engine: PooledEngine) -> tuple[float, int, int]:
+            tokens = max(1, len(prompt) - engine.state.cached_tokens(prompt))
+            estimate = engine.state.estimate_ttft_s(tokens, engine_priority)
+            state = engine.state
             return (math.inf if estimate is None else estimate, state.prefill_queue, state.active)
 
         return Choice(min(peers, key=soonest), PEER_CHOICE)
@@ -215,69 +216,64 @@ class Dispatcher:
         )
 
     def start(self, plan: Plan, on_accepted: Callable[[], None] | None = None) -> Dispatch:
-        main = plan.main.replica
-        headers = {REPLICA_HEADER: main.name}
+        main = plan.main.engine
+        prefill = plan.prefill.engine if plan.prefill is not None else None
         main.state.record_prompt(plan.prompt)
-        if plan.prefill is None:
-            if self._pd is not None:
-                stream = self._pd.run(
-                    plan.request, main, None, plan.decision, plan.prefill_tokens, on_accepted
-                )
-            else:
-                stream = main.generate(plan.request, plan.prefill_tokens, on_accepted)
-            return Dispatch(
-                plan,
-                stream,
-                [main],
+        if prefill is not None:
+            # The decode engine caches the blocks it loads, as if it had computed them.
+            prefill.state.record_prompt(plan.prompt)
+        if self._pd is None:
+            stream = main.generate(plan.request, plan.prefill_tokens, on_accepted)
+        else:
+            # The stream runs once start has returned: ``dispatch`` exists by then.
+            stream = self._pd.run(
+                plan.request,
                 main,
-                plan.expected_cached_tokens,
-                headers,
-                disaggregated=self._pd is not None,
+                prefill,
+                plan.decision,
+                lambda decision: dispatch.fell_back(decision),
+                plan.prefill_tokens,
+                on_accepted,
             )
-        prefill = plan.prefill.replica
-        assert self._pd is not None  # a remote prefill is planned for PD only
-        # The decode replica caches the blocks it loads, as if it had computed them.
-        prefill.state.record_prompt(plan.prompt)
-        stream = self._pd.run(
-            plan.request, main, prefill, plan.decision, plan.prefill_tokens, on_accepted
-        )
-        return Dispatch(
+        dispatch = Dispatch(
             plan,
             stream,
-            [prefill, main],
-            prefill,
+            [main] if prefill is None else [prefill, main],
+            prefill or main,
             plan.expected_cached_tokens,
-            headers,
-            disaggregated=True,
+            plan.decision,
+            {REPLICA_HEADER: main.name},
+            disaggregated=self._pd is not None,
         )
+        return dispatch
 
     def replan_elsewhere(self, plan: Plan) -> Plan | None:
-        """After ``plan``'s replica could not take the request: the same request on
-        another healthy replica of its pool, or None (PD falls back on its own)."""
+        """After ``plan``'s engine could not take the request: the same request on
+        another healthy engine of its pool, or None (PD falls back on its own)."""
         if self._disaggregated:
             return None
-        failed = plan.main.replica
+        failed = plan.main.engine
         failed.healthy = False  # until its next successful stats poll
         if not any(r.healthy for r in self._pool.of_role(failed.role)):
             return None
         return self.plan(plan.request, plan.priority)
 
     def _choose(self, role: str, prompt: PromptBlocks, adapter: str | None) -> Choice | None:
-        """A healthy replica of the pool, among those that hold the request's adapter if
+        """A healthy engine of the pool, among those that hold the request's adapter if
         any does; None if none is healthy (the caller decides what then)."""
-        healthy = [replica for replica in self._pool.of_role(role) if replica.healthy]
+        healthy = [engine for engine in self._pool.of_role(role) if engine.healthy]
         candidates = _holding(healthy, adapter)
         return self._choices[role].choose(candidates, prompt) if candidates else None
 
 
-def _holding(replicas: list[PooledEngine], adapter: str | None) -> list[PooledEngine]:
-    """The replicas that hold ``adapter``, or all of them if none does (each can load it
+def _holding(engines: list[PooledEngine], adapter: str | None) -> list[PooledEngine]:
+    """The engines that hold ``adapter``, or all of them if none does (each can load it
     from its path, as vLLM does on a request's first use). A remote prefill's two engines
     then both hold it wherever one does: its KV goes only to an engine with its adapter."""
     if adapter is None:
-        return replicas
-    holders = [replica for replica in replicas if adapter in replica.adapters]
-    return holders or replicas
+        return engines
+    holders = [engine for engine in engines if adapter in engine.adapters]
+    return holders or engines
 
 
 # Why a request's prompt is computed where it is generated, whatever the prefill policy.

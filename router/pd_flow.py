@@ -1,14 +1,14 @@
-"""One request across a prefill replica and a decode replica (PD disaggregation).
+"""One request across a prefill engine and a decode engine (PD disaggregation).
 
-The decode replica is chosen first and named in the prefill request. The prefill
-replica computes the prompt and the first token; its KV blocks go into Ray's object
+The decode engine is chosen first and named in the prefill request. The prefill
+engine computes the prompt and the first token; its KV blocks go into Ray's object
 store, pushed towards that decode engine, and the handle comes back in
 ``kv_transfer_params``. The first token is streamed to the client at once. The decode
-replica then gets the same prompt, loads the transferred KV instead of recomputing it,
+engine then gets the same prompt, loads the transferred KV instead of recomputing it,
 samples the token(s) the client already has again, forced (engines/continuation.py), so
 that its grammar, penalties, stop strings and seeded generator carry on from them as on
-one engine, and streams what follows. If the prefill replica is missing or fails, the
-decode replica prefills locally.
+one engine, and streams what follows. If the prefill engine is missing or fails, the
+decode engine prefills locally.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from router.pool.pooled_engine import PooledEngine
 
 logger = logging.getLogger("splitserve.router")
 
-# Decisions where the decode replica prefilled although the plan was remote.
+# Decisions where the decode engine prefilled although the plan was remote.
 PREFILL_FALLBACK_REASONS = ("prefill_failed", "no_prefill_replica")
 
 
@@ -44,15 +44,14 @@ class PrefillDecodeFlow:
         decode: PooledEngine,
         prefill: PooledEngine | None,
         decision: PrefillDecision,
+        fell_back: Callable[[PrefillDecision], None],
         prefill_tokens: int | None = None,
         on_accepted: Callable[[], None] | None = None,
     ) -> AsyncGenerator[GenerateChunk, None]:
-        """Deltas of the whole answer; ``decision`` is amended if the prompt cannot run remotely
-        .
-
-                ``prefill_tokens``: prompt tokens left to compute after the expected prefix-cache
-                hit, on whichever replica prefills (see PooledEngine.generate).
-        """
+        """Deltas of the whole answer. Where the prompt cannot run remotely as
+        ``decision`` planned, ``fell_back`` hears where it runs instead, before the first
+        delta. ``prefill_tokens``: prompt tokens left to compute after the expected
+        prefix-cache hit, on whichever engine prefills (see PooledEngine.generate)."""
         first: GenerateChunk | None = None
         if prefill is not None:
             try:
@@ -61,11 +60,12 @@ class PrefillDecodeFlow:
                 )
             except EngineFailed as error:
                 logger.warning("prefill on %s failed, prefilling locally: %s", prefill.name, error)
-                decision.fall_back("prefill_failed")
-                prefill_tokens = None  # the decode replica's cache was not what was planned
+                decision = decision.fallen_back("prefill_failed")
+                fell_back(decision)
+                prefill_tokens = None  # the decode engine's cache was not what was planned
         if first is None:
             if decision.remote:
-                decision.fall_back("no_prefill_replica")
+                fell_back(decision.fallen_back("no_prefill_replica"))
             async for chunk in decode.generate(request, prefill_tokens, on_accepted):
                 yield chunk
             return
@@ -124,7 +124,7 @@ class PrefillDecodeFlow:
 
 
 def _consumer_of(decode: PooledEngine) -> str | None:
-    """The decode engine's KV consumer id, once its replica has reported one."""
+    """The decode engine's KV consumer id, once its engine has reported one."""
     stats = decode.state.engine
     return stats.kv_consumer if stats is not None else None
 

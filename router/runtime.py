@@ -2,8 +2,8 @@
 the watcher that follows a scaled pool's members), readiness, the stats poller, the
 dispatcher, admission, the KV backend's router side, and the traffic record and drift.
 
-``ServedModel`` (router/http/served_model.py) takes a ``ModelRuntime`` and only routes
-through it; nothing here knows HTTP.
+``ServedModel`` (router/http/served_model.py) builds its ``Lifecycle`` from a
+``ModelRuntime``; nothing here knows HTTP.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from router.observation.traffic_record import TrafficRecorder
 from router.policies.prefill_gate import PrefillGate
 from router.policies.qos import AdmissionControl
 from router.pool.engine_pool import EnginePool
-from router.pool.engine_state import EngineStatePoller
+from router.pool.engine_state import EngineState
 from router.pool.pooled_engine import LocalEngineLink, PooledEngine
-from router.pool.replica_state import ReplicaState
+from router.pool.stats_poller import EngineStatsPoller
 from router.pool.watcher import PoolWatcher
 from router.settings import IngressSettings, ModelBinding
 
@@ -39,7 +39,7 @@ class ModelRuntime:
     local_engines: list[LocalEngineLink]
     watcher: PoolWatcher
     readiness: Readiness
-    engine_state: EngineStatePoller
+    stats_poller: EngineStatsPoller
     dispatcher: Dispatcher
     admission: AdmissionControl
     kv: KVRouterSide | None
@@ -89,7 +89,7 @@ def build_runtime(
     if settings.kv_transfer is not None:
         kv = make_kv_backend(settings.kv_transfer).router_side()
     router = settings.router
-    engine_state = EngineStatePoller(
+    stats_poller = EngineStatsPoller(
         pool,
         metrics,
         router.stats_interval_s,
@@ -98,8 +98,8 @@ def build_runtime(
         ema_weight=settings.qos.ema_weight,
         kv_interval_s=router.kv_metrics_interval_s,
     )
-    dispatcher = Dispatcher(settings, pool, kv, engine_state.transfer_cost.estimate_s)
-    engine_state.start()
+    dispatcher = Dispatcher(settings, pool, kv, stats_poller.transfer_cost.estimate_s)
+    stats_poller.start()
     record, profile = router.traffic_record, router.traffic_profile
     return ModelRuntime(
         settings=settings,
@@ -107,7 +107,7 @@ def build_runtime(
         local_engines=local_engines,
         watcher=watcher,
         readiness=readiness,
-        engine_state=engine_state,
+        stats_poller=stats_poller,
         dispatcher=dispatcher,
         admission=AdmissionControl(settings.qos),
         kv=kv,
@@ -127,7 +127,7 @@ def pooled_engine(
         role,
         link,
         settings.router.submit_timeout_s,
-        ReplicaState(
+        EngineState(
             settings.qos.ema_weight,
             settings.qos.min_prefill_tokens_per_sample,
             kv_events_pending_s=settings.router.kv_events_pending_s,

@@ -2,7 +2,7 @@
 blocks of a Serve YAML's ``args`` give them, and what the builder hands the router per
 model (``IngressSettings``, ``ModelBinding``). Every threshold the router acts on lives here or in
 the settings model of the policy that uses it (``settings_model`` of a registered
-replica choice or prefill policy).
+engine choice or prefill policy).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ OpenRoute = Literal["/v1/models", "/health", "/metrics"]
 UnknownFields = Literal["ignore", "reject"]
 
 
-def _replica_choices() -> Any:
-    from router.policies.replica_choice import REPLICA_CHOICES
+def _engine_choices() -> Any:
+    from router.policies.engine_choice import ENGINE_CHOICES
 
-    return REPLICA_CHOICES
+    return ENGINE_CHOICES
 
 
 def _prefill_policies() -> Any:
@@ -74,12 +74,12 @@ class TrafficProfile(StrictModel):
 class RouterConfig(StrictModel):
     replica_choice: str | dict[EngineRole, str] = Field(
         "round_robin",
-        description="One registered replica choice for every pool, or one per role, e.g."
+        description="One registered engine choice for every pool, or one per role, e.g."
         " {prefill: least_loaded, decode: prefix_affinity} (router.replica_choice)",
     )
     replica_choice_settings: dict[str, SerializeAsAny[StrictModel]] = Field(
         default_factory=dict,
-        description="Settings of a replica choice, by its name, e.g. {prefix_affinity:"
+        description="Settings of an engine choice, by its name, e.g. {prefix_affinity:"
         " {max_load_imbalance: 4}}; unset fields take the policy's defaults.",
     )
     prefix_signal: Literal["kv_events", "mirror"] = Field(
@@ -123,7 +123,7 @@ class RouterConfig(StrictModel):
     )
     health_check_timeout_s: float = Field(5.0, gt=0)
     unhealthy_after_failed_polls: int = Field(
-        3, ge=1, description="Consecutive failed stats polls before a replica is skipped."
+        3, ge=1, description="Consecutive failed stats polls before an engine is skipped."
     )
     submit_timeout_s: float = Field(
         5.0, gt=0, description="An engine replica that takes longer to accept is unhealthy."
@@ -209,18 +209,16 @@ class RouterConfig(StrictModel):
     def _registered_choices(cls, value: str | dict[EngineRole, str]) -> str | dict[EngineRole, str]:
         names = [value] if isinstance(value, str) else list(value.values())
         for name in names:
-            _replica_choices().check(name)
+            _engine_choices().check(name)
         return value
 
     @field_validator("replica_choice_settings", mode="before")
     @classmethod
     def _choice_settings(cls, value: Any) -> dict[str, StrictModel]:
         if not isinstance(value, dict):
-            raise ValueError("must map a replica choice's name to its settings")
+            raise ValueError("must map an engine choice's name to its settings")
         return {
-            name: validate_settings(
-                _replica_choices(), name, raw, f"replica_choice_settings.{name}"
-            )
+            name: validate_settings(_engine_choices(), name, raw, f"replica_choice_settings.{name}")
             for name, raw in value.items()
         }
 
@@ -231,9 +229,9 @@ class RouterConfig(StrictModel):
         return next((name for pool, name in choice.items() if pool == role), "round_robin")
 
     def choice_settings(self, name: str) -> StrictModel:
-        """The settings of replica choice ``name``: as configured, or its defaults."""
+        """The settings of engine choice ``name``: as configured, or its defaults."""
         configured = self.replica_choice_settings.get(name)
-        return configured or validate_settings(_replica_choices(), name, {}, name)
+        return configured or validate_settings(_engine_choices(), name, {}, name)
 
 
 class PrefillPolicyConfig(StrictModel):
@@ -245,7 +243,7 @@ class PrefillPolicyConfig(StrictModel):
     name: str = Field(
         "conditional",
         description="A registered prefill policy (router.prefill_policy): always (the study's PD),"
-        " never (the decode replica prefills every prompt), conditional, cost (weighs the"
+        " never (the decode engine prefills every prompt), conditional, cost (weighs the"
         " KV hand-over and both engines' load; auto's default).",
     )
     settings: SerializeAsAny[StrictModel] = Field(default_factory=StrictModel)
@@ -461,7 +459,7 @@ class ModelBinding:
     inside it by their handles when the router starts."""
 
     settings: IngressSettings
-    roles: dict[str, str]  # each engine's role, by replica name
-    engines: dict[str, Any] = field(default_factory=dict)  # Serve handles, by replica name
+    roles: dict[str, str]  # each engine's role, by engine name
+    engines: dict[str, Any] = field(default_factory=dict)  # Serve handles, by engine name
     local_engines: dict[str, EngineSpec] = field(default_factory=dict)  # hosted in the router
     pool_handles: dict[str, Any] = field(default_factory=dict)  # scaled pools, by deployment

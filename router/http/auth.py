@@ -9,7 +9,6 @@ from the environment (``SPLITSERVE_API_KEYS``, comma-separated, and vLLM's
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -168,13 +167,8 @@ class ApiKeys:
                 )
             )
         self._waiting[client.name] = waiting + 1
-        slot = QueueSlot(self._waiting, client.name)
-        # However the request ends before its first token (an error, a client that went
-        # away), its task ends too: the slot is given back then, if not before.
-        task = asyncio.current_task()
-        if task is not None:
-            task.add_done_callback(lambda _: slot.release())
-        return slot
+        # Given back at the first token or when the request's life ends, if not before.
+        return QueueSlot(self._waiting, client.name)
 
     def waiting(self, name: str) -> int:
         return self._waiting.get(name, 0)

@@ -2,9 +2,10 @@
 
 One request: authenticate, read the body, find the model it names (a 404 naming the
 served ones otherwise), and hand it to that model (router/http/served_model.py), which
-validates and tokenizes it, chooses engine replicas, and streams their token deltas
-back as SSE or one JSON body. A client that goes away cancels the engine stream, which
-aborts the request inside vLLM.
+validates and tokenizes it, chooses its engines, and streams their token deltas back as
+SSE or one JSON body. Every request the router answers lives one ``RequestLife``
+(router/lifecycle.py) from here on, and is counted when it ends; a client that goes away
+ends it, which aborts the request inside vLLM.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 import uuid
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -31,12 +32,15 @@ from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, Tokenize
 from engines.model_source import served_name_of
 from kv_transfer import KVTransferCollector
 from kv_transfer.metrics import TransferTotals, sum_totals
+from router.http.adapters import LOAD_ROUTE, UNLOAD_ROUTE
 from router.http.auth import ApiKeys, check_exposure
 from router.http.errors import OpenAIError, routing_error_response
+from router.http.life_response import LifeResponse
 from router.http.openapi import describe_request_bodies
-from router.http.served_model import Arrival, ServedModel, StartOrder
+from router.http.served_model import ServedModel, StartOrder
+from router.lifecycle import RequestLife
 from router.observation.metrics import RouterMetrics
-from router.pool.engine_state import EngineStatePoller
+from router.pool.stats_poller import EngineStatsPoller
 from router.settings import ModelBinding
 from splitserve.metric_catalogue import REQUEST_ID_HEADER
 
@@ -50,7 +54,7 @@ describe_request_bodies(
 )
 
 
-def _kv_totals_of(states: list[EngineStatePoller]) -> TransferTotals | None:
+def _kv_totals_of(states: list[EngineStatsPoller]) -> TransferTotals | None:
     """The engines' summed transfer statistics, as the models' pollers last read them.
     (Above the class: Serve's ingress decorator pickles it by value, with the globals it
     names then.)"""
@@ -58,7 +62,7 @@ def _kv_totals_of(states: list[EngineStatePoller]) -> TransferTotals | None:
     return sum_totals([totals.data for totals in read]) if read else None
 
 
-def _kv_ledger_of(state: EngineStatePoller) -> dict[str, Any] | None:
+def _kv_ledger_of(state: EngineStatsPoller) -> dict[str, Any] | None:
     """The KV backend's ledger, as the router's poller last read it."""
     return state.kv_ledger
 
@@ -83,10 +87,10 @@ class Router:
     def _register_kv_collectors(self) -> None:
         """One collector per KV directory (models that share one would render its ledger
         twice), over the engines of every model that uses it."""
-        by_namespace: dict[str, list[EngineStatePoller]] = {}
+        by_namespace: dict[str, list[EngineStatsPoller]] = {}
         for served in self._models.values():
             if served.kv_namespace is not None:
-                by_namespace.setdefault(served.kv_namespace, []).append(served.engine_state)
+                by_namespace.setdefault(served.kv_namespace, []).append(served.stats_poller)
         for states in by_namespace.values():
             self._metrics.registry.register(
                 KVTransferCollector(
@@ -99,61 +103,46 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, raw: Request) -> Response:
-        return await self._handle(raw, CompletionRequest, "/v1/completions")
+        return self._handle(raw, CompletionRequest, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, raw: Request) -> Response:
-        return await self._handle(raw, ChatCompletionRequest, "/v1/chat/completions")
+        return self._handle(raw, ChatCompletionRequest, "/v1/chat/completions")
 
     @app.post("/v1/responses")
     async def responses(self, raw: Request) -> Response:
-        return await self._handle(raw, ResponsesRequest, "/v1/responses")
+        return self._handle(raw, ResponsesRequest, "/v1/responses")
 
     @app.post("/tokenize")
     async def tokenize(self, raw: Request) -> Response:
-        return await self._handle(raw, TokenizeRequest, "/tokenize")
+        return self._handle(raw, TokenizeRequest, "/tokenize")
 
     @app.post("/detokenize")
     async def detokenize(self, raw: Request) -> Response:
-        return await self._handle(raw, DetokenizeRequest, "/detokenize")
+        return self._handle(raw, DetokenizeRequest, "/detokenize")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, raw: Request) -> Response:
-        listed = await self.models(raw)
-        if listed.status_code != HTTPStatus.OK:
-            return listed
-        cards = {card.id: card for served in self._models.values() for card in served.model_cards()}
-        if model_id not in cards:
-            return self._unknown_model(model_id).response()
-        return JSONResponse(cards[model_id].model_dump())
+        return self._life(raw, "/v1/models", functools.partial(self._model_card, raw, model_id))
 
     @app.get("/v1/models")
     async def models(self, raw: Request) -> Response:
-        if refused := self._auth.refusal(raw.headers, "/v1/models"):
-            return refused.response()
-        starting = [served for served in self._models.values() if not served.readiness.is_ready]
-        if starting:
-            # Clients take a model list as readiness; vLLM's server does not listen yet.
-            self._count("/v1/models", HTTPStatus.SERVICE_UNAVAILABLE)
-            return starting[0].starting().response()
-        self._count("/v1/models", HTTPStatus.OK)
-        cards = [card for served in self._models.values() for card in served.model_cards()]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return self._life(raw, "/v1/models", functools.partial(self._model_list, raw))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, raw: Request) -> Response:
-        return await self._update_adapters(raw, "/v1/load_lora_adapter")
+        return self._life(raw, LOAD_ROUTE, functools.partial(self._update_adapters, raw))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, raw: Request) -> Response:
-        return await self._update_adapters(raw, "/v1/unload_lora_adapter")
+        return self._life(raw, UNLOAD_ROUTE, functools.partial(self._update_adapters, raw))
 
     @app.get("/health")
     async def health(self, raw: Request) -> Response:
         if refused := self._auth.refusal(raw.headers, "/health"):
             return refused.response()
         served = list(self._models.values())
-        reports = await asyncio.gather(*(model.replica_health() for model in served))
+        reports = await asyncio.gather(*(model.engine_health() for model in served))
         states = {name: state for report in reports for name, state in report.items()}
         ready = all(model.readiness.is_ready for model in served)
         healthy = ready and all(state == "ok" for state in states.values())
@@ -179,26 +168,52 @@ class Router:
 
     # ---- one request, up to the model it names --------------------------------------------
 
-    async def _handle(self, raw: Request, model_cls: Any, route: str) -> Response:
-        arrival = time.perf_counter()
+    def _life(
+        self,
+        raw: Request,
+        route: str,
+        answer: Callable[[RequestLife], Awaitable[Response]],
+        priority: str = "none",
+    ) -> LifeResponse:
+        """The response of a request that lives from here: ``answer`` makes it.
+        ``priority``: what it is counted at until its model reads its own."""
         request_id = raw.headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
-        served = self._first
-        priority = served.default_priority
-        model_label = ""  # until the body names a served model
-        try:
-            client = self._auth.authenticate(raw.headers, route)  # 401/403 before the body
-            raw_body, body = await self._read_body(raw)
-            served = self._model_of(body)
-            model_label = served.name
-            priority = served.priority_of(body, raw.headers)
-            priority, waiting = self._auth.admit(client, priority, served.metrics)
-        except OpenAIError as error:
-            self._count(route, error.status, priority, model_label)
-            return error.response()
-        call = Arrival(raw, route, arrival, request_id, priority, waiting, len(raw_body))
+        life = RequestLife(route, request_id, self._count)
+        life.priority = priority
+        return LifeResponse(life, functools.partial(answer, life))
+
+    def _handle(self, raw: Request, model_cls: Any, route: str) -> Response:
+        answer = functools.partial(self._answer, raw, model_cls)
+        return self._life(raw, route, answer, self._first.default_priority)
+
+    async def _answer(self, raw: Request, model_cls: Any, life: RequestLife) -> Response:
+        client = self._auth.authenticate(raw.headers, life.route)  # 401/403 before the body
+        raw_body, body = await self._read_body(raw)
+        served = self._model_of(body)
+        life.model = served.name
+        life.priority = asked = served.priority_of(body, raw.headers)
+        priority, slot = self._auth.admit(client, asked, served.metrics)
+        served.lifecycle.enter(life, priority, slot)
         if model_cls in (CompletionRequest, ChatCompletionRequest):
-            return await served.generate(call, body, model_cls)
-        return await served.serve_by_vllm(call, body, model_cls)
+            return await served.generate(life, raw, body, len(raw_body), model_cls)
+        return await served.serve_by_vllm(life, raw, body, model_cls)
+
+    async def _model_list(self, raw: Request, life: RequestLife) -> Response:
+        if refused := self._auth.refusal(raw.headers, "/v1/models"):
+            raise refused
+        starting = [served for served in self._models.values() if not served.readiness.is_ready]
+        if starting:
+            # Clients take a model list as readiness; vLLM's server does not listen yet.
+            raise starting[0].starting_error()
+        cards = [card for served in self._models.values() for card in served.model_cards()]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    async def _model_card(self, raw: Request, model_id: str, life: RequestLife) -> Response:
+        await self._model_list(raw, life)  # the same keys and readiness
+        cards = {card.id: card for served in self._models.values() for card in served.model_cards()}
+        if model_id not in cards:
+            raise self._unknown_model(model_id)
+        return JSONResponse(cards[model_id].model_dump())
 
     async def _read_body(self, raw: Request) -> tuple[bytes, Any]:
         """The raw body and its JSON, read before the body names its model: by the router
@@ -232,20 +247,15 @@ class Router:
 
     # ---- LoRA adapters at run time ---------------------------------------------------------
 
-    async def _update_adapters(self, raw: Request, route: str) -> Response:
+    async def _update_adapters(self, raw: Request, life: RequestLife) -> Response:
         """vllm serve's adapter routes, behind the API keys, for models whose YAML allows
         them (model.runtime_lora_updates). ``model`` in the body names the base model
         where several allow them."""
-        try:
-            self._auth.authenticate(raw.headers, route)
-            _, body = await self._read_body(raw)
-            served = self._updatable_model(body)
-        except OpenAIError as error:
-            self._count(route, error.status)
-            return error.response()
-        response = await served.update_adapters(route, body)
-        self._count(route, HTTPStatus(response.status_code), model=served.name)
-        return response
+        self._auth.authenticate(raw.headers, life.route)
+        _, body = await self._read_body(raw)
+        served = self._updatable_model(body)
+        life.model = served.name
+        return await served.update_adapters(life.route, body)
 
     def _updatable_model(self, body: Any) -> ServedModel:
         updatable = [m for m in self._models.values() if m.runtime_lora_updates]
@@ -278,10 +288,9 @@ class Router:
             )
         return served
 
-    def _count(
-        self, route: str, status: HTTPStatus, priority: str = "none", model: str = ""
-    ) -> None:
-        self._metrics.requests.labels(model, route, str(int(status)), priority).inc()
+    def _count(self, model: str, route: str, status: str, priority: str) -> None:
+        """Each request once, when its life ends (RequestLife.release)."""
+        self._metrics.requests.labels(model, route, status, priority).inc()
 
     async def check_health(self) -> None:
         # Serve restarts this replica when this raises.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring
 
@@ -40,28 +40,19 @@ class EventStreamResponse(StreamingResponse):
 
     Starlette cancels a stream whose client went away wherever it is waiting; when
     that is a ``send`` rather than the generator, the generator stays suspended at its
-    ``yield`` until garbage collection, and so would the request inside the engine.
+    ``yield`` until garbage collection. (The request's engines are released by its
+    life, router/http/life_response.py, either way.)
     """
 
-    def __init__(
-        self,
-        events: AsyncGenerator[str, None],
-        headers: dict[str, str],
-        on_close: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        """``on_close``: what must happen when the response ends, even one that never
-        started iterating ``events`` (whose ``finally`` would then never run)."""
+    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str]) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
-        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
-            if self._on_close is not None:
-                await self._on_close()
 
 
 @dataclass(slots=True)

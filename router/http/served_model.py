@@ -1,40 +1,34 @@
-"""One model the router serves: its engines, its policies, and a request's way through
-them, from a parsed body to the response.
+"""One model the router serves: its engines, its policies, and how a request it takes is
+answered, by the router's own path or by vLLM's serving layer.
 
 The ingress (router/http/ingress.py) authenticates, reads the body and finds the model
-it names; everything after that is this model's own: its pools, prefill policy, QoS, tokenizer
-and vLLM serving layer, so that two models in one application share nothing but the
-router's process, its API keys and its metrics registry (with a ``model`` label).
+it names; from there the request lives through this model's ``Lifecycle``
+(router/lifecycle.py) with its pools, prefill policy, QoS, tokenizer and vLLM serving
+layer, so that two models in one application share nothing but the router's process,
+its API keys and its metrics registry (with a ``model`` label). Its LoRA adapters are
+router/http/adapters.py's, its readiness and health router/http/readiness.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from http import HTTPStatus
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse, ModelCard
-from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from vllm.sampling_params import RequestOutputKind
+from vllm.entrypoints.serve.engine.protocol import ModelCard
 from vllm.utils.gc_utils import freeze_gc_heap
 
-from engines.contract import EngineFailed, EngineUnavailable
 from engines.model_source import resolve_model
-from engines.protocol import GenerateChunk, GenerateRequest, LoraAdapter
-from router.dispatch import Dispatch, Plan
-from router.http.auth import QueueSlot
-from router.http.errors import OpenAIError, Rejection
-from router.http.relay import Relay
+from engines.protocol import GenerateRequest
+from router.http.adapters import ModelAdapters
+from router.http.errors import OpenAIError
+from router.http.plain_answer import plain_answer
+from router.http.readiness import check_local_engines
 from router.http.requests import (
     OpenAIRequest,
     PromptBuilder,
@@ -43,37 +37,22 @@ from router.http.requests import (
     parse_request,
     take_priority,
 )
-from router.http.responses import EventStreamResponse, ResponseWriter
+from router.http.responses import ResponseWriter
 from router.http.vllm_frontend import (
     DispatchingEngineClient,
-    FrontendCall,
     FrontendOptions,
     VllmFrontend,
     frontend_config,
     in_daemon_thread,
 )
+from router.lifecycle import Lifecycle, RequestLife
 from router.observation.metrics import ModelMetrics
-from router.observation.requests import RequestObserver
-from router.policies.qos import ENGINE_PRIORITY, Refusal
+from router.observation.requests import RequestMetrics
 from router.pool.calibration import calibrate_ttft
-from router.pool.pooled_engine import PooledEngine
 from router.runtime import build_runtime
 from router.settings import ModelBinding, Priority
 
 logger = logging.getLogger("splitserve.router")
-
-
-async def _remove_adapter(replicas: list[PooledEngine], adapter: LoraAdapter) -> None:
-    """Free ``adapter`` on these engines; one that cannot is gone or restarting, and holds
-    nothing then."""
-    for replica in replicas:
-        replica.adapters.discard(adapter.name)
-    results = await asyncio.gather(
-        *(replica.link.remove_lora(adapter) for replica in replicas), return_exceptions=True
-    )
-    for replica, result in zip(replicas, results, strict=True):
-        if isinstance(result, Exception):
-            logger.warning("%s did not free adapter %s: %s", replica.name, adapter.name, result)
 
 
 class StartOrder:
@@ -103,19 +82,6 @@ class StartOrder:
                     freeze_gc_heap()
 
 
-@dataclass(slots=True)
-class Arrival:
-    """A request as the ingress hands it over: read, authenticated, its model found."""
-
-    raw: Request
-    route: str
-    arrival: float
-    request_id: str
-    priority: Priority
-    waiting: QueueSlot  # its place in its API key's queue, released at the first token
-    body_bytes: int
-
-
 class ServedModel:
     def __init__(
         self, binding: ModelBinding, metrics: ModelMetrics, start_order: StartOrder
@@ -142,8 +108,6 @@ class ServedModel:
         self.requests = RequestValidator(
             self._prompts, self.name, settings.router, is_adapter=self.is_adapter
         )
-        # Adapters loaded on the engines, by vLLM's id for them.
-        self._adapters: dict[int, LoraAdapter] = {}
         # vLLM's serving layer, for what the router's own path does not render: built
         # once the engines are up (start_frontend).
         self._frontend: VllmFrontend | None = None
@@ -157,14 +121,21 @@ class ServedModel:
 
         runtime = build_runtime(binding, metrics, engines_ready)
         self._runtime = runtime
-        self.pool, self.local_engines = runtime.pool, runtime.local_engines
-        self.readiness, self.engine_state = runtime.readiness, runtime.engine_state
-        self._dispatcher, self._admission = runtime.dispatcher, runtime.admission
+        self.pool, self.readiness = runtime.pool, runtime.readiness
+        self.stats_poller = runtime.stats_poller
+        self.adapters = ModelAdapters(self.name, runtime.pool)
         self.metrics = metrics
-        self._observer = RequestObserver(
+        recorded = RequestMetrics(
             metrics, settings.shape, runtime.dispatcher, runtime.recorder, runtime.drift
         )
-        self._relay = Relay(self._observer, metrics, self._failure)
+        self.lifecycle = Lifecycle(
+            self.name,
+            settings.router,
+            runtime.dispatcher,
+            runtime.admission,
+            runtime.readiness,
+            recorded,
+        )
 
     @property
     def runtime_lora_updates(self) -> bool:
@@ -183,98 +154,63 @@ class ServedModel:
     def priority_of(self, body: Any, headers: Any) -> Priority:
         return take_priority(body, headers, self.default_priority)
 
-    # ---- one generation request ----------------------------------------------------------
+    def is_adapter(self, name: str) -> bool:
+        return self.adapters.is_adapter(name)
 
-    async def generate(self, call: Arrival, body: Any, model_cls: type[OpenAIRequest]) -> Response:
-        route, arrival, priority, waiting = call.route, call.arrival, call.priority, call.waiting
-        headers: dict[str, str] = {}
+    # ---- a request's answer --------------------------------------------------------------
+
+    async def generate(
+        self, life: RequestLife, raw: Request, body: Any, body_bytes: int, model_cls: type[Any]
+    ) -> Response:
+        """A completion or chat request: the router's own path where it can render the
+        answer, else vLLM's serving layer's."""
+        life.admit_early()
         try:
-            # Before the costly part (validation, tokenization): a priority whose queue
-            # alone already breaks its limit is refused here, in microseconds, so that a
-            # burst's refusals do not wait behind its admitted requests' parsing.
-            self._admit_early(priority)
-            try:
-                prepared = await self.requests.prepare_off_loop(model_cls, body, call.body_bytes)
-            except ServedByVllm as routed:
-                vllm_call = FrontendCall(route, arrival, priority, call.request_id)
-                vllm_call.on_first_token = waiting.release
-                return await self._serve_by_vllm(routed.request, call.raw, vllm_call)
-            engine_request = GenerateRequest(
-                # vLLM needs ids unique among running requests; clients may reuse theirs.
-                request_id=f"{call.request_id}-{uuid.uuid4().hex[:8]}",
-                subscriber="",  # set by the PooledEngine that submits it
-                prompt_token_ids=prepared.prompt_token_ids,
-                sampling_params=prepared.sampling_params,
-                priority=ENGINE_PRIORITY[priority],
-                deadline=self._deadline(),
-            )
-            if not await self.readiness.wait(self._config.router.ready_wait_s):
-                raise self.starting()
-            plan = self._dispatcher.plan(engine_request, priority)
-            self._admit(plan)
-        except OpenAIError as error:
-            self.metrics.requests.labels(route, str(int(error.status)), priority).inc()
-            return error.response(headers)
+            prepared = await self.requests.prepare_off_loop(model_cls, body, body_bytes)
+        except ServedByVllm as routed:
+            return await self._by_vllm(routed.request, raw, life)
+        request = GenerateRequest(
+            # vLLM needs ids unique among running requests; clients may reuse theirs.
+            request_id=f"{life.request_id}-{uuid.uuid4().hex[:8]}",
+            subscriber="",  # set by the PooledEngine that submits it
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=prepared.sampling_params,
+        )
+        await life.wait_ready()
+        opened = await life.open(life.plan(request))
         chat = model_cls is ChatCompletionRequest
         writer = ResponseWriter(
             chat=chat,
             model=self.name,
-            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{call.request_id}",
+            response_id=f"{'chatcmpl' if chat else 'cmpl'}-{life.request_id}",
             return_token_ids=prepared.return_token_ids,
         )
-        tried: list[str] = []
-        try:
-            dispatch, first = await self._open(plan, arrival, tried)
-        except Exception as error:  # nothing was sent yet: the status says what happened
-            logger.warning("a request failed before its first token: %s", error)
-            failure = self._failure(error, " then ".join(tried), started=False)
-            self.metrics.requests.labels(route, str(int(failure.status)), priority).inc()
-            return failure.response(headers)
-        waiting.release()  # the key's request has its first token: no longer queued
-        self._observer.choices(dispatch.plan)
-        headers.update(dispatch.response_headers())
-        events = self._relay.events(dispatch, first, prepared, writer, arrival)
-        if prepared.stream:
-            self.metrics.requests.labels(route, "200", priority).inc()
-            # Closed by the response however it ends, even if it never started streaming.
-            return EventStreamResponse(
-                events, headers, on_close=functools.partial(self._relay.release, dispatch)
-            )
-        return await self._relay.collect(events, writer, route, headers, priority)
+        return await plain_answer(life, opened, prepared, writer)
 
-    # ---- requests vLLM's serving layer answers -----------------------------------------
-
-    async def serve_by_vllm(self, call: Arrival, body: Any, model_cls: type[Any]) -> Response:
+    async def serve_by_vllm(
+        self, life: RequestLife, raw: Request, body: Any, model_cls: type[Any]
+    ) -> Response:
         """A route only vLLM's layer serves (Responses, tokenize, detokenize): the same
         keys, limits and admission as the completion routes, then vLLM's answer."""
-        try:
-            self._admit_early(call.priority)
-            request = parse_request(model_cls, body, self._config.router.unknown_fields)
-        except OpenAIError as error:
-            self.metrics.requests.labels(call.route, str(int(error.status)), call.priority).inc()
-            call.waiting.release()
-            return error.response()
-        vllm_call = FrontendCall(call.route, call.arrival, call.priority, call.request_id)
-        vllm_call.on_first_token = call.waiting.release
-        return await self._serve_by_vllm(request, call.raw, vllm_call)
+        life.admit_early()
+        request = parse_request(model_cls, body, self._config.router.unknown_fields)
+        return await self._by_vllm(request, raw, life)
 
-    async def _serve_by_vllm(self, request: Any, raw: Request, call: FrontendCall) -> Response:
-        try:
-            if not await self.readiness.wait(self._config.router.ready_wait_s):
-                raise self.starting()
-            assert self._frontend is not None  # built before the router is ready
-            response, status = await self._frontend.serve(request, raw, call)
-        except OpenAIError as error:
-            response, status = error.response(), error.status
-        finally:
-            if call.on_first_token is not None:
-                call.on_first_token()  # released once, whenever it ends before a token
-        self.metrics.requests.labels(call.route, str(int(status)), call.priority).inc()
-        return response
+    async def _by_vllm(self, request: OpenAIRequest, raw: Request, life: RequestLife) -> Response:
+        await life.wait_ready()
+        assert self._frontend is not None  # built before the router is ready
+        return await self._frontend.serve(request, raw, life)
 
-    def _deadline(self) -> float:
-        """When a request starting now is given up and aborted (event-loop time)."""
-        return asyncio.get_running_loop().time() + self._config.router.request_timeout_s
+    async def update_adapters(self, route: str, body: Any) -> Response:
+        if self._frontend is None:
+            raise self.starting_error()
+        return await self.adapters.update(route, body)
+
+    def starting_error(self) -> OpenAIError:
+        """The 503 of a model whose engines are not all up."""
+        return self.readiness.starting_error(self._config.router.ready_wait_s)
+
+    # ---- start-up -----------------------------------------------------------------------
 
     async def _start_frontend(self) -> None:
         """vLLM's configuration and serving classes (seconds), in a daemon thread: a
@@ -287,12 +223,13 @@ class ServedModel:
         )
         # What the engines reported (their rules), which the router refuses beyond.
         vllm_config.model_config.max_model_len = self._prompts.max_model_len
-        loader = self if self._config.model.lora_enabled else None
-        client = DispatchingEngineClient(vllm_config, self._open_for_vllm, loader)
+        loader = self.adapters if self._config.model.lora_enabled else None
+        client = DispatchingEngineClient(vllm_config, loader)
         options = FrontendOptions.of(
             self._config.model, self._config.router.trust_request_chat_template
         )
         frontend = await in_daemon_thread(VllmFrontend, client, options)
+        self.adapters.served = frontend.models
         # The YAML's adapters, loaded on every engine before the model is ready (vLLM's
         # own start-up fails where one does not load; here the model serves without it).
         try:
@@ -300,220 +237,29 @@ class ServedModel:
         finally:
             self._frontend = frontend
 
-    # ---- LoRA adapters ------------------------------------------------------------------
-
-    def is_adapter(self, name: str) -> bool:
-        frontend = self._frontend
-        return frontend is not None and name in frontend.models.lora_requests
-
-    def adapter_cards(self) -> list[ModelCard]:
-        frontend = self._frontend
-        if frontend is None:
-            return []
-        return [
-            ModelCard(
-                id=lora.lora_name,
-                root=lora.lora_path,
-                parent=self.name,
-                owned_by="splitserve",
-                max_model_len=self._prompts.max_model_len,
-            )
-            for lora in frontend.models.lora_requests.values()
-        ]
-
-    async def load_adapter(self, adapter: LoraAdapter) -> None:
-        """Load ``adapter`` on every engine of the model, or on none: an engine that
-        fails undoes the others, so that no engine is asked for what only some hold."""
-        replicas = list(self.pool)
-        results = await asyncio.gather(
-            *(replica.link.add_lora(adapter) for replica in replicas), return_exceptions=True
-        )
-        outcomes = list(zip(replicas, results, strict=True))
-        failed = [(r, e) for r, e in outcomes if isinstance(e, BaseException)]
-        if failed:
-            loaded = [r for r, e in outcomes if e is None]
-            await _remove_adapter(loaded, adapter)
-            where = ", ".join(f"{replica.name}: {error}" for replica, error in failed)
-            raise RuntimeError(f"LoRA adapter {adapter.name!r} did not load ({where})")
-        for replica in replicas:
-            replica.adapters.add(adapter.name)
-        self._adapters[adapter.int_id] = adapter
-
-    async def unload_adapter(self, int_id: int) -> None:
-        adapter = self._adapters.pop(int_id, None)
-        if adapter is not None:
-            await _remove_adapter([r for r in self.pool if adapter.name in r.adapters], adapter)
-
-    async def update_adapters(self, route: str, body: Any) -> Response:
-        """``/v1/load_lora_adapter`` or ``/v1/unload_lora_adapter`` as vllm serve answers
-        them; unloading also frees the adapter on the engines, which vLLM's layer does not."""
-        frontend = self._frontend
-        if frontend is None:
-            return self.starting().response()
-        models = frontend.models
-        if route == "/v1/load_lora_adapter":
-            load = parse_request(LoadLoRAAdapterRequest, body, "ignore")
-            answer = await models.load_lora_adapter(load, base_model_name=self.name)
-        else:
-            unload = parse_request(UnloadLoRAAdapterRequest, body, "ignore")
-            loaded = models.lora_requests.get(unload.lora_name)
-            answer = await models.unload_lora_adapter(unload)
-            if loaded is not None and not isinstance(answer, ErrorResponse):
-                await self.unload_adapter(loaded.lora_int_id)
-        if isinstance(answer, ErrorResponse):
-            return JSONResponse(answer.model_dump(), status_code=answer.error.code)
-        return Response(answer, media_type="text/plain")
-
-    async def _open_for_vllm(
-        self, request: GenerateRequest, call: FrontendCall
-    ) -> tuple[AsyncIterator[GenerateChunk], dict[str, str]]:
-        """Plan, admit and start one request vLLM's layer made; its first chunk is read
-        here, so a refusal or failure before it becomes ``call.error`` (its own status)."""
-        request.priority = ENGINE_PRIORITY[call.priority]
-        request.deadline = self._deadline()
-        tried: list[str] = []
-        try:
-            plan = self._dispatcher.plan(request, call.priority)
-            self._admit(plan)
-            dispatch, first = await self._open(plan, call.arrival, tried)
-        except OpenAIError as error:
-            call.error = error
-            raise
-        except Exception as error:
-            logger.warning("a request failed before its first token: %s", error)
-            call.error = self._failure(error, " then ".join(tried), started=False)
-            raise
-        self._observer.choices(dispatch.plan)
-        streamed = request.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY
-        relay = self._relay.chunks(dispatch, first, call, streamed)
-        return relay, dispatch.response_headers()
-
-    async def _open(
-        self, plan: Plan, arrival: float, tried: list[str]
-    ) -> tuple[Dispatch, tuple[GenerateChunk, float]]:
-        """Start the plan and wait for its first chunk (and when it came), so that a
-        failure before it is an HTTP status, and a DP request whose replica was
-        unavailable is re-planned once on another healthy replica (nothing was sent).
-        ``tried``: each replica that was asked first, in order, for the error's message."""
-        retried = False
-        while True:
-            tried.append(plan.prefill_replica.name)
-            dispatch = self._dispatcher.start(plan, on_accepted=self._observer.queue_timer(arrival))
-            self._observer.track(dispatch.replicas, +1)
-            try:
-                chunk = await anext(dispatch.stream, None)
-                if chunk is None:
-                    raise EngineFailed("the engine ended the request without output")
-                return dispatch, (chunk, time.perf_counter())
-            except BaseException as error:
-                await self._relay.release(dispatch)
-                elsewhere = None
-                if isinstance(error, EngineUnavailable) and not retried:
-                    elsewhere = self._dispatcher.replan_elsewhere(plan)
-                if elsewhere is None:
-                    raise
-                logger.warning(
-                    "%s unavailable (%s); retrying on %s",
-                    plan.main.replica.name,
-                    error,
-                    elsewhere.main.replica.name,
-                )
-                plan, retried = elsewhere, True
-
-    def _admit_early(self, priority: Priority) -> None:
-        if not self.readiness.is_ready:
-            return  # nothing measured yet; the request waits for readiness below
-        dispatcher = self._dispatcher
-        refusal = self._admission.check(
-            priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
-        )
-        if refusal is not None:
-            self._refuse(refusal, priority)
-
-    def _admit(self, plan: Plan) -> None:
-        estimate = plan.ttft_estimate_s()
-        if estimate is not None:
-            self.metrics.ttft_estimate.labels(plan.prefill_replica.name).set(estimate)
-        refusal = self._admission.check(
-            plan.priority, self._dispatcher.queued_requests, lambda: estimate
-        )
-        if refusal is not None:
-            self._refuse(refusal, plan.priority)
-
-    def _refuse(self, refusal: Refusal, priority: Priority) -> NoReturn:
-        self.metrics.rejections.labels(refusal.reason, priority).inc()
-        raise Rejection(refusal)
-
-    def starting(self) -> OpenAIError:
-        waiting = ", ".join(self.readiness.starting()) or "the router"
-        return OpenAIError(
-            f"the model is not ready yet: {waiting} starting; retry",
-            HTTPStatus.SERVICE_UNAVAILABLE,
-            retry_after_s=max(1.0, self._config.router.ready_wait_s),
-        )
-
-    def _failure(self, error: Exception, names: str, started: bool) -> OpenAIError:
-        """503 with Retry-After where an engine was unavailable before the client got
-        any token, 504 past the request timeout, else 500."""
-        if isinstance(error, TimeoutError):
-            return OpenAIError(
-                f"the request did not finish within router.request_timeout_s"
-                f" ({self._config.router.request_timeout_s:g} s) on {names}; it was aborted",
-                HTTPStatus.GATEWAY_TIMEOUT,
-            )
-        if isinstance(error, EngineUnavailable) and not started:
-            return OpenAIError(
-                f"the engine replica is unavailable ({names}): {error}; retry",
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                retry_after_s=self._config.router.submit_timeout_s,
-            )
-        return OpenAIError(
-            f"the engine replica failed ({names}): {error}", HTTPStatus.INTERNAL_SERVER_ERROR
-        )
-
-    # ---- the model as the ingress reports it ----------------------------------------------
-
-    def model_cards(self) -> list[ModelCard]:
-        """The model's card, then one per LoRA adapter it serves (as vllm serve lists)."""
-        base = ModelCard(
-            id=self.name, owned_by="splitserve", max_model_len=self._prompts.max_model_len
-        )
-        return [base, *self.adapter_cards()]
-
-    async def replica_health(self) -> dict[str, str]:
-        replicas = list(self.pool)
-        states = await asyncio.gather(*(self._replica_health(r) for r in replicas))
-        return {r.name: state for r, state in zip(replicas, states, strict=True)}
-
-    async def check_health(self) -> None:
-        # An engine in this process that dies is restarted here (LocalEngineLink) while
-        # the others serve; only one that will not start again takes its router, and so
-        # every engine, with it.
-        for link in self.local_engines:
-            with contextlib.suppress(EngineFailed):
-                await link.check_health()  # a dead engine starts its own replacement
-            if link.gave_up:
-                raise RuntimeError(f"an engine of {self.name} could not be restarted")
-
-    def close(self) -> None:
-        """Stopping, not dying: no engine is restarted and no stream reconnects from here."""
-        self._runtime.close()
-
     async def _adopt_engines_context(self) -> None:
         """Take the context length the engines derived (vLLM's rules: the model's own,
         capped by max_model_len), so the router refuses what they would refuse."""
-        stats = await asyncio.gather(*(replica.link.stats() for replica in self.pool))
+        stats = await asyncio.gather(*(engine.link.stats() for engine in self.pool))
         reported = [s.max_model_len for s in stats if s.max_model_len]
         if reported and min(reported) != self._prompts.max_model_len:
             logger.info("the engines' context is %d tokens", min(reported))
             self._prompts.max_model_len = min(reported)
 
-    async def _replica_health(self, replica: PooledEngine) -> str:
-        if not replica.link.ready:
-            return "starting"
-        timeout = self._config.router.health_check_timeout_s
-        try:
-            await asyncio.wait_for(replica.link.check_health(), timeout)
-        except Exception as error:
-            return f"unhealthy: {type(error).__name__}"
-        return "ok"
+    # ---- the model as the ingress reports it ----------------------------------------------
+
+    def model_cards(self) -> list[ModelCard]:
+        """The model's card, then one per LoRA adapter it serves (as vllm serve lists)."""
+        max_model_len = self._prompts.max_model_len
+        base = ModelCard(id=self.name, owned_by="splitserve", max_model_len=max_model_len)
+        return [base, *self.adapters.cards(max_model_len)]
+
+    async def engine_health(self) -> dict[str, str]:
+        return await self.readiness.engine_health(self._config.router.health_check_timeout_s)
+
+    async def check_health(self) -> None:
+        await check_local_engines(self._runtime.local_engines, self.name)
+
+    def close(self) -> None:
+        """Stopping, not dying: no engine is restarted and no stream reconnects from here."""
+        self._runtime.close()

@@ -5,24 +5,24 @@ rendering, tool and reasoning parsers, structured outputs, logprob formatting, `
 1, echo, the Responses API, tokenize and detokenize all are vLLM's code. Beneath them
 sits ``DispatchingEngineClient``, vLLM's engine-client interface over our dispatch: each
 ``generate`` is validated by vLLM's input processor (its 400s), admitted, planned and
-relayed as the router's own requests are, and its deltas come back as vLLM's
-``RequestOutput``. Only requests that need none of this take the router's hand-rendered
-path (router/http/ingress.py; why: docs/DECISIONS.md).
+relayed as the router's own requests are (one ``RequestLife``, router/lifecycle.py),
+and its deltas come back as vLLM's ``RequestOutput``. Only requests that need none of
+this take the router's hand-rendered path (router/http/plain_answer.py; why:
+docs/DECISIONS.md).
 
-A call's HTTP side (its arrival, priority, route, the headers saying where it ran, a
-refusal with its status) travels to ``generate`` in a context variable: vLLM's serving
-classes call it with nothing of ours.
+vLLM's serving classes call ``engine_client.generate`` with nothing of ours, so each
+request is served by a shallow copy of its serving class whose engine client is bound to
+the request's life (``_LifeEngineClient``): ``generate`` gets the life as an argument.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import copy
 import threading
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from http import HTTPStatus
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
@@ -50,44 +50,19 @@ from engines.model_source import resolve_model
 from engines.protocol import GenerateChunk, GenerateRequest, LoraAdapter, TokenLogprobs
 from engines.settings import ModelConfig
 from router.http.errors import OpenAIError
-from router.settings import Priority
+from router.lifecycle import RequestLife
 
 T = TypeVar("T")
 # vLLM's response role for chat answers, as `vllm serve` sets it by default.
 RESPONSE_ROLE = "assistant"
 
 
-@dataclass(slots=True)
-class FrontendCall:
-    """One HTTP request served through vLLM's layer, as ``generate`` needs to know it."""
-
-    route: str
-    arrival: float
-    priority: Priority
-    request_id: str
-    # Where the request ran (x-splitserve-*), set once its first token exists.
-    headers: dict[str, str] = field(default_factory=dict)
-    # A refusal or failure before any token: answered with its own status, not vLLM's.
-    error: OpenAIError | None = None
-    # Called once the request has its first token (a key's queue slot is freed).
-    on_first_token: Callable[[], None] | None = None
-
-
-CURRENT_CALL: contextvars.ContextVar[FrontendCall] = contextvars.ContextVar("splitserve_call")
-
-# Opens a planned request on the engines: (the request's chunk stream, the response
-# headers); raises OpenAIError for what is refused or fails before the first token.
-OpenStream = Callable[
-    [GenerateRequest, FrontendCall], Awaitable[tuple[AsyncIterator[GenerateChunk], dict[str, str]]]
-]
-
-
 class AdapterLoader(Protocol):
     """Loads and unloads LoRA adapters on a model's engines (the router's ServedModel)."""
 
-    async def load_adapter(self, adapter: LoraAdapter) -> None: ...
+    async def load(self, adapter: LoraAdapter) -> None: ...
 
-    async def unload_adapter(self, int_id: int) -> None: ...
+    async def unload(self, int_id: int) -> None: ...
 
 
 class DispatchingEngineClient(EngineClient):
@@ -98,9 +73,7 @@ class DispatchingEngineClient(EngineClient):
     interface (sleep, profiling, weight updates) belongs to one engine, not to a router
     of many, and says so."""
 
-    def __init__(
-        self, vllm_config: Any, open_stream: OpenStream, adapters: AdapterLoader | None = None
-    ) -> None:
+    def __init__(self, vllm_config: Any, adapters: AdapterLoader | None = None) -> None:
         from vllm.renderers import renderer_from_config
         from vllm.v1.engine.input_processor import InputProcessor
 
@@ -108,7 +81,6 @@ class DispatchingEngineClient(EngineClient):
         self.model_config = vllm_config.model_config
         self.renderer = renderer_from_config(vllm_config)
         self.input_processor = InputProcessor(vllm_config, self.renderer)
-        self._open_stream = open_stream
         self._adapters = adapters
 
     async def generate(
@@ -117,11 +89,16 @@ class DispatchingEngineClient(EngineClient):
         sampling_params: SamplingParams,
         request_id: str,
         *,
+        life: RequestLife | None = None,
         lora_request: Any = None,
-        # vLLM's priority and the rest: the router's own (the call's) are what count.
+        # vLLM's priority and the rest: the router's own (the life's) are what count.
         **_: Any,
     ) -> AsyncGenerator[RequestOutput, None]:
-        call = CURRENT_CALL.get()
+        """One engine request of ``life`` (a ``_LifeEngineClient`` passes it): vLLM's
+        checks, then planned, admitted, opened and relayed as the router's own path does.
+        A refusal or failure before its first token is the life's answer (``life.error``):
+        vLLM's layer would make a body of its own of what this raises."""
+        assert life is not None, "generate is called through a request's _LifeEngineClient"
         # vLLM's own checks of the parameters and the prompt (what AsyncLLM.generate
         # runs first), so a bad request is the 400 `vllm serve` gives.
         core = self.input_processor.process_inputs(
@@ -142,21 +119,29 @@ class DispatchingEngineClient(EngineClient):
             sampling_params=params,
             lora=None if lora_request is None else _adapter_of(lora_request),
         )
-        stream, headers = await self._open_stream(request, call)
-        call.headers.update(headers)
-        if call.on_first_token is not None:
-            call.on_first_token()
-        outputs = _RequestOutputs(request_id, prompt_ids, params)
         try:
-            if params.output_kind == RequestOutputKind.FINAL_ONLY:
-                async for chunk in stream:
+            opened = await life.open(life.plan(request))
+        except OpenAIError as error:
+            life.error = error
+            raise
+        life.headers.update(opened.headers())
+        whole = params.output_kind == RequestOutputKind.FINAL_ONLY
+        outputs = _RequestOutputs(request_id, prompt_ids, params)
+        chunks = life.relay(opened, streamed=not whole)
+        try:
+            if whole:
+                async for chunk in chunks:
                     outputs.add(chunk)
                 yield outputs.final()
                 return
-            async for chunk in stream:
+            async for chunk in chunks:
                 yield outputs.delta(chunk)
+        except Exception as error:
+            if whole:  # nothing was sent: the response is this status
+                life.error = life.failure_of(opened, error, sent=False)
+            raise
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     # ---- state vLLM's serving layer reads --------------------------------------------
 
@@ -193,13 +178,13 @@ class DispatchingEngineClient(EngineClient):
         for the YAML's adapters and for /v1/load_lora_adapter)."""
         if self._adapters is None:
             raise ValueError("LoRA is not enabled for this model (model.lora_adapters)")
-        await self._adapters.load_adapter(_adapter_of(lora_request))
+        await self._adapters.load(_adapter_of(lora_request))
         return True
 
     async def remove_lora(self, lora_id: int) -> bool:
         if self._adapters is None:
             return False
-        await self._adapters.unload_adapter(lora_id)
+        await self._adapters.unload(lora_id)
         return True
 
     # ---- one engine's operations, which a router of many does not offer ---------------
@@ -504,57 +489,76 @@ class VllmFrontend:
             trust_request_chat_template=options.trust_request_chat_template,
         )
 
-    async def serve(
-        self, request: Any, raw: Request, call: FrontendCall
-    ) -> tuple[Response, HTTPStatus]:
+    async def serve(self, request: Any, raw: Request, life: RequestLife) -> Response:
         """Answer ``request`` as `vllm serve` would; a stream is read up to its first
-        event first, so a refusal or a failure before it is a status of its own."""
-        token = CURRENT_CALL.set(call)
+        event first, so that a refusal or a failure before it is raised as the status of
+        its own (``life.error``) rather than a stream of vLLM's error event."""
+        events = None
         try:
-            result = await self._dispatch(request, raw)
-            events = None
+            result = await self._dispatch(request, raw, life)
             if hasattr(result, "__aiter__"):
-                # Its first step runs generate, which reads the call from CURRENT_CALL.
+                # Its first step runs generate, which opens the request.
                 events = _sse(result) if isinstance(request, ResponsesRequest) else result
                 first = await anext(events, None)
         except Exception as error:  # vLLM raises what it does not return, as its server
-            return self._error(call, error)
-        finally:
-            CURRENT_CALL.reset(token)
-        if call.error is not None:
+            if life.error is not None:
+                raise life.error from error
+            response = create_error_response(error)
+            body = response.model_dump(mode="json")
+            return JSONResponse(body, status_code=response.error.code)
+        if life.error is not None:
             if events is not None:
                 await events.aclose()  # type: ignore[union-attr]
-            return call.error.response(call.headers), call.error.status
+            raise life.error
         if isinstance(result, ErrorResponse):
             body = result.model_dump(mode="json", by_alias=True)
-            return JSONResponse(body, status_code=result.error.code), HTTPStatus(result.error.code)
+            return JSONResponse(body, status_code=result.error.code)
         if events is None:
             body = result.model_dump(mode="json", by_alias=True)
-            return JSONResponse(body, headers=call.headers), HTTPStatus.OK
-        stream = StreamingResponse(
-            _after_first(first, events), media_type="text/event-stream", headers=call.headers
+            return JSONResponse(body, headers=life.headers)
+        return StreamingResponse(
+            _after_first(first, events), media_type="text/event-stream", headers=life.headers
         )
-        return stream, HTTPStatus.OK
 
-    async def _dispatch(self, request: Any, raw: Request) -> Any:
+    async def _dispatch(self, request: Any, raw: Request, life: RequestLife) -> Any:
         if isinstance(request, ChatCompletionRequest):
-            return await self.chat.create_chat_completion(request, raw)
+            return await _bound(self.chat, life).create_chat_completion(request, raw)
         if isinstance(request, CompletionRequest):
-            return await self.completion.create_completion(request, raw)
+            return await _bound(self.completion, life).create_completion(request, raw)
         if isinstance(request, ResponsesRequest):
-            return await self.responses.create_responses(request, raw)
+            return await _bound(self.responses, life).create_responses(request, raw)
         if isinstance(request, TokenizeRequest):
             return await self.tokenization.create_tokenize(request, raw)
         if isinstance(request, DetokenizeRequest):
             return await self.tokenization.create_detokenize(request, raw)
         raise TypeError(f"no vLLM serving class takes {type(request).__name__}")
 
-    def _error(self, call: FrontendCall, error: Exception) -> tuple[Response, HTTPStatus]:
-        if call.error is not None:
-            return call.error.response(call.headers), call.error.status
-        response = create_error_response(error)
-        status = HTTPStatus(response.error.code)
-        return JSONResponse(response.model_dump(mode="json"), status_code=int(status)), status
+
+Serving = TypeVar("Serving")
+
+
+def _bound(serving: Serving, life: RequestLife) -> Serving:
+    """A shallow copy of one of vLLM's serving objects whose engine client passes
+    ``life`` to every ``generate`` it makes (a copy costs microseconds; the rest of the
+    object, its parsers and templates, is shared)."""
+    bound = copy.copy(serving)
+    shared = serving.engine_client  # type: ignore[attr-defined]
+    bound.engine_client = _LifeEngineClient(shared, life)  # type: ignore[attr-defined]
+    return bound
+
+
+class _LifeEngineClient:
+    """The model's ``DispatchingEngineClient`` as one request's serving object sees it."""
+
+    def __init__(self, shared: DispatchingEngineClient, life: RequestLife) -> None:
+        self._shared = shared
+        self._life = life
+
+    def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+        return self._shared.generate(*args, life=self._life, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._shared, name)
 
 
 async def _sse(events: AsyncIterator[Any]) -> AsyncIterator[str]:

@@ -1,1 +1,1 @@
-"""The router's decisions: which replica, where a prompt is computed, who is admitted."""
+"""The router's decisions: which engine, where a prompt is computed, who is admitted."""

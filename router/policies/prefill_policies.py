@@ -2,7 +2,7 @@
 conditional, cost.
 
 ``conditional`` follows the disaggregation chapter's ``should_offload_prefill`` (here
-``should_prefill_remotely``), with two deliberate differences: a busy decode replica
+``should_prefill_remotely``), with two deliberate differences: a busy decode engine
 only sends prompts to a prefill pool that is
 not full (sending more work to a saturated pool lengthens everyone's TTFT, which is the
 chapter's own argument for the queue check), and the priority rules of its QoS section
@@ -49,7 +49,7 @@ class AlwaysRemote:
 
 @PREFILL_POLICIES.register("never")
 class NeverRemote:
-    """The decode replica prefills every prompt (the prefill pool idles)."""
+    """The decode engine prefills every prompt (the prefill pool idles)."""
 
     settings_model: ClassVar[type[StrictModel]] = StrictModel
 
@@ -65,22 +65,22 @@ class ConditionalSettings(StrictModel):
         256, ge=1, description="Tokens left after the prefix-cache hit that make a prompt long."
     )
     prefill_queue_max: int = Field(
-        10, ge=1, description="Prefill requests queued on a replica at which it counts as full."
+        10, ge=1, description="Prefill requests queued on a engine at which it counts as full."
     )
     decode_load_threshold: int = Field(
-        8, ge=1, description="Active requests on the decode replica at which it counts as busy."
+        8, ge=1, description="Active requests on the decode engine at which it counts as busy."
     )
     decode_busy_min_length: int = Field(
         64,
         ge=1,
-        description="A busy decode replica sends prompts of at least this length to the"
+        description="A busy decode engine sends prompts of at least this length to the"
         " prefill pool.",
     )
     remote_ttft_max_s: float | None = Field(
         None,
         gt=0,
         description="With QoS on, a long prompt goes remote only while the prefill pool's"
-        " TTFT estimate for it is at most this, or the decode replica would not start it"
+        " TTFT estimate for it is at most this, or the decode engine would not start it"
         " sooner (unset: qos.ttft_slo_s). Below the objective it leaves room for what the"
         " estimate cannot see: work that arrives after it.",
     )
@@ -92,9 +92,9 @@ class ConditionalSettings(StrictModel):
 
 
 @PREFILL_POLICIES.register("conditional")
-class ConditionalSplit:
-    """Remote when the prompt left after the decode replica's prefix hit is long and the
-    prefill pool has room, or when the decode replica is busy; priorities as in QoS."""
+class ConditionalPolicy:
+    """Remote when the prompt left after the decode engine's prefix hit is long and the
+    prefill pool has room, or when the decode engine is busy; priorities as in QoS."""
 
     settings_model: ClassVar[type[StrictModel]] = ConditionalSettings
 
@@ -152,8 +152,8 @@ def _remote_too_slow_and_local_sooner(
 ) -> bool:
     """With QoS on, a prefill pool that is not full by count can still be too slow: a
     queue of long prompts ahead puts the first token past the objective. Prefilling
-    remotely protects the decode replica's ITL, but not at the price of the TTFT objective when
-    the decode replica would start the prompt sooner."""
+    remotely protects the decode engine's ITL, but not at the price of the TTFT objective when
+    the decode engine would start the prompt sooner."""
     remote = inputs.remote_ttft_s
     limit = policy.remote_ttft_max_s or qos.ttft_slo_s
     return qos.enabled and remote is not None and remote > limit and _local_is_sooner(inputs)
@@ -197,7 +197,7 @@ class CostSettings(StrictModel):
 
 
 @PREFILL_POLICIES.register("cost")
-class CostSplit:
+class CostPolicy:
     """Remote when another engine gives the first token (plus the KV hand-over) sooner,
     or when the decode engine is busy and the other engine stalls fewer streams."""
 

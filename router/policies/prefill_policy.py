@@ -1,5 +1,5 @@
 """PD prefill policy: whether a prompt is computed on the prefill pool (remote) or on
-the decode replica that will generate the answer (local).
+the decode engine that will generate the answer (local).
 
 A policy is a class registered in ``PREFILL_POLICIES`` under the name configs use
 (``prefill_policy.name``), with a ``settings_model`` for the rest of the
@@ -23,13 +23,14 @@ if TYPE_CHECKING:
 Where = Literal["local", "remote"]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PrefillDecision:
     """Where a request's prompt is computed and why: ``remote`` (on a prefill engine, or
     in an auto pool on a peer, its KV then handed to the engine that generates) or
-    ``local`` (on the engine that generates). A policy returns a new one per request;
-    the PD flow amends it where a remote prefill cannot run, so that what is counted and
-    answered (``x-splitserve-prefill``) is where the prompt ran.
+    ``local`` (on the engine that generates). A policy returns one per request; where a
+    planned remote prefill cannot run, the PD flow reports the decision it fell back to
+    (``fallen_back``) before the first token, so that what is counted and answered
+    (``x-splitserve-prefill``) is where the prompt ran.
 
     ``whole_on_peer``: in an auto pool, for a remote decision whose peer would serve
     the whole request better than a remote prefill, the reason it then runs there (local)."""
@@ -42,9 +43,9 @@ class PrefillDecision:
     def remote(self) -> bool:
         return self.where == "remote"
 
-    def fall_back(self, reason: str) -> None:
+    def fallen_back(self, reason: str) -> PrefillDecision:
         """The planned remote prefill did not run: the generating engine computes it."""
-        self.where, self.reason = "local", reason
+        return PrefillDecision("local", reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +53,9 @@ class PrefillInputs:
     """What the dispatcher knows about one prompt when it plans it.
 
     prompt_len: prompt tokens; prefix_cached_len: of those, expected in the decode
-    replica's prefix cache; prefill_queue: prefills queued or running on the prefill
-    replica that would take it; decode_active: requests active on the decode replica;
-    prefill_active: requests active on the prefill replica (in an auto pool, the
+    engine's prefix cache; prefill_queue: prefills queued or running on the prefill
+    engine that would take it; decode_active: requests active on the decode engine;
+    prefill_active: requests active on the prefill engine (in an auto pool, the
     decodes a remote prefill would stall there); the two TTFT estimates count only the
     work queued ahead of this priority; transfer_s: the KV hand-over's expected time
     for this prompt, at the rate the object store measured (None until measured).
@@ -65,8 +66,8 @@ class PrefillInputs:
     prefill_queue: int
     decode_active: int
     priority: Priority
-    # Estimated time to first token of this request, prefilled on the prefill replica or
-    # on the decode replica (router/pool/replica_state.py); None until measured.
+    # Estimated time to first token of this request, prefilled on the prefill engine or
+    # on the decode engine (router/pool/engine_state.py); None until measured.
     remote_ttft_s: float | None = None
     local_ttft_s: float | None = None
     prefill_active: int = 0

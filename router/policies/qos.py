@@ -1,7 +1,7 @@
 """QoS: each request's priority, and whether to admit it.
 
 Admission runs after the dispatcher has planned where a request would go, because the
-TTFT estimate depends on the replica that would compute its prompt. Refusals are cheap
+TTFT estimate depends on the engine that would compute its prompt. Refusals are cheap
 on purpose: no engine is touched, so an overloaded cluster still answers them in
 milliseconds. The policy decides (a ``Refusal``, or None to admit); HTTP says it
 (router/http/errors.py ``rejection``: 429 for a full queue, 503 for a TTFT beyond the
@@ -52,7 +52,7 @@ class AdmissionControl:
         """A Refusal, or None to admit. ``queued``: requests router-wide that
         are still waiting for their first token; ``ttft_estimate_s``: the TTFT estimate
         (None until measured). Each is asked only when a rule needs it: both scan every
-        replica on every request, and most priorities (every one, with QoS off) have no
+        engine on every request, and most priorities (every one, with QoS off) have no
         rule that weighs them."""
         config = self._config
         if not config.enabled:

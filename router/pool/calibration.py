@@ -28,21 +28,21 @@ logger = logging.getLogger("splitserve.router")
 CALIBRATION_OUTPUT_TOKENS = 2
 
 
-async def calibrate_ttft(replicas: Iterable[PooledEngine], prompt_tokens: int, vocab: int) -> None:
-    """One timed prefill of ``prompt_tokens`` random token ids on every replica, at once
+async def calibrate_ttft(engines: Iterable[PooledEngine], prompt_tokens: int, vocab: int) -> None:
+    """One timed prefill of ``prompt_tokens`` random token ids on every engine, at once
     (each engine has its own cores or GPUs)."""
     if prompt_tokens <= 0:
         return
     rng = random.Random(0)
     await asyncio.gather(
         *(
-            _calibrate(replica, [rng.randrange(vocab) for _ in range(prompt_tokens)])
-            for replica in replicas
+            _calibrate(engine, [rng.randrange(vocab) for _ in range(prompt_tokens)])
+            for engine in engines
         )
     )
 
 
-async def _calibrate(replica: PooledEngine, prompt: list[int]) -> None:
+async def _calibrate(engine: PooledEngine, prompt: list[int]) -> None:
     request = GenerateRequest(
         request_id=f"calibration-{uuid.uuid4().hex[:12]}",
         subscriber="",
@@ -51,12 +51,12 @@ async def _calibrate(replica: PooledEngine, prompt: list[int]) -> None:
             max_tokens=CALIBRATION_OUTPUT_TOKENS, temperature=0.0, ignore_eos=True
         ),
     )
-    async for _ in replica.generate(request, prefill_tokens=len(prompt)):
+    async for _ in engine.generate(request, prefill_tokens=len(prompt)):
         pass
-    state = replica.state
+    state = engine.state
     logger.info(
         "%s calibrated: %.3f ms per prefill token, decode step %.1f ms",
-        replica.name,
+        engine.name,
         1000 * (state.prefill_s_per_token.value or 0.0),
         1000 * (state.step_s.value or 0.0),
     )

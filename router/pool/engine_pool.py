@@ -86,7 +86,7 @@ class EnginePool:
             logger.warning(
                 "engine %s left the pool with %d requests still in flight",
                 name,
-                member.in_flight,
+                member.state.in_flight,
             )
         await member.stop()
         logger.info("engine %s (%s) left the pool", member.name, member.role)
@@ -114,5 +114,5 @@ class EnginePool:
 
 
 async def _drained(member: PooledEngine) -> None:
-    while member.in_flight > 0:
+    while member.state.in_flight > 0:
         await asyncio.sleep(DRAIN_POLL_S)

@@ -1,160 +1,194 @@
-"""What each engine replica reports about its load, polled in the background.
+"""What the router knows about one engine when it routes.
 
-The router reads the latest snapshot when it routes; the same numbers are exported
-as gauges so a dashboard (and the tests) see what the router sees.
+Two sources, combined: the router's own counts (exact and instant, but blind to other
+router processes) and the engine's last report (every ``stats_interval_s``, covering all
+routers, but stale by up to that interval plus a transport round trip). Load figures
+take the larger of the two. Beside them: the engine's prefix cache as its KV events
+describe it (or the router's mirror of what it sent, where events are off), and the
+per-token prefill and decode times behind the TTFT estimates admission and the prefill
+policies read.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import math
-import time
-from typing import Any
+from dataclasses import dataclass, field
 
-from engines.protocol import EngineStats
-from kv_transfer import KVRouterSide
-from kv_transfer.metrics import TransferTotals, sum_totals
-from router.observation.metrics import ModelMetrics
-from router.pool.engine_pool import EnginePool
-from router.pool.pooled_engine import PooledEngine
-from router.pool.replica_state import MovingAverage
+from engines.protocol import CacheUpdate, EngineStats
+from router.pool.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
 
-# How vLLM counts prompt tokens whose KV came from another engine (EngineStats).
-TRANSFERRED_TOKENS = "external_kv_transfer"
+# The prefix-cache signals, as metrics label them: the engine's KV events, the mirror.
+KV_EVENTS, MIRROR = "kv_events", "mirror"
 
 
-class TransferCostMeter:
-    """Seconds of KV hand-over per transferred prompt token: between two readings, the
-    engines' put and load seconds over the prompt tokens they report as transferred,
-    averaged over the intervals that moved any."""
+class MovingAverage:
+    """Exponentially weighted; None until the first sample."""
 
-    def __init__(self, ema_weight: float) -> None:
-        self.seconds_per_token = MovingAverage(ema_weight)
-        self._last: tuple[float, int] | None = None
+    def __init__(self, weight: float) -> None:
+        self._weight = weight
+        self.value: float | None = None
 
-    def update(self, totals: TransferTotals, transferred_tokens: int) -> None:
-        seconds = totals.handover_seconds()
-        last, self._last = self._last, (seconds, transferred_tokens)
-        if last is None:
+    def add(self, sample: float) -> None:
+        if self.value is None:
+            self.value = sample
+        else:
+            self.value += self._weight * (sample - self.value)
+
+
+@dataclass(slots=True)
+class PrefillTicket:
+    """One prefill the router has queued on a engine, until its first token."""
+
+    tokens: int
+    tokens_ahead: int
+    submitted_at: float
+    priority: int = 0
+    inside: bool = False  # let into the engine (past the router's prefill gate)
+    closed: bool = False
+
+
+@dataclass
+class EngineState:
+    ema_weight: float = 0.2
+    min_prefill_tokens_per_sample: int = 64
+    # How long a sent prompt's blocks count as cached before the engine's events say so.
+    kv_events_pending_s: float = 0.0
+    in_flight: int = 0
+    queued_prefills: int = 0
+    queued_prefill_tokens: int = 0
+    # Of those: inside the engine already (any priority: it runs them whatever comes),
+    # and still waiting at the router's prefill gate, by vLLM priority (lower first): a
+    # new request waits behind what is inside and what waits with its own or a better
+    # priority, as the gate and the engine order them.
+    inside_tokens: int = 0
+    waiting_tokens_by_priority: dict[int, int] = field(default_factory=dict)
+    engine: EngineStats | None = None
+    prefix: PrefixIndex | None = None
+    # From the engine's KV events, once it sends any (then the signal routing uses).
+    blocks: BlockIndex | None = None
+    # Seconds of time-to-first-token per prefill token queued ahead or in the prompt.
+    prefill_s_per_token: MovingAverage = field(init=False)
+    # Seconds between tokens: the decode step a new prompt is batched into.
+    step_s: MovingAverage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefill_s_per_token = MovingAverage(self.ema_weight)
+        self.step_s = MovingAverage(self.ema_weight)
+
+    # ---- load -----------------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Requests on the engine: the router's own, or the engine's count if larger."""
+        engine = self.engine
+        reported = engine.num_running + engine.num_waiting if engine else 0
+        return max(self.in_flight, reported)
+
+    @property
+    def prefill_queue(self) -> int:
+        """Prefills queued or running on the engine."""
+        engine = self.engine
+        reported = engine.num_waiting if engine else 0
+        if engine is not None and engine.role == "prefill":
+            reported += engine.num_running  # a prefill engine runs nothing but prefills
+        return max(self.queued_prefills, reported)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.engine.kv_cache_usage if self.engine else 0.0
+
+    def update_engine(self, stats: EngineStats) -> None:
+        self.engine = stats
+        if stats.block_size and stats.kv_capacity_blocks:
+            prefix = self.prefix
+            if prefix is None or (prefix.block_size, prefix.capacity_blocks) != (
+                stats.block_size,
+                stats.kv_capacity_blocks,
+            ):
+                self.prefix = PrefixIndex(stats.block_size, stats.kv_capacity_blocks)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def cached_tokens(self, prompt: PromptBlocks) -> int:
+        """Leading prompt tokens the engine holds: by its KV events where it sends them,
+        else by the mirror of what the router sent it."""
+        if self._block_size and self.blocks is not None:
+            return self.blocks.cached_tokens(prompt, self._block_size)
+        return self.prefix.cached_tokens(prompt) if self.prefix else 0
+
+    @property
+    def prefix_signal(self) -> str:
+        return KV_EVENTS if self._block_size and self.blocks is not None else MIRROR
+
+    def cached_tokens_by_signal(self, prompt: PromptBlocks) -> dict[str, int]:
+        """Each available signal's count, for routing and for checking them against vLLM."""
+        counts = {MIRROR: self.prefix.cached_tokens(prompt) if self.prefix else 0}
+        if self._block_size and self.blocks is not None:
+            counts[KV_EVENTS] = self.blocks.cached_tokens(prompt, self._block_size)
+        return counts
+
+    @property
+    def _block_size(self) -> int:
+        return self.engine.block_size if self.engine is not None else 0
+
+    def record_prompt(self, prompt: PromptBlocks) -> None:
+        if self.prefix is not None:
+            self.prefix.record(prompt)
+        if self.blocks is not None and self._block_size:
+            self.blocks.expect(prompt, self._block_size)
+
+    def apply_cache_update(self, update: CacheUpdate) -> None:
+        if self.blocks is None:
+            self.blocks = BlockIndex(self.kv_events_pending_s)
+        self.blocks.apply(update)
+
+    # ---- time to first token --------------------------------------------------------------
+
+    def tokens_ahead(self, priority: int) -> int:
+        """Queued prefill tokens that go before a new request of ``priority``."""
+        waiting = self.waiting_tokens_by_priority
+        return self.inside_tokens + sum(t for p, t in waiting.items() if p <= priority)
+
+    def estimate_ttft_s(self, prefill_tokens: int, priority: int = 0) -> float | None:
+        """Queued prefill work ahead of this priority plus this prompt's, at the measured
+        per-token time, plus one decode step; None until the engine has been measured
+        (the router measures it before admitting anything: router/pool/calibration.py)."""
+        per_token = self.prefill_s_per_token.value
+        if per_token is None:
+            return None
+        step = self.step_s.value or 0.0
+        return (self.tokens_ahead(priority) + prefill_tokens) * per_token + step
+
+    def enqueue_prefill(self, tokens: int, now: float, priority: int = 0) -> PrefillTicket:
+        """A request that must compute ``tokens`` prompt tokens here before its first token;
+        one whose KV was transferred computes none and does not queue."""
+        ahead = self.tokens_ahead(priority)
+        ticket = PrefillTicket(tokens, ahead, now, priority, closed=tokens == 0)
+        if tokens:
+            self.queued_prefills += 1
+            self.queued_prefill_tokens += tokens
+            waiting = self.waiting_tokens_by_priority
+            waiting[priority] = waiting.get(priority, 0) + tokens
+        return ticket
+
+    def enter_engine(self, ticket: PrefillTicket) -> None:
+        """The router let the prefill into the engine: no later arrival overtakes it."""
+        if ticket.closed or ticket.inside:
             return
-        new_seconds, new_tokens = seconds - last[0], transferred_tokens - last[1]
-        # An engine that restarted counts from zero again: no sample from that interval.
-        if new_tokens > 0 and new_seconds >= 0:
-            self.seconds_per_token.add(new_seconds / new_tokens)
+        ticket.inside = True
+        self.waiting_tokens_by_priority[ticket.priority] -= ticket.tokens
+        self.inside_tokens += ticket.tokens
 
-    def estimate_s(self, tokens: int) -> float | None:
-        """The hand-over's expected time for a prompt of ``tokens``; None until measured."""
-        per_token = self.seconds_per_token.value
-        return None if per_token is None else per_token * tokens
-
-
-def transferred_tokens(pool: EnginePool) -> int:
-    """Prompt tokens whose KV the pool's engines report as handed over to them."""
-    return sum(
-        replica.state.engine.prompt_tokens.get(TRANSFERRED_TOKENS, 0)
-        for replica in pool
-        if replica.state.engine is not None
-    )
-
-
-def summed_transfer_totals(pool: EnginePool) -> TransferTotals | None:
-    """Every engine's transfer statistics added up; None where none moved KV."""
-    reported = [
-        replica.state.engine.kv_transfer
-        for replica in pool
-        if replica.state.engine is not None and replica.state.engine.kv_transfer is not None
-    ]
-    return sum_totals(reported) if reported else None
-
-
-logger = logging.getLogger("splitserve.router")
-
-
-class EngineStatePoller:
-    def __init__(
-        self,
-        pool: EnginePool,
-        metrics: ModelMetrics,
-        interval_s: float,
-        unhealthy_after_failed_polls: int,
-        kv: KVRouterSide | None = None,
-        ema_weight: float = 0.2,
-        kv_interval_s: float = 1.0,
-    ) -> None:
-        self._pool = pool
-        self._metrics = metrics
-        self._interval_s = interval_s
-        self._kv = kv
-        self._kv_interval_s = kv_interval_s
-        self._kv_polled_at = -math.inf
-        self._unhealthy_after = unhealthy_after_failed_polls
-        self._failed_polls: dict[str, int] = {}
-        # The engines' summed transfer statistics and the KV backend's ledger as last
-        # read (PD only), rendered at scrape time.
-        self.kv_transfer_totals: TransferTotals | None = None
-        self.kv_ledger: dict[str, Any] | None = None
-        self.transfer_cost = TransferCostMeter(ema_weight)
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            started = time.perf_counter()
-            polls = [self._poll(replica) for replica in self._pool]
-            # The ledger is a call to the backend (the directory actor): read it less often
-            # than the engines' load, and measure the hand-over over the same span, long
-            # enough that a transfer's seconds and its tokens fall in the same one.
-            kv_due = self._kv is not None and started - self._kv_polled_at >= self._kv_interval_s
-            if kv_due and self._kv is not None:
-                self._kv_polled_at = started
-                polls.append(self._poll_kv_ledger(self._kv))
-            await asyncio.gather(*polls)
-            self.kv_transfer_totals = summed_transfer_totals(self._pool)
-            if kv_due and self.kv_transfer_totals is not None:
-                self.transfer_cost.update(self.kv_transfer_totals, transferred_tokens(self._pool))
-            elapsed = time.perf_counter() - started
-            await asyncio.sleep(max(0.0, self._interval_s - elapsed))
-
-    async def _poll_kv_ledger(self, kv: KVRouterSide) -> None:
-        try:
-            self.kv_ledger = await asyncio.wait_for(
-                kv.ledger_snapshot(), timeout=max(1.0, 5 * self._interval_s)
-            )
-        except Exception as error:
-            logger.debug("no KV ledger: %s", error)
-
-    async def _poll(self, replica: PooledEngine) -> None:
-        try:
-            stats: EngineStats = await asyncio.wait_for(
-                replica.link.stats(), timeout=max(1.0, 5 * self._interval_s)
-            )
-        except Exception as error:  # a replica that is starting or gone: keep the last view
-            logger.debug("no stats from %s: %s", replica.name, error)
-            failures = self._failed_polls.get(replica.name, 0) + 1
-            self._failed_polls[replica.name] = failures
-            if failures >= self._unhealthy_after:
-                replica.healthy = False
+    def finish_prefill(self, ticket: PrefillTicket, now: float, first_token: bool) -> None:
+        """The first token arrived (a time sample) or the request ended without one."""
+        if ticket.closed:
             return
-        self._failed_polls[replica.name] = 0
-        replica.healthy = True
-        replica.state.update_engine(stats)
-        labels = (replica.name, replica.role)
-        gauges = self._metrics
-        gauges.engine_requests.labels(*labels, "running").set(stats.num_running)
-        gauges.engine_requests.labels(*labels, "waiting").set(stats.num_waiting)
-        gauges.engine_requests.labels(*labels, "unfinished").set(stats.num_unfinished)
-        gauges.engine_kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
-        for source, tokens in stats.prompt_tokens.items():
-            gauges.engine_prompt_tokens.labels(*labels, source).set(tokens)
-        gauges.engine_stats_age.labels(*labels).set(max(0.0, time.time() - stats.reported_at))
-        state = replica.state
-        if state.prefill_s_per_token.value is not None:
-            gauges.prefill_seconds_per_token.labels(replica.name).set(
-                state.prefill_s_per_token.value
-            )
-        if state.step_s.value is not None:
-            gauges.decode_step_seconds.labels(replica.name).set(state.step_s.value)
+        ticket.closed = True
+        self.queued_prefills -= 1
+        self.queued_prefill_tokens -= ticket.tokens
+        if ticket.inside:
+            self.inside_tokens -= ticket.tokens
+        else:
+            self.waiting_tokens_by_priority[ticket.priority] -= ticket.tokens
+        work = ticket.tokens_ahead + ticket.tokens
+        if first_token and work >= self.min_prefill_tokens_per_sample:
+            self.prefill_s_per_token.add((now - ticket.submitted_at) / work)

@@ -29,8 +29,8 @@ from engines.protocol import (
     LoraAdapter,
 )
 from router.policies.prefill_gate import PrefillGate
+from router.pool.engine_state import EngineState, PrefillTicket
 from router.pool.mailbox import DeltaMailbox
-from router.pool.replica_state import PrefillTicket, ReplicaState
 from splitserve.processes import ENGINE_CANNOT_START
 
 logger = logging.getLogger("splitserve.router")
@@ -197,7 +197,7 @@ class _GatePass:
 
 class PooledEngine:
     """One engine as the router's pool holds it: its link, what the router knows of its
-    load and cache (``ReplicaState``), and its requests' mailboxes. (Not vLLM's
+    load and cache (``EngineState``), and its requests' mailboxes. (Not vLLM's
     ``EngineClient``, which router/http/vllm_frontend.py implements over the dispatch.)"""
 
     def __init__(
@@ -206,14 +206,14 @@ class PooledEngine:
         role: str,
         link: EngineLink,
         submit_timeout_s: float,
-        state: ReplicaState | None = None,
+        state: EngineState | None = None,
         gate: PrefillGate | None = None,
     ) -> None:
         self.name = name
         self.role = role
-        self.state = state or ReplicaState()
+        self.state = state or EngineState()
         # False from a broken delta stream or failed stats poll until a poll succeeds again;
-        # the dispatcher routes around unhealthy replicas where it has a choice.
+        # the dispatcher routes around unhealthy engines where it has a choice.
         self.healthy = True
         # The LoRA adapters this engine has loaded, by name: the dispatcher prefers an
         # engine that holds a request's adapter (another would load it first).
@@ -229,14 +229,6 @@ class PooledEngine:
     def link(self) -> EngineLink:
         return self._link
 
-    @property
-    def in_flight(self) -> int:
-        return self.state.in_flight
-
-    @in_flight.setter
-    def in_flight(self, value: int) -> None:
-        self.state.in_flight = value
-
     def start(self) -> None:
         if self._listener is None:
             self._listener = asyncio.get_running_loop().create_task(self._listen())
@@ -249,9 +241,7 @@ class PooledEngine:
 
     def shutdown_link(self) -> None:
         """Shut down what the link holds (an engine in this process); any thread."""
-        shutdown = getattr(self._link, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self._link.shutdown()
 
     async def stop(self) -> None:
         """Stop listening to the engine's deltas (the router is going away)."""
@@ -269,10 +259,10 @@ class PooledEngine:
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Deltas of one request; closing the iterator early aborts it in the engine.
 
-        ``prefill_tokens``: prompt tokens this replica must compute before the first token
+        ``prefill_tokens``: prompt tokens this engine must compute before the first token
         (the prompt less the expected prefix-cache hit; 0 when the KV comes from a prefill
-        replica), queued in the replica's state until that token arrives. ``on_accepted``
-        is called once the engine replica has taken the request.
+        engine), queued in the engine's state until that token arrives. ``on_accepted``
+        is called once the engine has taken the request.
         """
         self.start()
         request.subscriber = self._subscriber

@@ -1,11 +1,11 @@
-"""What each engine replica holds in its prefix cache, as the router sees it.
+"""What each engine holds in its prefix cache, as the router sees it.
 
 vLLM caches KV per full block and finds a prompt's cached prefix by chaining block
 hashes, each over its parent's hash and its own tokens; the router chains its own
 hashes the same way (``engines.kv_events.chain_hash``). Two sources:
 - ``BlockIndex``: the engine's own KV events (engines/kv_events.py), exact, evictions
   included; used wherever the engine publishes them.
-- ``PrefixIndex``: a mirror of what the router sent, bounded by the replica's KV capacity
+- ``PrefixIndex``: a mirror of what the router sent, bounded by the engine's KV capacity
   and forgetting least recently used blocks first, as vLLM's free-block queue does; it
   cannot see evictions forced by other traffic (the fallback where events are off).
 Both are checked against the ``num_cached_tokens`` vLLM reports
@@ -29,7 +29,7 @@ PENDING_SWEEP_SLACK = 4096
 
 class PromptBlocks:
     """A prompt's chained block hashes, computed once per block size however many
-    replicas are asked about it."""
+    engines are asked about it."""
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self.token_ids = token_ids
@@ -126,7 +126,7 @@ class BlockIndex:
 
 
 class PrefixIndex:
-    """One replica's cached blocks as the router believes them, least recently used first."""
+    """One engine's cached blocks as the router believes them, least recently used first."""
 
     def __init__(self, block_size: int, capacity_blocks: int) -> None:
         if block_size < 1 or capacity_blocks < 1:
@@ -139,11 +139,11 @@ class PrefixIndex:
         return len(self._blocks)
 
     def cached_tokens(self, prompt: PromptBlocks) -> int:
-        """Leading prompt tokens this replica should find in its prefix cache."""
+        """Leading prompt tokens this engine should find in its prefix cache."""
         return leading_hits(prompt, self.block_size, self._blocks)
 
     def record(self, prompt: PromptBlocks) -> None:
-        """The replica computed (or loaded) this prompt: its full blocks are now cached."""
+        """The engine computed (or loaded) this prompt: its full blocks are now cached."""
         blocks, to_end = self._blocks, self._blocks.move_to_end
         for block_hash in prompt.hashes(self.block_size):
             blocks[block_hash] = None

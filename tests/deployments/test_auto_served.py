@@ -5,7 +5,7 @@ other with the same greedy tokens as one engine gives.
 The YAML's cost policy decides by load, which a test cannot steer; this module serves
 auto.yaml with ``prefill_policy.name: always`` (every prompt prefilled on the engine that
 does not decode it), so each engine is producer and consumer many times over. The cost
-policy's decisions are tested without a cluster (tests/router/policies/test_cost_split.py,
+policy's decisions are tested without a cluster (tests/router/policies/test_cost_policy.py,
 test_auto_pool.py).
 """
 

@@ -210,7 +210,7 @@ def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
         ),
         (
             {"shape": "dp", "pools": [{"replicas": 2}], "router": {"replica_choice": "random"}},
-            "router.replica_choice: unknown replica choice 'random'; registered: least_loaded,"
+            "router.replica_choice: unknown engine choice 'random'; registered: least_loaded,"
             " prefix_affinity, round_robin",
         ),
         (

@@ -60,9 +60,9 @@ def test_registries_pickle_by_reference() -> None:
     from engines.backends import ENGINE_BACKENDS
     from kv_transfer.backend_registry import KV_BACKENDS
     from loadgen.config import ARRIVALS, WORKLOADS
+    from router.policies.engine_choice import ENGINE_CHOICES
     from router.policies.prefill_policy import PREFILL_POLICIES
-    from router.policies.replica_choice import REPLICA_CHOICES
 
     for registry in (ENGINE_BACKENDS, KV_BACKENDS, ARRIVALS, WORKLOADS, PREFILL_POLICIES,
-                     REPLICA_CHOICES):  # fmt: skip
+                     ENGINE_CHOICES):  # fmt: skip
         assert pickle.loads(pickle.dumps(registry)) is registry

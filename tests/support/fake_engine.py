@@ -3,7 +3,8 @@
 It answers each submitted request with ``max_tokens`` tokens on its subscriber's delta
 stream, as an engine host would; a prefill request (``do_remote_decode``) gets a KV
 handle with its last delta, as the object-store connector's would. ``fail`` makes it
-end requests with a GenerateFailure instead.
+end requests with a GenerateFailure instead. It implements the whole ``EngineLink``
+contract (mypy checks ``_as_link``), LoRA adapters included.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from engines.contract import EngineLink
 from engines.delta_streams import DeltaStreams
 from engines.protocol import (
     CONTINUE_FROM,
@@ -21,6 +23,7 @@ from engines.protocol import (
     GenerateChunk,
     GenerateFailure,
     GenerateRequest,
+    LoraAdapter,
 )
 from kv_transfer.handle import remote_decode_params, remote_prefill_params
 
@@ -35,6 +38,8 @@ class FakeEngineLink:
         self.fail = False
         self.submitted: list[GenerateRequest] = []
         self.aborted: list[str] = []
+        self.adapters: set[str] = set()
+        self.shut_down = False
         self._streams = DeltaStreams()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -63,6 +68,15 @@ class FakeEngineLink:
     def ready(self) -> bool:
         return True
 
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        self.adapters.add(adapter.name)
+
+    async def remove_lora(self, adapter: LoraAdapter) -> None:
+        self.adapters.discard(adapter.name)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
     async def _answer(self, request: GenerateRequest) -> None:
         outbox = self._streams.outbox(request.subscriber)
         await asyncio.sleep(0)
@@ -89,6 +103,10 @@ class FakeEngineLink:
             )
             outbox.put_nowait((request.request_id, chunk))
             await asyncio.sleep(0)
+
+
+def _as_link(link: FakeEngineLink) -> EngineLink:
+    return link  # mypy: the fake is a whole EngineLink
 
 
 def handle_of(link: FakeEngineLink) -> dict[str, Any]:

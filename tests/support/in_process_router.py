@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
@@ -20,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.http_util import RequestIdMiddleware
 from starlette.requests import Request
+from starlette.responses import Response
 
 from deployments.app import engine_names, engine_spec
 from deployments.config import AppConfig, parse_app_config
@@ -80,6 +82,39 @@ def http_request(
         "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
     }
     return Request(scope, receive)
+
+
+@dataclass
+class Sent:
+    """What a response sent over ASGI: its status, headers and whole body."""
+
+    status_code: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+
+async def answer(route: Callable[[Request], Awaitable[Response]], request: Request) -> Sent:
+    """What ``route`` (a method of the router) sends for ``request``: a route's response
+    makes its answer as it is sent (router/http/life_response.py)."""
+    return await sent(await route(request))
+
+
+async def sent(response: Response) -> Sent:
+    """``response`` as a server sends it over ASGI."""
+    out = Sent()
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            out.status_code = message["status"]
+            out.headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
+        elif message["type"] == "http.response.body":
+            out.body += message.get("body", b"")
+
+    await response({"type": "http", "method": "POST", "path": "/"}, receive, send)
+    return out
 
 
 def chat_body(content: str = "hi", **fields: Any) -> bytes:

@@ -191,7 +191,7 @@ async def test_a_hand_over_reaches_the_routers_cost_meter_as_a_real_engines_does
         await ready(client, timeout_s=20)
         model = only_model(router)
         host = model.pool.get("decode-0").link._host
-        meter = model.engine_state.transfer_cost
+        meter = model.stats_poller.transfer_cost
         _, response = await _complete(client, max_tokens=2)
         # The meter's first reading, with the first hand-over: the next one gives a sample.
         await until(lambda: meter._last is not None, timeout_s=5)

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from router.lifecycle import RequestLife
 from tests.support.in_process_router import (
     CHAT,
     COMPLETIONS,
@@ -557,7 +558,7 @@ async def test_a_priority_past_its_queue_cap_is_a_429_with_retry_after() -> None
         await ready(client)
         assert (await client.post(COMPLETIONS, json=completion(max_tokens=1))).status_code == 200
         waiting = asyncio.create_task(client.post(CHAT, json=chat()))  # for the next step
-        await until(lambda: only_model(router)._dispatcher.queued_requests() == 1)
+        await until(lambda: only_model(router).lifecycle.dispatcher.queued_requests() == 1)
         for priority in ("normal", "low"):
             response = await client.post(CHAT, json=chat(), headers={"x-priority": priority})
             message = openai_error(response, 429, "RateLimitError", None)
@@ -627,7 +628,7 @@ async def test_a_keys_queue_cap_is_a_429_with_auths_retry_after() -> None:
         warm = await client.post(COMPLETIONS, json=completion(max_tokens=1), headers=team)
         assert warm.status_code == 200  # its place came back with its first token
         waiting = asyncio.create_task(client.post(CHAT, json=chat(), headers=team))
-        await until(lambda: only_model(router)._dispatcher.queued_requests() == 1)
+        await until(lambda: only_model(router).lifecycle.dispatcher.queued_requests() == 1)
         response = await client.post(CHAT, json=chat(), headers=team)
         message = openai_error(response, 429, "RateLimitError", None)
         assert "the API key 'team' already has 1 requests waiting" in message
@@ -702,7 +703,9 @@ async def test_metrics_are_prometheus_text_counting_requests_by_status(
 # ---- statuses through vLLM's serving layer ------------------------------------------------------
 
 
-async def test_through_vllms_layer_a_qos_refusal_keeps_its_503_and_retry_after() -> None:
+async def test_through_vllms_layer_a_qos_refusal_keeps_its_503_and_retry_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     args = {
         "engine": {"backend": "synthetic", "step_interval_s": 0.3},
         "qos": {"enabled": True, "early_rejection_s": {"low": 0.1}, "retry_after_s": 7},
@@ -710,7 +713,7 @@ async def test_through_vllms_layer_a_qos_refusal_keeps_its_503_and_retry_after()
     async with in_process_router(**args) as router, http_client(router) as client:
         await ready(client)
         # Past the early check (no queue yet), refused once planned: in generate.
-        only_model(router)._admit_early = lambda priority: None
+        monkeypatch.setattr(RequestLife, "admit_early", lambda life: None)
         for stream in (False, True):
             body = chat(max_tokens=1, n=2, stream=stream)
             response = await client.post(CHAT, json=body, headers={"x-priority": "low"})
@@ -754,7 +757,7 @@ async def test_through_vllms_layer_a_client_that_leaves_frees_the_engine() -> No
                 if line.startswith("data: {"):
                     break  # the client leaves after its first event
         replica = only_model(router).pool.get("engine-0")
-        await until(lambda: replica.in_flight == 0 and not replica.link._host._running)
+        await until(lambda: replica.state.in_flight == 0 and not replica.link._host._running)
 
 
 async def test_through_vllms_layer_the_pools_engine_limits_hold() -> None:

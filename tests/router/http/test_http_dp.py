@@ -85,12 +85,12 @@ async def test_a_busy_replica_is_passed_over_by_least_loaded_only(
     async with dp(**args) as (router, client):
         engine_0 = only_model(router).pool.get("engine-0")
         busy = asyncio.create_task(client.post(COMPLETIONS, json=completion(max_tokens=500)))
-        await until(lambda: engine_0.in_flight == 1)
+        await until(lambda: engine_0.state.in_flight == 1)
         assert await replicas_of(client, [[1]] * 3) == expected
-        assert engine_0.in_flight == 1  # busy throughout (500 steps: 10 s)
+        assert engine_0.state.in_flight == 1  # busy throughout (500 steps: 10 s)
         busy.cancel()  # the client leaves
         await asyncio.gather(busy, return_exceptions=True)
-        await until(lambda: engine_0.in_flight == 0)
+        await until(lambda: engine_0.state.in_flight == 0)
 
 
 @pytest.fixture

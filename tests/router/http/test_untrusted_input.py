@@ -20,7 +20,7 @@ from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from router.http.errors import OpenAIError
 from router.http.requests import PromptBuilder, RequestValidator, parse_request
 from router.settings import RouterConfig
-from tests.support.in_process_router import chat_body, http_request, in_process_router
+from tests.support.in_process_router import answer, chat_body, http_request, in_process_router
 
 CHAT = "/v1/chat/completions"
 # Nested loops that cost the renderer about half a second here and write two characters;
@@ -159,15 +159,17 @@ async def test_a_body_over_the_limit_is_a_413_declared_or_not(tokenizer: Any) ->
 async def test_the_router_answers_a_large_body_with_413_and_a_trusted_template() -> None:
     args = {"router": {"max_request_bytes": 4096, "trust_request_chat_template": True}}
     async with in_process_router(**args) as router:
-        large = await router.chat_completions(http_request(CHAT, chat_body("a" * 5000)))
+        large = await answer(router.chat_completions, http_request(CHAT, chat_body("a" * 5000)))
         assert large.status_code == 413
         template = "{{ bos_token }}{{ messages[0]['content'] }}"
-        trusted = await router.chat_completions(
-            http_request(CHAT, chat_body(chat_template=template))
+        trusted = await answer(
+            router.chat_completions, http_request(CHAT, chat_body(chat_template=template))
         )
         assert trusted.status_code == 200
     async with in_process_router() as router:
-        refused = await router.chat_completions(http_request(CHAT, chat_body(chat_template=BOMB)))
+        refused = await answer(
+            router.chat_completions, http_request(CHAT, chat_body(chat_template=BOMB))
+        )
         assert refused.status_code == 400
         assert b'"param":"chat_template"' in refused.body
 
@@ -224,8 +226,10 @@ async def test_a_large_prompt_is_tokenized_off_the_event_loop() -> None:
     # Baseline: everything on the loop, as before (a threshold above the body's size).
     for name, inline_bytes in (("on_loop", len(body)), ("off_loop", 0)):
         async with in_process_router(router={"inline_prepare_max_bytes": inline_bytes}) as router:
-            await router.chat_completions(http_request(CHAT, chat_body()))  # warm
-            response, ticks = await ticks_during(router.chat_completions(http_request(CHAT, body)))
+            await answer(router.chat_completions, http_request(CHAT, chat_body()))  # warm
+            response, ticks = await ticks_during(
+                answer(router.chat_completions, http_request(CHAT, body))
+            )
             assert response.status_code == 400  # over the context, once it is tokenized
             assert b"maximum context length" in response.body
             outcomes[name] = ticks

@@ -1,4 +1,4 @@
-"""What the router records of each request as it runs (router/observation/requests.py),
+"""What the router records of each request as it lives (router/observation/requests.py),
 read back from its registry."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from router.observation.metrics import RouterMetrics
-from router.observation.requests import RequestObserver
+from router.observation.requests import RequestMetrics
 from router.policies.prefill_policy import PrefillDecision
 
 
@@ -18,20 +18,20 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def _observer() -> tuple[RequestObserver, CollectorRegistry]:
+def _observer() -> tuple[RequestMetrics, CollectorRegistry]:
     metrics = RouterMetrics().for_model("m")
     dispatcher: Any = SimpleNamespace(policy_of=lambda choice, prefill: "round_robin")
-    return RequestObserver(metrics, "pd", dispatcher, None, None), metrics.registry
+    return RequestMetrics(metrics, "pd", dispatcher, None, None), metrics.registry
 
 
-def test_in_flight_counts_follow_starts_and_ends() -> None:
+def test_in_flight_gauges_show_the_engines_state_and_starts_are_counted() -> None:
     observer, registry = _observer()
-    engines: Any = [SimpleNamespace(name="prefill-0", role="prefill", in_flight=0)]
-    observer.track(engines, +1)
-    observer.track(engines, +1)
-    observer.track(engines, -1)
+    state = SimpleNamespace(in_flight=0)
+    engines: Any = [SimpleNamespace(name="prefill-0", role="prefill", state=state)]
+    for change in (+1, +1, -1):
+        state.in_flight += change
+        observer.in_flight(engines, started=change > 0)
     labels = {"replica": "prefill-0", "role": "prefill"}
-    assert engines[0].in_flight == 1
     assert _value(registry, "splitserve_replica_in_flight_requests", **labels) == 1
     assert _value(registry, "splitserve_replica_requests_total", **labels) == 2
 
@@ -54,7 +54,7 @@ def test_a_prefix_estimate_is_set_beside_what_vllm_found_unless_the_prompt_moved
     def dispatch(reason: str) -> Any:
         return SimpleNamespace(
             decision=PrefillDecision("remote", reason),
-            prefill_replica=SimpleNamespace(name="prefill-0"),
+            prefill_engine=SimpleNamespace(name="prefill-0"),
             expected_cached_tokens=128,
             plan=SimpleNamespace(cached_by_signal={"kv_events": 128}),
         )
@@ -71,8 +71,7 @@ def test_a_prefix_estimate_is_set_beside_what_vllm_found_unless_the_prompt_moved
 
 def test_where_each_prompt_ran_is_counted_once_it_ends() -> None:
     observer, registry = _observer()
-    decision = PrefillDecision("remote", "long_prompt")
-    decision.fall_back("prefill_failed")
+    decision = PrefillDecision("remote", "long_prompt").fallen_back("prefill_failed")
     observer.prefill_decided(decision)
     decisions = "splitserve_prefill_decisions_total"
     assert _value(registry, decisions, where="local", reason="prefill_failed") == 1

@@ -198,4 +198,4 @@ def test_an_engine_that_cannot_take_a_request_is_replanned_on_the_other() -> Non
     elsewhere = pool.dispatcher.replan_elsewhere(plan)
 
     assert elsewhere is not None
-    assert elsewhere.main.replica.name != plan.main.replica.name
+    assert elsewhere.main.engine.name != plan.main.engine.name

@@ -11,18 +11,18 @@ import pytest
 from engines.protocol import EngineStats
 from router.http.errors import Rejection
 from router.http.requests import take_priority
-from router.policies.prefill_policies import ConditionalSettings, should_prefill_remotely
-from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
-from router.policies.qos import AdmissionControl, Refusal
-from router.policies.replica_choices import (
+from router.policies.engine_choices import (
     LeastLoaded,
     PrefixAffinity,
     PrefixAffinitySettings,
     RoundRobin,
 )
+from router.policies.prefill_policies import ConditionalSettings, should_prefill_remotely
+from router.policies.prefill_policy import PrefillDecision, PrefillInputs, make_prefill_policy
+from router.policies.qos import AdmissionControl, Refusal
+from router.pool.engine_state import EngineState
 from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PrefixIndex, PromptBlocks
-from router.pool.replica_state import ReplicaState
 from router.settings import Priority, QoSConfig
 
 # The chapter's tunables: 256-token threshold, queue of 10, 8 active decodes, 64 tokens.
@@ -115,7 +115,7 @@ def test_prefix_index_forgets_least_recently_used_beyond_capacity() -> None:
 
 
 def _replica(name: str, active: int = 0, kv: float = 0.0) -> PooledEngine:
-    state = ReplicaState()
+    state = EngineState()
     state.update_engine(
         EngineStats(
             replica=name,
@@ -135,18 +135,18 @@ PROMPT = PromptBlocks(list(range(40)))
 def test_round_robin_takes_turns_whatever_the_load() -> None:
     replicas = [_replica("a", active=9), _replica("b")]
     choice = RoundRobin()
-    chosen = [choice.choose(replicas, PROMPT).replica.name for _ in range(4)]
+    chosen = [choice.choose(replicas, PROMPT).engine.name for _ in range(4)]
     assert chosen == ["a", "b", "a", "b"]
 
 
 def test_least_loaded_prefers_fewer_requests_then_emptier_cache() -> None:
     busy, idle_full, idle_empty = _replica("busy", 3), _replica("f", 0, 0.9), _replica("e", 0, 0.1)
-    assert LeastLoaded().choose([busy, idle_full, idle_empty], PROMPT).replica is idle_empty
+    assert LeastLoaded().choose([busy, idle_full, idle_empty], PROMPT).engine is idle_empty
     busy.state.in_flight = 0
     busy.state.update_engine(EngineStats(replica="busy", role="mixed", num_waiting=0))
     # The router's own in-flight count counts even before the engine reports it.
     idle_empty.state.in_flight = 5
-    assert LeastLoaded().choose([idle_full, idle_empty], PROMPT).replica is idle_full
+    assert LeastLoaded().choose([idle_full, idle_empty], PROMPT).engine is idle_full
 
 
 def test_a_prefill_replica_is_as_loaded_as_its_prefill_queue() -> None:
@@ -155,7 +155,7 @@ def test_a_prefill_replica_is_as_loaded_as_its_prefill_queue() -> None:
         replica.role = "prefill"
     decoding.state.in_flight = 6  # requests whose decode runs elsewhere by now
     queued.state.enqueue_prefill(500, now=0.0)
-    assert LeastLoaded().choose([queued, decoding], PROMPT).replica is decoding
+    assert LeastLoaded().choose([queued, decoding], PROMPT).engine is decoding
 
 
 def test_prefix_affinity_follows_the_hit_until_the_load_guard() -> None:
@@ -175,7 +175,7 @@ def test_prefix_affinity_follows_the_hit_until_the_load_guard() -> None:
 
 
 def test_ttft_estimate_learns_per_token_time_from_first_tokens() -> None:
-    state = ReplicaState(ema_weight=0.5, min_prefill_tokens_per_sample=64)
+    state = EngineState(ema_weight=0.5, min_prefill_tokens_per_sample=64)
     assert state.estimate_ttft_s(100) is None  # not measured yet: admit
     first = state.enqueue_prefill(100, now=0.0)
     second = state.enqueue_prefill(300, now=0.0)
@@ -191,7 +191,7 @@ def test_ttft_estimate_learns_per_token_time_from_first_tokens() -> None:
 
 
 def test_short_and_aborted_prefills_do_not_teach_the_estimate() -> None:
-    state = ReplicaState(min_prefill_tokens_per_sample=64)
+    state = EngineState(min_prefill_tokens_per_sample=64)
     state.finish_prefill(state.enqueue_prefill(10, now=0.0), now=1.0, first_token=True)
     state.finish_prefill(state.enqueue_prefill(500, now=0.0), now=1.0, first_token=False)
     assert state.prefill_s_per_token.value is None
@@ -306,7 +306,7 @@ async def test_a_waiter_that_gives_up_passes_its_turn_on() -> None:
 
 
 def test_the_estimate_counts_what_is_inside_and_what_waits_ahead_of_the_priority() -> None:
-    state = ReplicaState()
+    state = EngineState()
     state.prefill_s_per_token.add(0.001)
     inside = state.enqueue_prefill(500, now=0.0, priority=2)
     state.enter_engine(inside)  # a low-priority prompt already in the engine

@@ -51,7 +51,7 @@ async def _serve(dispatcher: Dispatcher, request_id: str, max_tokens: int = 3) -
     dispatch = dispatcher.start(plan)
     chunks = [chunk async for chunk in dispatch.stream]
     assert chunks[-1].finish_reason == "length"
-    return plan.main.replica.name
+    return plan.main.engine.name
 
 
 async def test_a_member_added_takes_requests_and_one_removed_takes_none() -> None:
@@ -75,15 +75,15 @@ async def test_a_member_that_leaves_finishes_its_requests_first() -> None:
     dispatcher = Dispatcher(CONFIG.ingress_settings(), pool)
     await _ready(pool)
     plan = dispatcher.plan(_request("long", 200), "normal")
-    leaving = plan.main.replica
+    leaving = plan.main.engine
     dispatch = dispatcher.start(plan)
-    leaving.in_flight += 1  # as the router counts it (router/http/ingress.py _track)
+    leaving.state.in_flight += 1  # as a request's life counts it (router/lifecycle.py)
     first = await anext(dispatch.stream)
     removal = asyncio.create_task(pool.remove(leaving.name, drain_timeout_s=WAIT_S))
     await asyncio.sleep(0)
     assert leaving.name not in pool.names  # no new request goes there
     rest = [chunk async for chunk in dispatch.stream]
-    leaving.in_flight -= 1
+    leaving.state.in_flight -= 1
     assert await asyncio.wait_for(removal, WAIT_S) is leaving
     tokens = [first, *rest]
     assert sum(len(chunk.token_ids) for chunk in tokens) == 200

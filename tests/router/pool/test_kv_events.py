@@ -8,8 +8,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from engines.kv_events import BlockNames
 from engines.protocol import CacheUpdate
+from router.pool.engine_state import KV_EVENTS, MIRROR, EngineState
 from router.pool.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
-from router.pool.replica_state import KV_EVENTS, MIRROR, ReplicaState
 
 BLOCK = 4
 PROMPT = list(range(100, 113))  # three full blocks and one token
@@ -94,7 +94,7 @@ def test_two_engine_blocks_of_one_content_stay_until_both_are_gone() -> None:
 def test_a_replica_routes_by_events_once_it_has_them_and_reports_both_signals() -> None:
     from engines.protocol import EngineStats
 
-    state = ReplicaState()
+    state = EngineState()
     state.update_engine(
         EngineStats(replica="e", role="mixed", block_size=BLOCK, kv_capacity_blocks=100)
     )

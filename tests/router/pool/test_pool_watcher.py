@@ -66,12 +66,12 @@ def test_members_follow_serves_replicas_and_leave_after_their_requests() -> None
         seen["links"] = {type(m.link) for m in pool}
 
         leaving = pool.get("decode-r1")
-        leaving.in_flight = 1  # a stream still running on the replica Serve stops
+        leaving.state.in_flight = 1  # a stream still running on the replica Serve stops
         pool_members.publish(SETTINGS.deployment, ["r2", "r3"])
         await _until(lambda: "decode-r3" in pool.names)
         seen["while_draining"] = sorted(pool.names)
         await asyncio.sleep(0.3)  # several watches: it is taken out once, not again
-        leaving.in_flight = 0
+        leaving.state.in_flight = 0
         await asyncio.sleep(0.2)
         seen["targets"] = set(handle.transport_address.targets)
         watcher.stop()

@@ -1,11 +1,11 @@
-"""Replica choice: how the router picks one engine replica of a pool for a request.
+"""Engine choice: how the router picks one engine of a pool for a request.
 
-A policy is a class registered in ``REPLICA_CHOICES`` under the name configs use
+A policy is a class registered in ``ENGINE_CHOICES`` under the name configs use
 (``router.replica_choice``), with a ``settings_model`` for its block under
-``router.replica_choice_settings``. It gets only healthy replicas and the prompt's
+``router.replica_choice_settings``. It gets only healthy engines and the prompt's
 block hashes, and says why it chose as it did (the ``reason`` label of
 ``splitserve_replica_choices_total``). The built-in ones are in
-``router/policies/replica_choices.py``.
+``router/policies/engine_choices.py``.
 """
 
 from __future__ import annotations
@@ -21,22 +21,22 @@ if TYPE_CHECKING:
 
 
 class Choice(NamedTuple):
-    replica: PooledEngine
+    engine: PooledEngine
     reason: str
 
 
-class ReplicaChoice(Protocol):
+class EngineChoice(Protocol):
     settings_model: ClassVar[type[StrictModel]]
 
     def __init__(self, settings: StrictModel) -> None: ...
 
-    def choose(self, replicas: list[PooledEngine], prompt: PromptBlocks) -> Choice: ...
+    def choose(self, engines: list[PooledEngine], prompt: PromptBlocks) -> Choice: ...
 
 
-REPLICA_CHOICES: Registry[type[ReplicaChoice]] = Registry(
-    "replica choice", __name__, builtins=("router.policies.replica_choices",)
+ENGINE_CHOICES: Registry[type[EngineChoice]] = Registry(
+    "engine choice", __name__, builtins=("router.policies.engine_choices",)
 )
 
 
-def make_replica_choice(name: str, settings: StrictModel) -> ReplicaChoice:
-    return REPLICA_CHOICES.get(name)(settings)
+def make_engine_choice(name: str, settings: StrictModel) -> EngineChoice:
+    return ENGINE_CHOICES.get(name)(settings)

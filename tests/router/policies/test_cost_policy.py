@@ -8,7 +8,7 @@ import pytest
 from kv_transfer.metrics import TransferTotals
 from router.policies.prefill_policies import CostSettings, cheaper_side
 from router.policies.prefill_policy import PrefillDecision, PrefillInputs
-from router.pool.engine_state import TransferCostMeter
+from router.pool.stats_poller import TransferCostMeter
 from router.settings import QoSConfig
 
 COST = CostSettings(

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kv_transfer.metrics import TransferTotals
-from router.pool.engine_state import EngineStatePoller, summed_transfer_totals
+from router.pool.stats_poller import EngineStatsPoller, summed_transfer_totals
 
 
 class _StartingReplica:
@@ -38,7 +38,7 @@ class _CountingKV:
 
 async def test_the_kv_ledger_is_read_once_per_kv_interval_not_per_load_poll() -> None:
     replica, kv = _StartingReplica(), _CountingKV()
-    poller = EngineStatePoller(
+    poller = EngineStatsPoller(
         [replica],  # type: ignore[arg-type]
         metrics=None,  # type: ignore[arg-type]
         interval_s=0.01,
