@@ -46,7 +46,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	# The shipped packages type-check ([tool.mypy] in pyproject.toml): a few minutes.
+	# The shipped packages, tests/ and bench/ type-check ([tool.mypy] in pyproject.toml).
 	$(VENV)/bin/mypy
 	# The dashboard tests run a real Prometheus: Debian's package, installed if missing
 	# (apt-get: as root, or with sudo that needs no password).

@@ -117,7 +117,9 @@ def write_phase_trace(
 ) -> list[PhaseWindow]:
     """The phases as a traffic record (router/observation/traffic_record.py's format)."""
     rng = np.random.default_rng(seed)
-    rows, windows, start = [], [], 0.0
+    rows: list[dict[str, Any]] = []
+    windows: list[PhaseWindow] = []
+    start = 0.0
     for phase in phases:
         # The first request at 0: the replay counts from it, and the windows from 0.
         at = start + (rng.exponential(1 / phase.rate) if rows else 0.0)
@@ -277,7 +279,7 @@ def measure_rounds(
     target: SimulatedTarget | None,
 ) -> dict[str, Any]:
     level = ServiceLevel(ttft_s=args.slo_ttft_ms / 1000, tpot_s=args.slo_tpot_ms / 1000)
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     for index, trace in enumerate(traces):
         # Same lengths and seconds every round, new tokens: a round that resent the
         # last round's prompts would find them in the prefix cache.

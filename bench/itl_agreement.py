@@ -24,6 +24,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,7 @@ def run_guidellm(base_url: str, args: argparse.Namespace, out: Path) -> dict[str
 def _find(document: Any, key: str) -> Any:
     """The first value under ``key`` anywhere in a JSON document (GuideLLM nests its
     metrics under the benchmark, then the metric, then the request status)."""
+    children: Iterable[Any]
     if isinstance(document, dict):
         if key in document:
             return document[key]

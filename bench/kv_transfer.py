@@ -68,6 +68,7 @@ import httpx
 import numpy as np
 import ray
 import yaml
+from ray.actor import ActorHandle
 from rich.console import Console
 from rich.table import Table
 
@@ -99,9 +100,9 @@ LLAMA_3_2_1B = {"layers": 16, "kv_heads": 8, "head_size": 64, "block_size": 128}
 FP16_BYTES = 2
 
 
-@ray.remote(num_cpus=0)
 class KVEndpoint:
-    """One side of a transfer: a paged KV cache in vLLM's CPU layout, fp16."""
+    """One side of a transfer: a paged KV cache in vLLM's CPU layout, fp16 (Ray runs it
+    as the ``KVEndpointActor`` actor)."""
 
     def __init__(self, shape: dict[str, int], num_blocks: int, seed: int) -> None:
         import torch
@@ -116,8 +117,10 @@ class KVEndpoint:
         }
         self._cache = PagedKVCache(caches, shape["block_size"])
 
+    @ray.method
     def put(self, block_ids: list[int], granularity: str) -> tuple[list[ray.ObjectRef], float]:
         started = time.perf_counter()
+        refs: list[ray.ObjectRef]
         if granularity == "request":
             refs = [ray.put(self._cache.pack(block_ids))]
         elif granularity == "request-staged":
@@ -127,6 +130,7 @@ class KVEndpoint:
             refs = [ray.put(runs) for runs in self._cache.pack(block_ids)]
         return refs, time.perf_counter() - started
 
+    @ray.method
     def get(self, refs: list[ray.ObjectRef], block_ids: list[int], granularity: str) -> float:
         started = time.perf_counter()
         if granularity == "request":
@@ -138,9 +142,13 @@ class KVEndpoint:
             self._cache.unpack([ray.get(ref) for ref in refs], 0, block_ids)
         return time.perf_counter() - started
 
+    @ray.method
     def checksum(self, block_ids: list[int]) -> float:
         packed = self._cache.pack(block_ids)
         return float(sum(run.astype(np.float64).sum() for runs in packed for run in runs))
+
+
+KVEndpointActor = ray.remote(num_cpus=0)(KVEndpoint)
 
 
 def numpy_copy_seconds(nbytes: int, repeats: int) -> list[float]:
@@ -182,8 +190,8 @@ def transfer_seconds(
         [int(block) for block in rng.choice(np.arange(1, num_blocks), num_request_blocks, False)]
         for _ in range(2)
     )
-    producer = KVEndpoint.remote(shape, num_blocks, seed=1)
-    consumer = KVEndpoint.remote(shape, num_blocks, seed=2)
+    producer = KVEndpointActor.remote(shape, num_blocks, seed=1)
+    consumer = KVEndpointActor.remote(shape, num_blocks, seed=2)
     puts, gets = [], []
     warmup = warmup_transfers(args, num_request_blocks * args.block_size * _token_bytes(args))
     for iteration in range(warmup + args.repeats):
@@ -197,6 +205,8 @@ def transfer_seconds(
         consumer.checksum.remote(target_blocks)
     )
     for actor in (producer, consumer):
+        # Ray types a new actor as its handle or its class (so that its methods type-check).
+        assert isinstance(actor, ActorHandle)
         ray.kill(actor)
     return puts, gets, identical
 
@@ -736,9 +746,9 @@ def _placed_transfers(args: argparse.Namespace, path: str) -> dict[str, float]:
     shape = {key: getattr(args, key) for key in LLAMA_3_2_1B}
     blocks = -(-args.tokens // args.block_size)
     ids = list(range(1, blocks + 1))
-    producer = KVEndpoint.options(resources={"kv_head": 0.01}).remote(shape, blocks + 1, 1)
+    producer = KVEndpointActor.options(resources={"kv_head": 0.01}).remote(shape, blocks + 1, 1)
     where = "kv_head" if path == "same-node" else "kv_remote"
-    consumer = KVEndpoint.options(resources={where: 0.01}).remote(shape, blocks + 1, 2)
+    consumer = KVEndpointActor.options(resources={where: 0.01}).remote(shape, blocks + 1, 2)
     puts, gets = [], []
     for _ in range(args.repeats + 2):  # the first two fault the stores' pages in
         refs, put_s = ray.get(producer.put.remote(ids, "request"))

@@ -71,7 +71,7 @@ def worker_ours(
         base_url=base_url,
         workload=WorkloadConfig(name="custom", input_len=input_len, output_len=output_len),
         qps=math.inf if kind == "capacity" else LAG_RATE,
-        arrival_process=arrivals,  # type: ignore[arg-type]
+        arrival_process=arrivals,
         max_concurrency=CONCURRENCY if kind == "capacity" else None,
         num_requests=requests,
         show_progress=False,

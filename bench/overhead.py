@@ -271,21 +271,6 @@ def served(
         yield
 
 
-CASES = {
-    "a": ("bare vLLM OpenAI server", bare_vllm),
-    "b": ("splitserve single.yaml (python -m deployments.serve)", lambda: serve_run_url()),
-    "c": ("ray.serve.llm build_openai_app", ray_serve_llm),
-    "d": (
-        "splitserve single.yaml, plain serve run (Serve's proxy)",
-        lambda: serve_run_url(direct_ingress=False),
-    ),
-    "e": ("(b) with the engine in its own replica", lambda: engines_apart_url()),
-    "f": ("(c) under (b)'s settings", lambda: ray_serve_llm(like_ours=True)),
-    "g": (
-        "(f) with stream batching off (0 ms)",
-        lambda: ray_serve_llm(like_ours=True, batching_ms=0),
-    ),
-}
 SINGLE_YAML = REPO_ROOT / "deployments" / "single.yaml"
 
 
@@ -306,6 +291,23 @@ def engines_apart_url(path: Path = SINGLE_YAML) -> Iterator[str]:
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         with serve_run_url(path) as url:
             yield url
+
+
+CASES = {
+    "a": ("bare vLLM OpenAI server", bare_vllm),
+    "b": ("splitserve single.yaml (python -m deployments.serve)", lambda: serve_run_url()),
+    "c": ("ray.serve.llm build_openai_app", ray_serve_llm),
+    "d": (
+        "splitserve single.yaml, plain serve run (Serve's proxy)",
+        lambda: serve_run_url(direct_ingress=False),
+    ),
+    "e": ("(b) with the engine in its own replica", lambda: engines_apart_url()),
+    "f": ("(c) under (b)'s settings", lambda: ray_serve_llm(like_ours=True)),
+    "g": (
+        "(f) with stream batching off (0 ms)",
+        lambda: ray_serve_llm(like_ours=True, batching_ms=0),
+    ),
+}
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:

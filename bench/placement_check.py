@@ -125,8 +125,8 @@ def main() -> None:
         )
     console.print(table)
     saved = args.out / f"{args.yaml.stem}.json"
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "real": real, "offline": offline}
-    saved.write_text(json.dumps(result, indent=2))
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "real": real, "offline": offline}
+    saved.write_text(json.dumps(report, indent=2))
     console.print(f"saved {saved}")
 
 

@@ -85,15 +85,19 @@ def cluster_env(port: int = DEFAULT_PORT, ingress_replicas: int = 1) -> dict[str
     }
 
 
-def direct_ingress_config(path: Path, port: int = DEFAULT_PORT) -> Path:
+def direct_ingress_config(
+    path: Path, port: int = DEFAULT_PORT, ingress_ports: int | None = None
+) -> Path:
     """A copy of a Serve YAML whose proxy listens beside ``port``, which the router takes.
+    ``ingress_ports``: how many ports from ``port`` the cluster gives routers (its
+    ``cluster_env``); the proxy listens past them (by default past this YAML's routers).
 
     The YAMLs keep ``port`` for Serve's proxy, so that a plain ``serve run FILE`` on a
     cluster without ``cluster_env`` serves there too, through the proxy.
     """
     config = yaml.safe_load(path.read_text())
     http_options = config.setdefault("http_options", {})
-    http_options["port"] = proxy_port(port, router_replicas(path))
+    http_options["port"] = proxy_port(port, _ports_taken(path, ingress_ports))
     folder = Path(tempfile.gettempdir()) / f"splitserve-{os.getuid()}"
     folder.mkdir(exist_ok=True)
     copy = folder / f"{path.stem}.direct-ingress-{port}.yaml"
@@ -154,11 +158,19 @@ def simulated_config(
     return copy
 
 
-def serve_command(path: Path, port: int = DEFAULT_PORT) -> tuple[list[str], dict[str, str]]:
+def serve_command(
+    path: Path, port: int = DEFAULT_PORT, ingress_ports: int | None = None
+) -> tuple[list[str], dict[str, str]]:
     """``serve run`` of a config with direct ingress on ``port``: argv and environment."""
     refuse_engine_overrides(path)
-    argv = [_serve_cli(), "run", str(direct_ingress_config(path, port))]
-    return argv, cluster_env(port, router_replicas(path)) | dict(os.environ)
+    argv = [_serve_cli(), "run", str(direct_ingress_config(path, port, ingress_ports))]
+    return argv, cluster_env(port, _ports_taken(path, ingress_ports)) | dict(os.environ)
+
+
+def _ports_taken(path: Path, ingress_ports: int | None) -> int:
+    """The direct-ingress ports from the base port: the cluster's range where known, and
+    at least this YAML's routers."""
+    return max(ingress_ports or 1, router_replicas(path))
 
 
 @dataclass(frozen=True)
@@ -235,12 +247,16 @@ def serve_run(
     ready_timeout_s: float = 420.0,
     stop_timeout_s: float = 90.0,
     log_dir: Path | None = None,
+    ingress_ports: int | None = None,
 ) -> Iterator[RunningApp]:
     """Run ``serve run`` for a config until the block ends; wait for every engine to be ready.
 
     The router serves ``port`` through Serve's direct ingress (``cluster_env``): a
     cluster this starts gets that environment; one at ``ray_address`` must have it.
-    ``direct_ingress=False`` runs the YAML as it is, through Serve's proxy.
+    ``ingress_ports``: the width of that cluster's port range (``cluster_env``'s
+    ``ingress_replicas``), where it is wider than this YAML's routers: applications of
+    one router and of several then share one cluster, and Serve's proxy listens past
+    the range. ``direct_ingress=False`` runs the YAML as it is, through Serve's proxy.
     """
     path = config_path(name_or_path)
     if not path.exists():
@@ -253,7 +269,7 @@ def serve_run(
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="splitserve-"))
     log_path = log_dir / f"serve-{path.stem}.log"
     if direct_ingress:
-        argv, env = serve_command(path, port)
+        argv, env = serve_command(path, port, ingress_ports)
     else:
         refuse_engine_overrides(path)
         argv, env = [_serve_cli(), "run", str(path)], dict(os.environ)
@@ -261,7 +277,14 @@ def serve_run(
         env["RAY_ADDRESS"] = ray_address
     with sigterm_unwinds():
         yield from _serve_until_done(
-            path, argv, env, log_path, port, direct_ingress, ready_timeout_s, stop_timeout_s
+            path,
+            argv,
+            env,
+            log_path,
+            (port, _ports_taken(path, ingress_ports)),
+            direct_ingress,
+            ready_timeout_s,
+            stop_timeout_s,
         )
 
 
@@ -270,15 +293,18 @@ def _serve_until_done(
     argv: list[str],
     env: dict[str, str],
     log_path: Path,
-    port: int,
+    ports: tuple[int, int],
     direct_ingress: bool,
     ready_timeout_s: float,
     stop_timeout_s: float,
 ) -> Iterator[RunningApp]:
+    """``ports``: the routers' first port, and how many the cluster gives routers."""
     process = start_process(argv, log_path, cwd=REPO_ROOT, env=env)
+    port, ingress_ports = ports
     replicas = router_replicas(path) if direct_ingress else 1
     router_urls = tuple(f"http://127.0.0.1:{port + index}" for index in range(replicas))
-    proxy_url = f"http://127.0.0.1:{proxy_port(port, replicas)}" if direct_ingress else None
+    proxy = proxy_port(port, ingress_ports)
+    proxy_url = f"http://127.0.0.1:{proxy}" if direct_ingress else None
     engines: set[int] = set()
     try:
         ready = functools.partial(_routers_ready, router_urls, proxy_url)

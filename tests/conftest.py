@@ -20,6 +20,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import psutil
 import pytest
@@ -35,11 +37,23 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
-from deployments.launcher import cluster_env, niced_like_ray_workers  # noqa: E402
+from deployments.launcher import (  # noqa: E402
+    DEFAULT_PORT,
+    RunningApp,
+    cluster_env,
+    niced_like_ray_workers,
+)
 from engines.socket_folders import remove_orphaned_folders  # noqa: E402
 from splitserve.processes import pids_with_env_entry  # noqa: E402
-from tests.support.local_ports import forget_cluster, free_port  # noqa: E402
+from tests.support import api_corpus  # noqa: E402
+from tests.support.bare_vllm import bare_vllm  # noqa: E402
+from tests.support.local_ports import (  # noqa: E402
+    SESSION_INGRESS_PORTS,
+    forget_cluster,
+    free_port,
+)
 from tests.support.served_apps import ServedApps  # noqa: E402
+from tests.support.shared_apps import SHAPES, shared_app, synthetic_app  # noqa: E402
 
 # Every process this session starts (Ray's daemons and workers, vLLM engines) inherits
 # this variable, so the final check finds exactly ours, orphans included.
@@ -85,7 +99,7 @@ def ray_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     os.environ[SESSION_MARKER] = token
     loose_before = _loose_ipc_sockets()
     port = free_port()
-    env = cluster_env() | dict(
+    env = cluster_env(DEFAULT_PORT, SESSION_INGRESS_PORTS) | dict(
         os.environ,
         RAY_USAGE_STATS_ENABLED="0",
         RAY_metrics_report_interval_ms=str(RAY_METRICS_EXPORT_MS),
@@ -148,8 +162,8 @@ def _loose_ipc_sockets() -> set[str]:
 
 
 def _is_engine(pid: int) -> bool:
-    with contextlib.suppress(OSError):
-        return b"VLLM::" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    with contextlib.suppress(psutil.Error):
+        return "VLLM::" in " ".join(psutil.Process(pid).cmdline())
     return False
 
 
@@ -203,11 +217,44 @@ def served_apps(ray_address: str, serve_logs: Path) -> Iterator[ServedApps]:
         apps.close()
 
 
+@pytest.fixture(scope="session")
+def bare_vllm_answers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Bare `vllm serve`'s answers to what each collected module asks of it, by module.
+
+    A module that holds the router to bare vLLM defines ``bare_vllm_reference(base_url)``
+    (tests/support/api_corpus.py too, for every shape's modules). All of them are asked
+    of one bare server, started once for the session's first that needs it, and stopped
+    again at once: it would hold a core's worth of memory and a port for nothing."""
+    modules = {item.module for item in request.session.items if isinstance(item, pytest.Function)}
+    askers = [m for m in modules if hasattr(m, "bare_vllm_reference")]
+    askers.append(api_corpus)
+    with bare_vllm(tmp_path_factory.mktemp("bare-vllm")) as url:
+        return {module.__name__: module.bare_vllm_reference(url) for module in askers}
+
+
+@pytest.fixture(scope="module")
+def shapes_app(served_apps: ServedApps, serve_logs: Path) -> RunningApp:
+    """The shipped shapes as the models of one application (tests/support/shared_apps.py):
+    single.yaml's model first, answering under its own name and for bodies that name none.
+    Started once for every module that asks for it (conftest.SERVING_ORDER keeps them
+    together); a test that kills engines asks ``served_apps.get`` itself."""
+    return served_apps.get(str(shared_app(serve_logs, "shapes", SHAPES)))
+
+
+@pytest.fixture(scope="module")
+def model_free_app(served_apps: ServedApps, serve_logs: Path) -> RunningApp:
+    """dp.yaml's router on synthetic engines, as each model-free served test needs it, as
+    the models of one application behind two routers (tests/support/shared_apps.py)."""
+    return served_apps.get(str(synthetic_app(serve_logs)))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_idle_app_beside_other_serving_tests(request: pytest.FixtureRequest) -> None:
     """A serving module that does not use the shared application runs without it: an idle
     one would hold port 8000 and take memory and CPU from the module's own cluster."""
-    module_items = [i for i in request.session.items if i.module is request.module]
+    module_items = [i for i in request.session.items if _module_of(i) is request.module]
     uses_apps = any("served_apps" in getattr(i, "fixturenames", ()) for i in module_items)
     serving = any(i.get_closest_marker("serving") for i in module_items)
     if serving and not uses_apps:
@@ -216,22 +263,32 @@ def _no_idle_app_beside_other_serving_tests(request: pytest.FixtureRequest) -> N
 
 
 # Serving modules in the order that lets consecutive ones share a started application
-# (served_apps.py): single.yaml, then the shapes (single first: it is their
-# reference), pd_always, pd, a synthetic DP. Modules not named here keep pytest's order
-# after them; modules that need no cluster run first.
+# (served_apps.py, tests/support/shared_apps.py): the shapes' shared application (its
+# single.yaml model is every other shape's reference), the modules that kill its engines
+# last; pd.yaml, started cold and then used warm; the model-free shared application.
+# Modules not named here keep pytest's order after them; modules that need no cluster
+# run first.
 SERVING_ORDER = (
-    "tests.router.pool.test_engine_in_router_served",
+    # The shapes' shared application.
     "tests.router.http.test_hostile_served",
     "tests.loadgen.test_agreement_served",
     "tests.deployments.test_shapes_served",
-    "tests.deployments.test_pd_served",
     "tests.deployments.test_auto_served",
-    "tests.deployments.test_auto_scaled_served",
-    "tests.deployments.test_cold_start_served",
     "tests.deployments.test_models_served",
-    "tests.router.policies.test_policies_served",
+    "tests.deployments.test_pd_served",  # kills an engine
+    "tests.router.pool.test_engine_in_router_served",  # kills an engine
+    # Applications of their own.
+    "tests.deployments.test_auto_scaled_served",
+    "tests.deployments.test_cold_start_served",  # pd.yaml, cold ...
+    "tests.router.policies.test_policies_served",  # ... then warm
     "tests.dashboards.test_prometheus_served",
+    # The model-free served tests' shared application.
+    "tests.router.pool.test_replicas_served",
+    "tests.engines.test_engine_groups_served",
     "tests.router.observation.test_traffic_served",
+    "tests.engines.test_scaled_pool_served",
+    "tests.engines.test_pool_ramp_served",
+    "tests.engines.test_replicas_served",  # kills engines and a router
 )
 
 
@@ -240,11 +297,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("serving") is None:
             return 0
-        module = item.module.__name__ if item.module else ""
+        found = _module_of(item)
+        module = found.__name__ if found is not None else ""
         in_order = module in SERVING_ORDER
         return 1 + (SERVING_ORDER.index(module) if in_order else len(SERVING_ORDER))
 
     items.sort(key=rank)  # stable: each module's own order is kept
+
+
+def _module_of(item: pytest.Item) -> ModuleType | None:
+    """The test module an item was collected from (a Function's ``module``)."""
+    return item.module if isinstance(item, pytest.Function) else None
 
 
 def _check_serving_order_names_modules() -> None:

@@ -179,17 +179,23 @@ def _label_key(labels: dict[str, str], label: str | None) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "value"
 
 
-def discover_shape(samples: Samples | None) -> str | None:
-    """The router's shape label (``shape``) on its own histograms, if it has served any."""
+def discover_shape(samples: Samples | None, model: str | None = None) -> str | None:
+    """The router's shape label (``shape``) on its own histograms, if it has served any:
+    of ``model``'s series where it has some (a router of several models serves each in
+    a shape of its own), else of them all."""
     if not samples:
         return None
-    shapes = Counter(
-        labels[catalogue.SHAPE]
+    shaped = [
+        labels
         for name, series in samples.items()
         if name.startswith("splitserve_")
         for labels, _ in series
         if labels.get(catalogue.SHAPE)
-    )
+    ]
+    own = [
+        labels for labels in shaped if model is not None and labels.get(catalogue.MODEL) == model
+    ]
+    shapes = Counter(labels[catalogue.SHAPE] for labels in own or shaped)
     return shapes.most_common(1)[0][0] if shapes else None
 
 

@@ -286,7 +286,7 @@ class Run:
             config.server_sample_interval_s,
             config.prometheus_url,
         )
-        shape = config.shape or await self._discover_shape(recorder) or "unknown"
+        shape = config.shape or await self._discover_shape(recorder, endpoint.model) or "unknown"
         run_id = run_identifier(config, shape)
         started_at = datetime.now(UTC).isoformat(timespec="seconds")
         metrics, server = await self._measure(prepared, recorder, run_id, shape)
@@ -444,10 +444,10 @@ class Run:
         pick = random.Random(self.config.seed)
         return [pick.choice(modules) for _ in range(count)]
 
-    async def _discover_shape(self, recorder: ServerViewRecorder) -> str | None:
+    async def _discover_shape(self, recorder: ServerViewRecorder, model: str) -> str | None:
         text = await recorder.scrape_text()
         with contextlib.suppress(ValueError):
-            return discover_shape(parse_metrics(text)) if text else None
+            return discover_shape(parse_metrics(text), model) if text else None
         return None
 
     # ---- sending -------------------------------------------------------------------------

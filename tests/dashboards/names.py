@@ -32,7 +32,8 @@ VLLM_KINDS = {
 # The utilization sampler's families (engines/sampler.py, through Ray), by kind.
 SAMPLER_KINDS = {family.name: family.kind for family in catalogue.SAMPLER_FAMILIES}
 
-SUFFIXES = catalogue.SUFFIXES
+# By any kind name: the callers below pass what a registry or Ray Serve's source calls it.
+SUFFIXES: dict[str, tuple[str, ...]] = dict(catalogue.SUFFIXES.items())
 # ray.util.metrics families in Ray Serve's source: Counter("serve_x", ...) and the like.
 SERVE_FAMILY = re.compile(r'metrics\.(Counter|Gauge|Histogram)\(\s*(?:name=)?f?"(serve_[a-z_{}]+)"')
 SERVE_PROTOCOLS = ("http", "grpc")  # request_ingress_metrics.py's {protocol_name}

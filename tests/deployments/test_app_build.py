@@ -127,7 +127,8 @@ def test_gpu_engines_each_get_a_replica_and_their_gpus() -> None:
     assert set(engines) == {"prefill-0", "decode-0"}
     for engine in engines.values():
         assert engine._bound_deployment.ray_actor_options["num_gpus"] == 1
-    assert "num_gpus" not in router._bound_deployment.ray_actor_options
+    router_options = router._bound_deployment.ray_actor_options
+    assert router_options is not None and "num_gpus" not in router_options
 
 
 def test_a_tensor_parallel_gpu_engine_gets_a_replica_with_all_its_gpus() -> None:

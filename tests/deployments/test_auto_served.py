@@ -4,7 +4,8 @@ other with the same greedy tokens as one engine gives.
 
 The YAML's cost policy decides by load, which a test cannot steer; this module serves
 auto.yaml with ``prefill_policy.name: always`` (every prompt prefilled on the engine that
-does not decode it), so each engine is producer and consumer many times over. The cost
+does not decode it), so each engine is producer and consumer many times over: the
+``auto`` model of the shapes' shared application (tests/support/shared_apps.py). The cost
 policy's decisions are tested without a cluster (tests/router/policies/test_cost_policy.py,
 test_auto_pool.py).
 """
@@ -14,21 +15,20 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from deployments.launcher import RunningApp, config_path
+from deployments.launcher import RunningApp
 from splitserve.metric_catalogue import PREFILL_HEADER, PREFILL_REPLICA_HEADER, REPLICA_HEADER
 from tests.support.api_corpus import assert_answers_as
 from tests.support.greedy import MODEL, greedy, kv_metric, metric
-from tests.support.served_apps import ServedApps
+from tests.support.shared_apps import SHAPES
 
 pytestmark = pytest.mark.serving
 
+AUTO = SHAPES["auto"]
 MAX_TOKENS = 8
 # The CPU backend's KV block is 128 tokens: less than one, exactly one, several.
 _rng = random.Random(11)
@@ -36,23 +36,24 @@ PROMPTS = [[_rng.randrange(0, 256) for _ in range(n)] for n in (5, 127, 128, 129
 CHAT = "Which engine computed this prompt?"
 
 
-def _complete(base_url: str, prompt: list[int], stream: bool = False) -> tuple[list[int], Any]:
-    token_ids, _, headers = greedy(
-        base_url, "/v1/completions", {"prompt": prompt}, MAX_TOKENS, stream
-    )
+def _complete(
+    base_url: str, prompt: list[int], stream: bool = False, model: str = AUTO.name
+) -> tuple[list[int], Any]:
+    body = {"prompt": prompt}
+    token_ids, _, headers = greedy(base_url, "/v1/completions", body, MAX_TOKENS, stream, model)
     return token_ids, headers
 
 
-def _chat(base_url: str, stream: bool = False) -> list[int]:
-    messages = [{"role": "user", "content": CHAT}]
-    return greedy(base_url, "/v1/chat/completions", {"messages": messages}, MAX_TOKENS, stream)[0]
+def _chat(base_url: str, stream: bool = False, model: str = AUTO.name) -> list[int]:
+    body = {"messages": [{"role": "user", "content": CHAT}]}
+    return greedy(base_url, "/v1/chat/completions", body, MAX_TOKENS, stream, model)[0]
 
 
 def single_reference(base_url: str) -> dict[str, Any]:
     """single.yaml's tokens for this module's prompts (asked by conftest's single_answers)."""
     return {
-        "completions": [_complete(base_url, prompt)[0] for prompt in PROMPTS],
-        "chat": _chat(base_url),
+        "completions": [_complete(base_url, prompt, model=MODEL)[0] for prompt in PROMPTS],
+        "chat": _chat(base_url, model=MODEL),
     }
 
 
@@ -62,12 +63,8 @@ def reference(single_answers: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def auto_app(reference: dict, served_apps: ServedApps, serve_logs: Path) -> RunningApp:
-    document = yaml.safe_load(config_path("auto").read_text())
-    document["applications"][0]["args"]["prefill_policy"] = {"name": "always"}
-    path = serve_logs / "auto_always.yaml"
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-    return served_apps.get(str(path))
+def auto_app(reference: dict, shapes_app: RunningApp) -> RunningApp:
+    return shapes_app
 
 
 def test_each_engine_prefills_for_the_other_with_single_engine_tokens(
@@ -83,13 +80,15 @@ def test_each_engine_prefills_for_the_other_with_single_engine_tokens(
             assert decode != prefill
             roles[(decode, prefill)] += 1
     # Both engines produced KV and both consumed it.
-    assert set(roles) == {("engine-0", "engine-1"), ("engine-1", "engine-0")}
+    first, second = AUTO.engine("mixed", 0), AUTO.engine("mixed", 1)
+    assert set(roles) == {(first, second), (second, first)}
     url = auto_app.base_url
     loaded = kv_metric(url, "splitserve_kv_transfers_total", len(PROMPTS), outcome="loaded")
     assert loaded >= len(PROMPTS)
     pushed = kv_metric(url, "splitserve_kv_transfer_loads_total", len(PROMPTS), path="pushed")
     assert pushed >= len(PROMPTS)
-    assert metric(url, "splitserve_prefill_decisions_total", where="remote", reason="always") >= 12
+    decisions = "splitserve_prefill_decisions_total"
+    assert metric(url, decisions, model=AUTO.name, where="remote", reason="always") >= 12
 
 
 def test_streams_and_chat_match_single_engine(auto_app: RunningApp, reference: dict) -> None:
@@ -104,11 +103,11 @@ def test_every_kind_of_request_is_answered_as_bare_vllm(
     auto_app: RunningApp, vllm_answers: dict[str, Any]
 ) -> None:
     """An auto pool that always prefills remotely: as one engine answers."""
-    assert_answers_as(vllm_answers, auto_app.base_url)
+    assert_answers_as(vllm_answers, auto_app.base_url, AUTO.name)
 
 
 def test_nothing_is_held_after_clients_leave_mid_stream(auto_app: RunningApp) -> None:
-    body = {"model": MODEL, "ignore_eos": True, "stream": True}
+    body = {"model": AUTO.name, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=auto_app.base_url, timeout=120) as http:
         for i in range(20):
             leaves = i % 4 == 0  # 5 of 20 leave right after the first token of 200
@@ -129,6 +128,8 @@ def test_nothing_is_held_after_clients_leave_mid_stream(auto_app: RunningApp) ->
 def _holding(base_url: str) -> dict[str, float]:
     return {
         "live transfers": metric(base_url, "splitserve_kv_transfer_live_transfers"),
-        "unfinished": metric(base_url, "splitserve_engine_requests", state="unfinished"),
-        "kv used": metric(base_url, "splitserve_engine_kv_cache_usage_ratio"),
+        "unfinished": metric(
+            base_url, "splitserve_engine_requests", model=AUTO.name, state="unfinished"
+        ),
+        "kv used": metric(base_url, "splitserve_engine_kv_cache_usage_ratio", model=AUTO.name),
     }

@@ -19,6 +19,7 @@ from deployments.config import (
     parse_application,
     refuse_engine_overrides,
 )
+from router.policies.prefill_policies import CostSettings
 from tests.support.shipped_configs import on_gpus, shipped_args
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
@@ -635,6 +636,7 @@ def test_simulated_engines_time_scale_stretches_the_routers_objectives() -> None
     }
     assert stretched.qos.retry_after_s == plain.qos.retry_after_s  # the client's clock
     plain_split, split = plain.prefill_policy.settings, stretched.prefill_policy.settings
+    assert isinstance(plain_split, CostSettings) and isinstance(split, CostSettings)
     assert split.max_transfer_s == 20 * plain_split.max_transfer_s
     assert split.min_ttft_gain == plain_split.min_ttft_gain  # a ratio
     assert split.prompt_length_threshold == plain_split.prompt_length_threshold

@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ray.serve.deployment import Deployment
 
 from dashboards.prometheus import RAY_JOB, ROUTER_JOB
 from deployments.app import build_app
@@ -623,12 +624,17 @@ def _can_host(group: dict[str, Any], actor_options: dict[str, Any]) -> bool:
 def _replica_options(args: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each Serve deployment the application builds (router, engines, scaled pools) and
     the Ray options its replicas are placed by."""
+
+    def placed_by(deployment: Deployment) -> dict[str, Any]:
+        assert deployment.ray_actor_options is not None, deployment.name
+        return deployment.ray_actor_options
+
     router = build_app(copy.deepcopy(args))._bound_deployment
-    options = {"Router": router.ray_actor_options}
+    options = {"Router": placed_by(router)}
     for binding in router.init_args[0]:
         deployments = {**binding.engines, **binding.pool_handles}
         options.update(
-            {name: app._bound_deployment.ray_actor_options for name, app in deployments.items()}
+            {name: placed_by(app._bound_deployment) for name, app in deployments.items()}
         )
     return options
 

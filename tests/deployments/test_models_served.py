@@ -1,8 +1,9 @@
-"""Two models in one application (``serve run deployments/models.yaml``): one router,
-each model with its own pools and split, routed by the request's ``model``.
+"""Several models in one application, one router, each model with its own pools and
+split, routed by the request's ``model``: the shapes' shared application
+(tests/support/shared_apps.py), whose last model is models.yaml's ``tiny-code``.
 
-``tiny-chat`` is the embedded model on one engine, so it must answer exactly as
-single.yaml does; ``tiny-code`` is another tiny Llama (other weights) split into
+single.yaml's model (models.yaml's ``tiny-chat`` under its own name) is the embedded
+model on one engine; ``tiny-code`` is another tiny Llama (other weights) split into
 prefill and decode, with two LoRA adapters: it and its adapters must answer exactly as
 bare `vllm serve` does with the same model and ``--lora-modules``. Each model is
 counted under its own ``model`` label.
@@ -10,6 +11,7 @@ counted under its own ``model`` label.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,11 +22,12 @@ from engines.model_source import resolve_adapter_path, resolve_model
 from engines.settings import ModelConfig
 from tests.support.bare_vllm import bare_vllm
 from tests.support.greedy import greedy, metric
-from tests.support.served_apps import ServedApps
+from tests.support.shared_apps import SHAPES
 
 pytestmark = pytest.mark.serving
 
-CHAT_MODEL, SPLIT_MODEL = "tiny-chat", "tiny-code"
+CHAT, CODE = SHAPES["single"], SHAPES["code"]
+CHAT_MODEL, SPLIT_MODEL = CHAT.name, CODE.name
 ADAPTERS = {"tiny-code-sql": "embedded-lora:1", "tiny-code-py": "embedded-lora:2"}
 MAX_TOKENS = 8
 PROMPTS = [[1, 2, 3], list(range(40, 240)), [7] * 300]
@@ -48,7 +51,7 @@ def reference(single_answers: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def bare_answers(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Bare `vllm serve` of tiny-code with its adapters: each name's greedy tokens."""
-    model_path = resolve_model(ModelConfig(source="embedded:1")).path
+    model_path = Path(resolve_model(ModelConfig(source="embedded:1")).path)
     modules = [f"{name}={resolve_adapter_path(path)}" for name, path in ADAPTERS.items()]
     flags = ("--enable-lora", "--max-loras", "3", "--lora-modules", *modules)
     folder = tmp_path_factory.mktemp("bare-lora")
@@ -60,17 +63,16 @@ def bare_answers(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> d
 
 
 @pytest.fixture(scope="module")
-def models_app(bare_answers: dict, served_apps: ServedApps) -> RunningApp:
-    return served_apps.get("models")
+def models_app(bare_answers: dict, shapes_app: RunningApp) -> RunningApp:
+    return shapes_app
 
 
-def test_the_model_list_names_both_and_the_adapters(models_app: RunningApp) -> None:
+def test_the_model_list_names_every_model_then_its_adapters(models_app: RunningApp) -> None:
     listed = httpx.get(f"{models_app.base_url}/v1/models", timeout=30)
     assert listed.status_code == 200
     cards = [(card["id"], card["parent"]) for card in listed.json()["data"]]
     assert cards == [
-        (CHAT_MODEL, None),
-        (SPLIT_MODEL, None),
+        *((model.name, None) for model in SHAPES.values()),  # tiny-code is the last
         *((name, SPLIT_MODEL) for name in ADAPTERS),
     ]
     card = httpx.get(f"{models_app.base_url}/v1/models/{SPLIT_MODEL}", timeout=30)
@@ -88,9 +90,9 @@ def test_each_model_answers_with_its_own_weights_and_split(
     assert [_complete(url, prompt, SPLIT_MODEL, stream=True) for prompt in PROMPTS] == split
     _, _, headers = greedy(url, "/v1/completions", {"prompt": PROMPTS[1]}, 2, model=SPLIT_MODEL)
     assert headers["x-splitserve-prefill"].startswith("remote")
-    assert headers["x-splitserve-replica"] == "decode-tiny-code-0"
+    assert headers["x-splitserve-replica"] == CODE.engine("decode", 0)
     _, _, headers = greedy(url, "/v1/completions", {"prompt": PROMPTS[1]}, 2, model=CHAT_MODEL)
-    assert headers["x-splitserve-replica"] == "engine-tiny-chat-0"
+    assert headers["x-splitserve-replica"] == CHAT.engine("mixed", 0)
 
 
 def test_the_split_model_and_its_adapters_answer_as_bare_vllm(
@@ -145,7 +147,7 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(models_app: RunningApp
     error = refused.json()["error"]
     assert error["param"] == "model"
     assert "'gpt-4'" in error["message"]
-    assert f"'{CHAT_MODEL}', '{SPLIT_MODEL}'" in error["message"]
+    assert all(f"'{model.name}'" in error["message"] for model in SHAPES.values())
     missing = httpx.get(f"{models_app.base_url}/v1/models/gpt-4", timeout=30)
     assert missing.status_code == 404
 
@@ -162,7 +164,5 @@ def test_the_metrics_and_health_tell_the_models_apart(models_app: RunningApp) ->
     assert metric(url, "splitserve_prefill_decisions_total", model=CHAT_MODEL, where="remote") == 0
     health = httpx.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok"
-    assert health["models"] == {
-        CHAT_MODEL: ["engine-tiny-chat-0"],
-        SPLIT_MODEL: ["decode-tiny-code-0", "prefill-tiny-code-0"],
-    }
+    assert health["models"][CHAT_MODEL] == [CHAT.engine("mixed", 0)]
+    assert health["models"][SPLIT_MODEL] == [CODE.engine("decode", 0), CODE.engine("prefill", 0)]

@@ -126,7 +126,7 @@ def test_the_decode_pool_grows_to_two_engines_and_back_to_one(
     (first,) = _decode_engines(url)
 
     # Hand-overs break the 10 ms first-token line: Serve adds a decode engine.
-    grown, failures = threading.Event(), []
+    grown, failures = threading.Event(), list[str]()
     load = threading.Thread(target=_load_until, args=(url, grown, failures))
     load.start()
     try:

@@ -1,5 +1,6 @@
-"""PD through ``serve run deployments/pd_always.yaml`` (every prompt prefilled remotely,
-the study's PD): same tokens as one engine, nothing leaked.
+"""PD as ``deployments/pd_always.yaml`` serves it (every prompt prefilled remotely, the
+study's PD), a model of the shapes' shared application: same tokens as one engine,
+nothing leaked.
 
 The reference tokens come from ``single.yaml`` on the same prompts; the KV really moved
 (the transfer counters say so), and after clients leave mid-stream neither the object
@@ -14,6 +15,7 @@ import random
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,9 +25,12 @@ from deployments.launcher import RunningApp, replica_engine_pids
 from tests.support.api_corpus import assert_answers_as
 from tests.support.greedy import MODEL, greedy, kv_metric, metric
 from tests.support.served_apps import ServedApps
+from tests.support.shared_apps import SHAPES, shared_app
 
 pytestmark = pytest.mark.serving
 
+PD = SHAPES["pd_always"]
+PREFILL, DECODE = PD.engine("prefill", 0), PD.engine("decode", 0)
 MAX_TOKENS = 10
 # The CPU backend's KV block is 128 tokens: one block, its neighbours, many blocks.
 LENGTHS = [1, 2, 17, 127, 128, 129, 256, 300, 511, 700, 1000, 1500]
@@ -37,20 +42,26 @@ CHATS = ["Tell me about disaggregated serving.", "Short?"]
 KV_PAGE_BYTES = 128 * 2 * 2 * 2 * 32 * 4  # block x K,V x layers x kv heads x head dim x fp32
 
 
-def _complete(base_url: str, prompt: list[int], stream: bool = False) -> tuple[list[int], dict]:
-    return greedy(base_url, "/v1/completions", {"prompt": prompt}, MAX_TOKENS, stream)[:2]
+def _complete(
+    base_url: str, prompt: list[int], stream: bool = False, model: str = PD.name
+) -> tuple[list[int], dict]:
+    body = {"prompt": prompt}
+    return greedy(base_url, "/v1/completions", body, MAX_TOKENS, stream, model)[:2]
 
 
-def _chat(base_url: str, content: str, stream: bool = False) -> tuple[list[int], dict]:
+def _chat(
+    base_url: str, content: str, stream: bool = False, model: str = PD.name
+) -> tuple[list[int], dict]:
     messages = [{"role": "user", "content": content}]
-    return greedy(base_url, "/v1/chat/completions", {"messages": messages}, MAX_TOKENS, stream)[:2]
+    body = {"messages": messages}
+    return greedy(base_url, "/v1/chat/completions", body, MAX_TOKENS, stream, model)[:2]
 
 
 def single_reference(base_url: str) -> dict[str, Any]:
     """single.yaml's tokens for this module's prompts (asked by conftest's single_answers)."""
     return {
-        "completions": [_complete(base_url, p)[0] for p in PROMPTS],
-        "chats": [_chat(base_url, c)[0] for c in CHATS],
+        "completions": [_complete(base_url, p, model=MODEL)[0] for p in PROMPTS],
+        "chats": [_chat(base_url, c, model=MODEL)[0] for c in CHATS],
     }
 
 
@@ -60,9 +71,9 @@ def reference(single_answers: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pd_app(reference: dict, served_apps: ServedApps) -> RunningApp:
-    # test_requests_complete_when_the_prefill_replica_dies kills an engine.
-    return served_apps.get("pd_always", restarts_expected=True)
+def pd_app(reference: dict, served_apps: ServedApps, serve_logs: Path) -> RunningApp:
+    # test_requests_complete_when_the_prefill_engine_dies kills an engine.
+    return served_apps.get(str(shared_app(serve_logs, "shapes", SHAPES)), restarts_expected=True)
 
 
 def test_completions_match_single_engine(pd_app: RunningApp, reference: dict) -> None:
@@ -74,7 +85,8 @@ def test_completions_match_single_engine(pd_app: RunningApp, reference: dict) ->
     # The KV moved rather than being recomputed on the decode side.
     transfers = "splitserve_kv_transfers_total"
     assert kv_metric(pd_app.base_url, transfers, 15, outcome="loaded") >= 15
-    assert metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="remote") >= 20
+    decisions = "splitserve_prefill_decisions_total"
+    assert metric(pd_app.base_url, decisions, model=PD.name, where="remote") >= 20
     # Pushed to the decode engine the router named, not claimed when the load was due.
     loads = "splitserve_kv_transfer_loads_total"
     assert kv_metric(pd_app.base_url, loads, 15, path="pushed") >= 15
@@ -99,11 +111,11 @@ def test_every_kind_of_request_is_answered_as_bare_vllm(
     pd_app: RunningApp, vllm_answers: dict[str, Any]
 ) -> None:
     """Through remote prefills: grammars, seeds and penalties continue on the decode engine."""
-    assert_answers_as(vllm_answers, pd_app.base_url)
+    assert_answers_as(vllm_answers, pd_app.base_url, PD.name)
 
 
 def test_nothing_left_after_clients_leave_mid_stream(pd_app: RunningApp, ray_address: str) -> None:
-    body = {"model": MODEL, "ignore_eos": True, "stream": True}
+    body = {"model": PD.name, "ignore_eos": True, "stream": True}
     # Serve keeps objects of its own (configs, handles); only new ones would be ours.
     baseline = {obj.object_id for obj in _large_objects(ray_address)}
     with httpx.Client(base_url=pd_app.base_url, timeout=120) as http:
@@ -135,8 +147,10 @@ def test_nothing_left_after_clients_leave_mid_stream(pd_app: RunningApp, ray_add
 def _holding(base_url: str) -> dict[str, float]:
     return {
         "live transfers": metric(base_url, "splitserve_kv_transfer_live_transfers"),
-        "unfinished": metric(base_url, "splitserve_engine_requests", state="unfinished"),
-        "kv used": metric(base_url, "splitserve_engine_kv_cache_usage_ratio"),
+        "unfinished": metric(
+            base_url, "splitserve_engine_requests", model=PD.name, state="unfinished"
+        ),
+        "kv used": metric(base_url, "splitserve_engine_kv_cache_usage_ratio", model=PD.name),
     }
 
 
@@ -149,7 +163,7 @@ def _large_objects(ray_address: str) -> list[Any]:
     return [obj for obj in objects if (obj.object_size or 0) >= KV_PAGE_BYTES]
 
 
-def test_requests_complete_when_the_prefill_replica_dies(pd_app: RunningApp) -> None:
+def test_requests_complete_when_the_prefill_engine_dies(pd_app: RunningApp) -> None:
     results: list[int] = []
 
     def one(prompt: list[int]) -> None:
@@ -157,24 +171,25 @@ def test_requests_complete_when_the_prefill_replica_dies(pd_app: RunningApp) -> 
         results.append(len(token_ids))
 
     threads = [threading.Thread(target=one, args=(PROMPTS[i % 12],)) for i in range(16)]
-    decode_pids = replica_engine_pids("decode-0")
-    dead = replica_engine_pids("prefill-0")
+    decode_pids = replica_engine_pids(DECODE)
+    dead = replica_engine_pids(PREFILL)
     for thread in threads[:8]:
         thread.start()
-    _kill_replica("prefill-0")
+    _kill_engine(PREFILL)
     for thread in threads[8:]:
         thread.start()
         time.sleep(0.1)
     for thread in threads:
         thread.join(timeout=180)
     assert results == [MAX_TOKENS] * 16
-    assert metric(pd_app.base_url, "splitserve_prefill_decisions_total", where="local") >= 1
+    decisions = "splitserve_prefill_decisions_total"
+    assert metric(pd_app.base_url, decisions, model=PD.name, where="local") >= 1
     # The router replaced the prefill engine alone: the decode engine never stopped.
     deadline = time.monotonic() + 180
-    while not (replica_engine_pids("prefill-0") - dead):
+    while not (replica_engine_pids(PREFILL) - dead):
         assert time.monotonic() < deadline, "no new prefill engine"
         time.sleep(1)
-    assert replica_engine_pids("decode-0") == decode_pids
+    assert replica_engine_pids(DECODE) == decode_pids
     _wait_healthy(pd_app.base_url)
 
 
@@ -185,7 +200,7 @@ def _wait_healthy(base_url: str, timeout_s: float = 180) -> None:
         time.sleep(1)
 
 
-def _kill_replica(name: str) -> None:
+def _kill_engine(name: str) -> None:
     """Kill one engine's processes; the router hosts it, and must restart it alone."""
     pids = replica_engine_pids(name)
     if not pids:

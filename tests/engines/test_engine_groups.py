@@ -40,7 +40,7 @@ async def _accepts(host: str, port: int) -> bool:
 
 async def test_each_engine_of_a_group_has_its_own_transport() -> None:
     group = EngineGroupReplica.__new__(EngineGroupReplica)
-    await group.__init__(_specs())
+    await EngineGroupReplica.__init__(group, _specs())  # as Serve awaits it
     try:
         first, second = (group.transport_address(engine=f"engine-{i}") for i in range(2))
         assert first.port != second.port and first.secret != second.secret
@@ -57,7 +57,7 @@ async def test_a_group_that_fails_to_start_stops_the_engines_that_did() -> None:
     bad = bad.model_copy(update={"backend": bad.backend.model_copy(update={"backend": "gone"})})
     group = EngineGroupReplica.__new__(EngineGroupReplica)
     with pytest.raises(Exception, match="gone"):
-        await group.__init__([good, bad])
+        await EngineGroupReplica.__init__(group, [good, bad])
     address = group._transports["engine-0"].address
     assert address is not None
     assert not await _accepts(address.host, address.port)

@@ -3,36 +3,29 @@ and back to one when they stop, one engine at a time and with no request failed
 (issue 26's autoscaling target; ``SloPolicy`` in engines/pool_scaling.py).
 
 Synthetic engines serve two requests at a time at 10 ms a token, so a queue, and a
-first token later than the SLO, comes from a handful of clients and no model.
+first token later than the SLO, comes from a handful of clients and no model. The
+``ramp`` model of the model-free served tests' shared application
+(tests/support/shared_apps.py: ``SCALED_TO_FOUR``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from deployments.launcher import RunningApp
-from tests.support.scaled_pools import complete, members, scaled_synthetic_pool
+from tests.support.scaled_pools import complete, members
+from tests.support.shared_apps import RAMP_ENGINES, synthetic_models
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.serving
 
-ENGINE = {"backend": "synthetic", "step_interval_s": 0.01, "max_num_seqs": 2}
-MAX_ENGINES = 4
-SCALING = {
-    "min_replicas": 1,
-    "max_replicas": MAX_ENGINES,
-    "ttft_slo_s": 1.0,
-    "tpot_slo_s": 1.0,
-    "upscale_delay_s": 0,
-    "downscale_delay_s": 3,
-    "window_s": 2,
-    "drain_timeout_s": 30,
-}
+RAMP_MODEL = synthetic_models(Path())["ramp"]
+MAX_ENGINES = RAMP_ENGINES
 TOKENS = 50  # half a second on an engine slot
 # Closed-loop clients, doubled every RAMP_STEP_S: two fit one engine's two slots, and
 # sixteen queue long enough on three engines (six slots) to ask for the fourth.
@@ -44,9 +37,8 @@ SCALE_TIMEOUT_S = 150.0
 
 
 @pytest.fixture(scope="module")
-def ramp_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
-    with scaled_synthetic_pool(tmp_path_factory.mktemp("ramp-pool"), 1, ENGINE, SCALING) as app:
-        yield app
+def ramp_pool(model_free_app: RunningApp) -> RunningApp:
+    return model_free_app
 
 
 class ClosedLoop:
@@ -71,14 +63,14 @@ class ClosedLoop:
 
     def _client(self) -> None:
         while not self._stop.is_set():
-            self.answers.append(complete(self._url, TOKENS))
+            self.answers.append(complete(self._url, TOKENS, RAMP_MODEL.name))
 
 
 def test_the_pool_follows_a_ramp_to_four_engines_and_back_to_one(
     ramp_pool: RunningApp,
 ) -> None:
     url = ramp_pool.base_url
-    sizes = [len(members(url))]
+    sizes = [len(members(url, RAMP_MODEL.name))]
     assert sizes == [1]
     load = ClosedLoop(url)
     try:
@@ -87,12 +79,12 @@ def test_the_pool_follows_a_ramp_to_four_engines_and_back_to_one(
             step_ends = time.monotonic() + RAMP_STEP_S
             while time.monotonic() < step_ends and sizes[-1] < MAX_ENGINES:
                 time.sleep(0.5)
-                sizes.append(len(members(url)))
-        eventually(lambda: len(members(url)) == MAX_ENGINES, SCALE_TIMEOUT_S)
+                sizes.append(len(members(url, RAMP_MODEL.name)))
+        eventually(lambda: len(members(url, RAMP_MODEL.name)) == MAX_ENGINES, SCALE_TIMEOUT_S)
         time.sleep(AT_PEAK_S)
     finally:
         load.stop()
-    eventually(lambda: len(members(url)) == 1, SCALE_TIMEOUT_S)
+    eventually(lambda: len(members(url, RAMP_MODEL.name)) == 1, SCALE_TIMEOUT_S)
 
     assert sizes == sorted(sizes), f"the pool shrank while the load grew: {sizes}"
     assert {answer.status_code for answer in load.answers} == {200}

@@ -2,8 +2,8 @@
 the engine transport, behind two router replicas that share them.
 
 Synthetic engines (no model) keep this quick: the path from HTTP through the router to
-the engine replica's socket and back is the one vLLM engines take. The cluster is this
-module's own (two routers take two direct-ingress ports).
+the engine replica's socket and back is the one vLLM engines take. The ``apart`` model
+of the model-free served tests' shared application (tests/support/shared_apps.py).
 """
 
 from __future__ import annotations
@@ -11,22 +11,25 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Generator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from deployments.launcher import ROUTER_DEPLOYMENT, RunningApp
-from engines.tiny_model import EMBEDDED_MODEL_NAME
 from splitserve.processes import command_lines
-from tests.support.synthetic_apps import synthetic_dp
+from tests.support.served_apps import ServedApps
+from tests.support.shared_apps import SYNTHETIC_ROUTERS, synthetic_app, synthetic_models
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.serving
 
-ROUTERS = 2
-# Paced steps: a stream of a few hundred tokens lasts seconds, long enough to cut.
-STEP_INTERVAL_S = 0.01
+ROUTERS = SYNTHETIC_ROUTERS
+# Its engines' steps are paced: a stream of a few hundred tokens lasts seconds, long
+# enough to cut.
+APART = synthetic_models(Path())["apart"]
+ENGINES = (APART.engine("mixed", 0), APART.engine("mixed", 1))
 RECOVERY_TIMEOUT_S = 120.0
 RECOVERY_POLL_S = 0.5
 # Within the context (4096): at STEP_INTERVAL_S a stream of 40 s, cut long before.
@@ -34,15 +37,13 @@ LONG_STREAM_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
-def engines_apart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
-    engine = {"backend": "synthetic", "step_interval_s": STEP_INTERVAL_S}
-    folder = tmp_path_factory.mktemp("engines-apart")
-    with synthetic_dp(folder, ROUTERS, engine, {"engine_in_router": False}) as app:
-        yield app
+def engines_apart(served_apps: ServedApps, serve_logs: Path) -> RunningApp:
+    # The tests kill engine replicas and a router: Serve restarts them.
+    return served_apps.get(str(synthetic_app(serve_logs)), restarts_expected=True)
 
 
 def _complete(url: str, max_tokens: int = 4) -> httpx.Response:
-    body = {"model": EMBEDDED_MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": max_tokens}
+    body = {"model": APART.name, "prompt": [1, 2, 3], "max_tokens": max_tokens}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=30)
 
 
@@ -55,9 +56,9 @@ def _replicas_seen(url: str, requests: int = 8) -> set[str]:
     return seen
 
 
-def _stream_events(url: str, max_tokens: int) -> Iterator[dict]:
+def _stream_events(url: str, max_tokens: int) -> Generator[dict, None, None]:
     body = {
-        "model": EMBEDDED_MODEL_NAME,
+        "model": APART.name,
         "prompt": [1, 2, 3],
         "max_tokens": max_tokens,
         "stream": True,
@@ -76,7 +77,7 @@ def _replica_pids(deployment: str) -> list[int]:
 
 def _engine_requests(url: str, replica: str, state: str = "running") -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    labels = f'model="{EMBEDDED_MODEL_NAME}",replica="{replica}",role="mixed",state="{state}"'
+    labels = f'model="{APART.name}",replica="{replica}",role="mixed",state="{state}"'
     prefix = f"splitserve_engine_requests{{{labels}}}"
     for line in text.splitlines():
         if line.startswith(prefix):
@@ -86,11 +87,11 @@ def _engine_requests(url: str, replica: str, state: str = "running") -> float:
 
 def test_every_router_reaches_every_engine(engines_apart: RunningApp) -> None:
     for url in engines_apart.router_urls:
-        assert _replicas_seen(url) == {"engine-0", "engine-1"}
+        assert _replicas_seen(url) == set(ENGINES)
 
 
 def _running(url: str) -> float:
-    return sum(_engine_requests(url, name) for name in ("engine-0", "engine-1"))
+    return sum(_engine_requests(url, name) for name in ENGINES)
 
 
 def test_a_client_that_leaves_aborts_its_request_in_the_engine(
@@ -108,7 +109,7 @@ def test_engines_killed_mid_stream_end_the_stream_with_an_error_and_rejoin(
     engines_apart: RunningApp,
 ) -> None:
     url = engines_apart.base_url
-    engines = _replica_pids("engine-0") + _replica_pids("engine-1")
+    engines = _replica_pids(ENGINES[0]) + _replica_pids(ENGINES[1])
     assert len(engines) == 2
     got_error = False
     for tokens, event in enumerate(_stream_events(url, max_tokens=LONG_STREAM_TOKENS)):
@@ -125,9 +126,9 @@ def test_engines_killed_mid_stream_end_the_stream_with_an_error_and_rejoin(
         RECOVERY_TIMEOUT_S,
         RECOVERY_POLL_S,
     )
-    assert not set(engines) & set(_replica_pids("engine-0") + _replica_pids("engine-1"))
+    assert not set(engines) & set(_replica_pids(ENGINES[0]) + _replica_pids(ENGINES[1]))
     for router_url in engines_apart.router_urls:
-        assert _replicas_seen(router_url) == {"engine-0", "engine-1"}
+        assert _replicas_seen(router_url) == set(ENGINES)
 
 
 def test_one_router_killed_the_other_serves_every_engine(engines_apart: RunningApp) -> None:
@@ -142,4 +143,4 @@ def test_one_router_killed_the_other_serves_every_engine(engines_apart: RunningA
         except httpx.HTTPError:
             pass
     assert answering, "the surviving router stopped answering"
-    assert _replicas_seen(answering[0]) == {"engine-0", "engine-1"}
+    assert _replicas_seen(answering[0]) == set(ENGINES)

@@ -338,7 +338,10 @@ def test_sampler_overhead_is_small_with_real_cpu_source(
 
 
 def test_engine_stat_logger_adds_replica_and_role() -> None:
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
     logger_class = replica_stat_logger("prefill-0", "prefill")
+    assert issubclass(logger_class, RayPrometheusStatLogger)
     gauge = logger_class._gauge_cls("vllm:test_gauge", "doc", labelnames=["model_name", "engine"])
     assert gauge.metric._tag_keys == ("model_name", "engine", "ReplicaId", "replica", "role")
     tags = gauge.labels("tiny", "0")._tags

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from types import SimpleNamespace
 
 from deployments.app import engine_names, engine_spec
 from deployments.config import parse_app_config
-from engines.protocol import GenerateRequest
+from engines.protocol import EngineStats, GenerateRequest
 from engines.synthetic import SyntheticEngineHost
 
 CONFIG = parse_app_config(
@@ -28,6 +29,7 @@ def _request(request_id: str, max_tokens: int, subscriber: str = "router-a") -> 
 
 async def _collect(host: SyntheticEngineHost, subscriber: str, deltas: int) -> list:
     stream = host.deltas(subscriber)
+    assert isinstance(stream, AsyncGenerator)  # so that it can be closed
     seen: list = []
     while len(seen) < deltas:
         seen.extend(await asyncio.wait_for(anext(stream), 5))
@@ -95,7 +97,7 @@ def test_a_capped_batch_serves_the_oldest_requests_and_the_rest_wait() -> None:
         }
     )
 
-    async def scenario() -> tuple[list, object]:
+    async def scenario() -> tuple[list, EngineStats]:
         name, pool, index = engine_names(config)[0]
         host = SyntheticEngineHost(engine_spec(config, name, pool, index))
         await host.submit(_request("first", 2))

@@ -53,5 +53,6 @@ def test_tokenizer_is_byte_level_with_chat_template(tmp_path: Path) -> None:
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
+    assert isinstance(chat, str)  # tokenize=False: the text
     assert chat.startswith(tokenizer.bos_token)
     assert chat.endswith("<|assistant|>\n")

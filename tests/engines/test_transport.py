@@ -25,6 +25,7 @@ from engines.contract import EngineFailed, EngineUnavailable
 from engines.protocol import (
     CONTINUE_FROM,
     CacheUpdate,
+    DeltaBatch,
     EngineStats,
     GenerateChunk,
     GenerateFailure,
@@ -208,7 +209,7 @@ def test_every_message_crosses_with_every_field() -> None:
     )
     defaults = GenerateChunk([], "")
     assert all(getattr(chunk, f) != getattr(defaults, f) for f in GenerateChunk.__struct_fields__)
-    batch = [
+    batch: DeltaBatch = [
         ("request", chunk),
         ("", CacheUpdate(stored=[(b"\x01\x02", -5), (7, 9)], removed=[b"\x03"], cleared=True)),
         ("other", GenerateFailure("gone", engine_dead=True)),
@@ -234,6 +235,7 @@ def test_sampling_parameters_arrive_as_vllms_own_type() -> None:
     )
     request = GenerateRequest("r", "router-1", [1, 2], params, {"k": [1]}, priority=2)
     sent = ROUTER_MESSAGES.decode(encode_frame(Call(1, "submit", request))[4:])
+    assert isinstance(sent, Call) and sent.argument is not None
     arrived = with_sampling_params(sent.argument)
     assert isinstance(arrived.sampling_params, SamplingParams)
     assert arrived.sampling_params == params and arrived == request

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -35,6 +35,9 @@ from kv_transfer.object_store.scheduler import TransferScheduler
 from kv_transfer.object_store.worker import TransferWorker
 from kv_transfer.settings import ObjectStoreSettings
 from tests.support.kv_doubles import DirectoryLoop, LocalActor, MemoryObjectStore, directory_loop
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 BLOCK = 4
 SHAPE = (16, 2, BLOCK, 8)  # blocks, kv heads, block size, 2 x head size: the CPU layout
@@ -291,16 +294,21 @@ def _scheduler(directory: RecordingDirectory, producer: bool) -> TransferSchedul
     return scheduler
 
 
+def _scheduled(tokens: dict[str, int]) -> SchedulerOutput:
+    """A step's scheduler output, as far as the connector's scheduler half reads it."""
+    return SimpleNamespace(num_scheduled_tokens=tokens)  # type: ignore[return-value]
+
+
 def test_the_producer_orders_the_put_when_the_prompt_completes_and_hands_a_handle() -> None:
     directory = RecordingDirectory()
     scheduler = _scheduler(directory, producer=True)
     prompt = list(range(10))  # 3 blocks of 4
     request = _request("p1", prompt, {"do_remote_decode": True, "splitserve_consumer": "d-0"})
     scheduler.on_new_request(request)
-    first = scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p1": 8}))
+    first = scheduler.build_connector_meta(_scheduled({"p1": 8}))
     assert first.saves == []  # a chunk of the prompt: saved with the last chunk
     request.num_computed_tokens = 8
-    orders = scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p1": 2}))
+    orders = scheduler.build_connector_meta(_scheduled({"p1": 2}))
     (save,) = orders.saves
     assert (save.block_ids, save.consumer, save.num_parts) == ([7, 8, 9], "d-0", 1)
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -309,9 +317,7 @@ def test_the_producer_orders_the_put_when_the_prompt_completes_and_hands_a_handl
     handle = TransferHandle.from_params(params)  # type: ignore[arg-type]
     assert (handle.transfer_id, handle.num_tokens) == (save.transfer_id, 10)
     assert handle.prompt_digest == prompt_digest(prompt) and handle.consumer == "d-0"
-    assert scheduler.build_connector_meta(
-        SimpleNamespace(num_scheduled_tokens={})
-    ).finished_saves == ["p1"]
+    assert scheduler.build_connector_meta(_scheduled({})).finished_saves == ["p1"]
 
 
 def test_a_prefill_aborted_after_its_put_releases_the_transfer() -> None:
@@ -319,7 +325,7 @@ def test_a_prefill_aborted_after_its_put_releases_the_transfer() -> None:
     scheduler = _scheduler(directory, producer=True)
     request = _request("p1", list(range(8)), {"do_remote_decode": True})
     scheduler.on_new_request(request)
-    (save,) = scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"p1": 8})).saves
+    (save,) = scheduler.build_connector_meta(_scheduled({"p1": 8})).saves
     request.status = RequestStatus.FINISHED_ABORTED
     assert scheduler.request_finished(request) == (True, None)
     assert ("release", (save.transfer_id,)) in directory.calls
@@ -344,7 +350,7 @@ def test_the_consumer_loads_what_its_prefix_cache_lacks_from_the_named_push() ->
     assert scheduler.get_num_new_matched_tokens(request, 4) == (7, True)  # one block cached
     blocks = SimpleNamespace(get_block_ids=lambda: ([20, 21, 22, 23],))
     scheduler.update_state_after_alloc(request, blocks, 7)  # type: ignore[arg-type]
-    (load,) = scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).loads
+    (load,) = scheduler.build_connector_meta(_scheduled({})).loads
     assert (load.first_source_block, load.block_ids, load.pushed) == (1, [21, 22], True)
     assert load.problem is None
     assert request.kv_transfer_params["do_remote_prefill"] is False  # one load, ever

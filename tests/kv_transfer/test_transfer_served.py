@@ -113,7 +113,7 @@ def _start_engine(cpu: str, role: str, **engine_kwargs: Any) -> Any:
         disable_log_stats=False,  # SchedulerStats, which carry the connector's statistics
         **engine_kwargs,
     )
-    engine.transfer_tap = _tap_transfer_stats(engine)
+    engine.transfer_tap = _tap_transfer_stats(engine)  # type: ignore[attr-defined]  # the test's
     return engine
 
 
@@ -456,7 +456,9 @@ class TestTensorParallelTwo:
             model=str(embedded_model_path()),
             dtype="float32",
             max_model_len=4096,
-            kv_transfer_config=_object_store_config("kv_consumer", namespace=NAMESPACE),
+            kv_transfer_config=_object_store_config(  # type: ignore[arg-type]  # vLLM parses dicts
+                "kv_consumer", namespace=NAMESPACE
+            ),
         ).create_engine_config()
         _, handle = _prefill_step(prefill_tp2, _prompt(50))
         try:

@@ -32,7 +32,7 @@ from bench.client_agreement import (
     has_a_core_for_the_clients,
     run_both_clients,
 )
-from tests.support.served_apps import ServedApps
+from deployments.launcher import RunningApp
 
 pytestmark = pytest.mark.serving
 
@@ -41,11 +41,11 @@ TTFT_TOLERANCE_AT_THIS_SIZE = 0.30
 
 
 def test_counts_and_latencies_agree_with_vllm_client(
-    served_apps: ServedApps, serve_logs: Path, cluster_pids: Callable[[], set[int]]
+    shapes_app: RunningApp, serve_logs: Path, cluster_pids: Callable[[], set[int]]
 ) -> None:
     if not has_a_core_for_the_clients():
         pytest.skip("needs two cores: one for the server, one for the clients")
-    app = served_apps.get("single")
+    app = shapes_app  # single.yaml's model: the one its requests name
     run, theirs = run_both_clients(app.base_url, serve_logs / "agreement", REQUESTS, cluster_pids)
 
     s = run["summary"]

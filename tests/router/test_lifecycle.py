@@ -36,7 +36,7 @@ def _in_flight(router: Any) -> dict[str, int]:
 
 
 def _waiting(router: Any) -> int:
-    return router._auth.waiting("team")  # type: ignore[no-any-return]
+    return router._auth.waiting("team")
 
 
 async def _counted(client: httpx.AsyncClient, route: str, status: str) -> float:

@@ -63,7 +63,7 @@ class Cluster:
                 async for chunk in dispatch.stream:
                     chunks.append(chunk)
                     if keep is not None and len(chunks) == keep:
-                        await dispatch.stream.aclose()  # type: ignore[attr-defined]
+                        await dispatch.stream.aclose()
                         break
                 await asyncio.sleep(0.01)  # let aborts and releases run
             finally:

@@ -169,12 +169,19 @@ CORPUS: dict[str, tuple[str, dict[str, Any]]] = {
 _VOLATILE = {"id", "created", "created_at", "system_fingerprint", "request_id", "item_id"}
 
 
-def ask(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, Any]:
-    """What a client reads from one answer, volatile fields left out."""
+def ask(
+    client: httpx.Client, route: str, body: dict[str, Any], model: str = MODEL
+) -> dict[str, Any]:
+    """What a client reads from one answer, volatile fields left out. ``model``: the
+    served name to ask (the corpus names MODEL); its answer reads as MODEL's."""
+    if body.get("model") == MODEL:
+        body = {**body, "model": model}
     if route.startswith("/v1/models"):
         response = client.get(route)
     else:
         response = client.post(route, json=body)
+    if model != MODEL:
+        response = _as_named(response, model)
     answer: dict[str, Any] = {"status": response.status_code}
     if response.status_code != 200:
         error = response.json()
@@ -185,6 +192,12 @@ def ask(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, Any
     else:
         answer["body"] = _read(response.json())
     return answer
+
+
+def _as_named(response: httpx.Response, model: str) -> httpx.Response:
+    """The response with ``model``'s name written as MODEL's, wherever it names it."""
+    content = response.content.replace(f'"{model}"'.encode(), f'"{MODEL}"'.encode())
+    return httpx.Response(response.status_code, headers=response.headers, content=content)
 
 
 def _read(body: dict[str, Any]) -> dict[str, Any]:
@@ -313,15 +326,23 @@ def differences(theirs: Any, ours: Any, path: str = "") -> list[str]:
     return [] if theirs == ours else [f"{path}: {theirs!r} != {ours!r}"]
 
 
-def answers(base_url: str) -> dict[str, dict[str, Any]]:
-    """Every kind of the corpus, asked of one server in order."""
+def answers(base_url: str, model: str = MODEL) -> dict[str, dict[str, Any]]:
+    """Every kind of the corpus, asked of one server's ``model`` in order."""
     with httpx.Client(base_url=base_url, timeout=300) as client:
-        return {name: ask(client, route, body) for name, (route, body) in CORPUS.items()}
+        return {name: ask(client, route, body, model) for name, (route, body) in CORPUS.items()}
 
 
-def assert_answers_as(reference: dict[str, dict[str, Any]], base_url: str) -> None:
-    """Every kind answered at ``base_url`` as in ``reference`` (bare vLLM's answers)."""
-    ours = answers(base_url)
+def bare_vllm_reference(base_url: str) -> dict[str, dict[str, Any]]:
+    """The corpus as bare `vllm serve` answers it (asked by conftest's bare_vllm_answers)."""
+    return answers(base_url)
+
+
+def assert_answers_as(
+    reference: dict[str, dict[str, Any]], base_url: str, model: str = MODEL
+) -> None:
+    """Every kind answered by ``model`` at ``base_url`` as in ``reference`` (bare vLLM's
+    answers to MODEL: a served model of another name reads as if it were named so)."""
+    ours = answers(base_url, model)
     found = {
         name: problems
         for name in CORPUS

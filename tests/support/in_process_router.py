@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve._private.http_util import RequestIdMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Message
 
 from deployments.app import engine_names, engine_spec
 from deployments.config import AppConfig, parse_app_config
@@ -33,6 +34,7 @@ from router import runtime
 from router.http import ingress
 from router.http.ingress import Router
 from router.http.served_model import ServedModel
+from router.pool.pooled_engine import LocalEngineLink
 from router.settings import ModelBinding
 from tests.support.fake_engine import RecordingKV
 
@@ -103,10 +105,10 @@ async def sent(response: Response) -> Sent:
     """``response`` as a server sends it over ASGI."""
     out = Sent()
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         if message["type"] == "http.response.start":
             out.status_code = message["status"]
             out.headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
@@ -165,15 +167,15 @@ async def in_process_router(**args: Any) -> AsyncIterator[Any]:
     config = _config({"shape": "single", "pools": [{}], "engine": {"backend": "synthetic"}, **args})
     names = engine_names(config)
     specs = {name: engine_spec(config, name, pool, index) for name, pool, index in names}
-    roles = {name: pool.role for name, pool, _ in names}
+    roles: dict[str, str] = {name: pool.role for name, pool, _ in names}
     binding = ModelBinding(config.ingress_settings(), roles, local_engines=specs)
-    router = object.__new__(ROUTER_CLASS)
+    router: Any = object.__new__(ROUTER_CLASS)
     # Simulated engines hand over with a KV backend of their own, which needs no cluster.
     recorded = config.engine.backend == "synthetic"
     with mock.patch.object(
         runtime, "make_kv_backend", _RecordingKVBackend if recorded else make_kv_backend
     ):
-        await ROUTER_CLASS.__init__(router, [binding])
+        await ROUTER_CLASS.__init__(router, [binding])  # type: ignore[misc]  # Serve awaits it
     try:
         yield router
     finally:
@@ -284,4 +286,6 @@ def kill_engine(router: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(
         SyntheticEngineHost, "dead", property(lambda host: getattr(host, "killed", False))
     )
-    only_model(router).pool.get(name).link._host.killed = True
+    link = only_model(router).pool.get(name).link
+    assert isinstance(link, LocalEngineLink)
+    link._host.killed = True  # type: ignore[union-attr]  # a SyntheticEngineHost, killed

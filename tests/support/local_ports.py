@@ -6,7 +6,12 @@ import socket
 
 from deployments.local_nodes import forget_cluster, free_port
 
-__all__ = ["forget_cluster", "free_port", "free_port_run"]
+__all__ = ["SESSION_INGRESS_PORTS", "forget_cluster", "free_port", "free_port_run"]
+
+# Direct-ingress ports the session's cluster gives routers from DEFAULT_PORT on
+# (conftest.py): enough for the applications of several routers, which then share that
+# cluster with the others instead of starting one of their own.
+SESSION_INGRESS_PORTS = 3
 
 
 def free_port_run(length: int) -> int:

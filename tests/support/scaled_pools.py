@@ -2,39 +2,28 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
-from tests.support.synthetic_apps import synthetic_dp
 from tests.support.waiting import eventually
 
 
-@contextlib.contextmanager
-def scaled_synthetic_pool(
-    folder: Path, routers: int, engine: dict[str, Any], scaling: dict[str, Any]
-) -> Iterator[RunningApp]:
-    """One pool of synthetic engines that Serve scales (``scaling``: the pool's
-    ``autoscaling`` block), starting from one engine, behind ``routers`` routers."""
-    pool = {"role": "mixed", "replicas": 1, "autoscaling": scaling}
-    with synthetic_dp(folder, routers, engine, pool=pool) as app:
-        yield app
+def members(url: str, model: str = EMBEDDED_MODEL_NAME) -> set[str]:
+    """The engines this router routes to for ``model`` (its /health lists them, 200 or
+    503: by model where it serves several)."""
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    if "models" in health:
+        return set(health["models"][model])
+    return set(health["replicas"])
 
 
-def members(url: str) -> set[str]:
-    """The engines this router routes to (its /health lists them, 200 or 503)."""
-    return set(httpx.get(f"{url}/health", timeout=10).json()["replicas"])
-
-
-def complete(url: str, max_tokens: int) -> httpx.Response:
-    body = {"model": EMBEDDED_MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": max_tokens}
+def complete(url: str, max_tokens: int, model: str = EMBEDDED_MODEL_NAME) -> httpx.Response:
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": max_tokens}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 

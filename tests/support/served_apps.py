@@ -22,6 +22,7 @@ import psutil
 
 from deployments.launcher import RunningApp, config_path, serve_run
 from splitserve.processes import http_ok
+from tests.support.local_ports import SESSION_INGRESS_PORTS
 
 # Lines Serve or our engine client log when something broke: a replica that died was
 # started again, or work was submitted to an executor already shut down.
@@ -50,7 +51,12 @@ class ServedApps:
             self.close()
             stack = ExitStack()
             app = stack.enter_context(
-                serve_run(str(path), ray_address=self._ray_address, log_dir=self._log_dir)
+                serve_run(
+                    str(path),
+                    ray_address=self._ray_address,
+                    log_dir=self._log_dir,
+                    ingress_ports=SESSION_INGRESS_PORTS,
+                )
             )
             self._app, self._stack, self._checked_from = app, stack, 0
         if restarts_expected:

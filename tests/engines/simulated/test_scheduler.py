@@ -156,7 +156,9 @@ def test_handed_over_kv_is_loaded_in_a_step_before_the_one_that_computes() -> No
 def test_a_load_rides_along_a_busy_engines_step_and_holds_no_decode_run() -> None:
     scheduler = _scheduler(kv_load_steps=2)
     scheduler.add(_request("busy", 4, out=20))
-    scheduler.complete(scheduler.schedule())  # type: ignore[arg-type]  (its prompt)
+    prompt = scheduler.schedule()  # its prompt
+    assert prompt is not None
+    scheduler.complete(prompt)
     scheduler.add(_request("d", 20, out=1, kv_from_elsewhere=True))
     steps = []
     for _ in range(3):

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from deployments.config import parse_app_config
+from engines.simulated.host import SimulatedEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
+from router.pool.pooled_engine import LocalEngineLink
 from splitserve.latency.profile import LatencyProfile
 from tests.support.in_process_router import (
     COMPLETIONS,
@@ -28,6 +30,13 @@ from tests.support.processes import TICKS_PER_S, alive, cpu_seconds
 # Steps of tens of milliseconds: long beside this loop's own delays, short for a test.
 STEP_S = 0.02
 PROMPT = "x" * 200  # 200 byte tokens (plus BOS) with the embedded tokenizer
+
+
+def _host(router: Any, name: str) -> SimulatedEngineHost:
+    """The simulated engine the in-process router hosts as ``name``."""
+    link = only_model(router).pool.get(name).link
+    assert isinstance(link, LocalEngineLink) and isinstance(link._host, SimulatedEngineHost)
+    return link._host
 
 
 def _profile(tmp_path: Path, **fields: Any) -> str:
@@ -120,9 +129,11 @@ async def test_spend_cpu_computes_each_step_on_the_engines_cores(tmp_path: Path)
         http_client(router) as client,
     ):
         await ready(client, timeout_s=20)
-        host = only_model(router).pool.get("engine-0").link._host
+        host = _host(router, "engine-0")
         elapsed, _ = await _complete(client, max_tokens=10)
+        assert host._spender is not None
         pid = host._spender.pid
+        assert pid is not None
         assert os.sched_getaffinity(pid) == {0}
         spent = cpu_seconds(pid)
     expected = 10 * STEP_S + 0.0001 * (201 + 9)
@@ -140,7 +151,7 @@ async def test_pd_decode_waits_for_the_hand_over_of_the_prompts_kv(tmp_path: Pat
     ) as router:
         async with http_client(router) as client:
             await ready(client, timeout_s=20)
-            decode = only_model(router).pool.get("decode-0").link._host
+            decode = _host(router, "decode-0")
             before = decode.stats().prompt_tokens  # the router's calibration computed some
             elapsed, response = await _complete(client, max_tokens=3)
             assert response.headers["x-splitserve-prefill"] == "remote:always"
@@ -166,8 +177,9 @@ async def test_spend_cpu_computes_a_hand_overs_host_work_before_the_kv_is_in(
     engine["profile"] = _profile(tmp_path, handover_cpu_s=0.1)
     async with _pd_always(engine) as router, http_client(router) as client:
         await ready(client, timeout_s=20)
-        decode = only_model(router).pool.get("decode-0").link._host
+        decode = _host(router, "decode-0")
         elapsed, _ = await _complete(client, max_tokens=3)
+        assert decode._handover_spender is not None
         pid = decode._handover_spender.pid
         assert pid is not None
         spent = cpu_seconds(pid)
@@ -190,13 +202,14 @@ async def test_a_hand_over_reaches_the_routers_cost_meter_as_a_real_engines_does
     ):
         await ready(client, timeout_s=20)
         model = only_model(router)
-        host = model.pool.get("decode-0").link._host
+        host = _host(router, "decode-0")
         meter = model.stats_poller.transfer_cost
         _, response = await _complete(client, max_tokens=2)
         # The meter's first reading, with the first hand-over: the next one gives a sample.
         await until(lambda: meter._last is not None, timeout_s=5)
         _, response = await _complete(client, max_tokens=2)
         transfers = host.stats().kv_transfer
+        assert transfers is not None
         await until(lambda: meter.estimate_s(1) is not None, timeout_s=5)
     tokens = response.json()["usage"]["prompt_tokens"]
     assert transfers["handovers"] == {"put": 0, "get": 2}
@@ -217,7 +230,7 @@ async def test_the_prefix_cache_reaches_the_router_through_kv_events(tmp_path: P
             await _complete(client, max_tokens=2)
             _, response = await _complete(client, max_tokens=2)
             assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        host = only_model(router).pool.get("engine-0").link._host
+        host = _host(router, "engine-0")
         assert host.stats().prefix_cache_hits > 0
 
 

@@ -90,6 +90,16 @@ def test_mode_comes_from_the_router_histograms() -> None:
     assert discover_shape(parse_metrics(BEFORE)) is None
 
 
+def test_a_router_of_several_models_is_in_the_shape_of_the_model_a_run_loads() -> None:
+    text = "# TYPE splitserve_time_to_first_token_seconds histogram\n" + "".join(
+        f'splitserve_time_to_first_token_seconds_count{{model="{model}",shape="{shape}"'
+        f',prefill="local"}} 4\n'
+        for model, shape in (("a", "dp"), ("b", "pd"), ("b2", "pd"), ("c", "single"))
+    )
+    assert discover_shape(parse_metrics(text), "c") == "single"
+    assert discover_shape(parse_metrics(text), "adapter-of-c") == "pd"  # no series: any
+
+
 async def test_prometheus_figures_replace_the_router_samples() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/metrics":

@@ -26,12 +26,10 @@ OBJECTIVES = Objectives(ttft_s=0.5, tpot_s=0.02, attainment=0.9)
 DEVICES = {"single": 1, "dp": 2, "pd_always": 2, "pd": 2}
 
 
-def _curve(shape: str, knee: float, **figures: float) -> list[RunPoint]:
+def _curve(shape: str, knee: float) -> list[RunPoint]:
     """Runs at 1, 2, 4, 8 req/s that meet the objectives up to ``knee``."""
     return [
-        RunPoint(
-            shape, "general", qps, 1.0 if qps <= knee else 0.4, min(qps, knee), 1024, 128, **figures
-        )
+        RunPoint(shape, "general", qps, 1.0 if qps <= knee else 0.4, min(qps, knee), 1024, 128)
         for qps in (1.0, 2.0, 4.0, 8.0)
     ]
 
@@ -75,6 +73,7 @@ def test_pd_thresholds_follow_from_the_measured_rates() -> None:
     assert fit.thresholds["prompt_length_threshold"] == 200  # 20 ms TPOT / 0.1 ms
     assert fit.thresholds["prefill_queue_max"] == 5  # 0.5 s / (1000 x 0.1 ms)
     step_at_max = fit.step_base_s + fit.step_per_request_s * fit.max_decode_batch
+    assert OBJECTIVES.tpot_s is not None
     assert step_at_max <= OBJECTIVES.tpot_s + 1e-9
     assert fit.qos["early_rejection_s"]["low"] == pytest.approx(0.4)  # 0.5 - 0.1
     # A transfer dearer than prefilling again: never prefill remotely.

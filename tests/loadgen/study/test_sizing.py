@@ -38,7 +38,8 @@ def test_mixed_engines_grow_at_the_measured_goodput_per_engine() -> None:
     assert not sized.measured and sized.shape == "dp"
     one = size_for_rate(DP, 1.5)
     assert one is not None and one.shape == "single" and one.devices == 1
-    assert size_for_devices(DP, 2).measured  # the size the sweep ran
+    swept = size_for_devices(DP, 2)
+    assert swept is not None and swept.measured  # the size the sweep ran
 
 
 def test_auto_pool_engines_grow_like_dp_and_never_below_two() -> None:
@@ -60,7 +61,8 @@ def test_pd_pools_follow_the_fit_scaled_to_what_was_measured() -> None:
     budget = size_for_devices(PD, 4, FIT)  # 3:1 serves min(9, 9) = 9, better than 2:2's 6
     assert budget is not None and budget.engines == {"prefill": 3, "decode": 1}
     assert budget.goodput == pytest.approx(9.0)
-    assert size_for_devices(PD, 2, FIT).measured  # 1:1 is what the sweep ran
+    swept = size_for_devices(PD, 2, FIT)
+    assert swept is not None and swept.measured  # 1:1 is what the sweep ran
 
 
 def test_a_one_engine_mode_cannot_be_sized_past_what_it_served() -> None:

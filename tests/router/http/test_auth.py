@@ -79,6 +79,7 @@ def test_a_missing_key_is_a_401(headers: dict[str, str]) -> None:
     response = raised.value.response()
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
+    assert isinstance(response.body, bytes)
     error = json.loads(response.body)["error"]
     assert error["type"] == "AuthenticationError" and error["code"] == 401
     assert "Authorization: Bearer" in error["message"]
@@ -100,7 +101,8 @@ def test_a_key_not_allowed_a_route_is_a_403() -> None:
     with pytest.raises(OpenAIError) as raised:
         keys().authenticate(bearer(PROBE_KEY), CHAT)
     assert raised.value.status == 403
-    assert raised.value.body()["error"]["type"] == "PermissionDeniedError"
+    error = raised.value.body()["error"]
+    assert isinstance(error, dict) and error["type"] == "PermissionDeniedError"
     assert "'prometheus' may not call /v1/chat/completions" in raised.value.message
     assert keys().authenticate(bearer(PROBE_KEY), "/metrics").name == "prometheus"
 
@@ -146,7 +148,7 @@ def test_a_priority_above_the_keys_is_capped_and_counted_not_refused() -> None:
     client = configured.authenticate(bearer(TEAM_KEY), CHAT)
 
     async def scenario() -> list[str]:
-        granted = []
+        granted: list[str] = []
         for asked in ("high", "normal", "low"):
             priority, slot = configured.admit(client, asked, metrics)
             slot.release()

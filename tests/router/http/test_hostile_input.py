@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from engines.tiny_model import EMBEDDED_MODEL_NAME, embedded_model_path
 from router.http.errors import OpenAIError
 from router.http.requests import (
+    OpenAIRequest,
     PromptBuilder,
     RequestValidator,
     ServedByVllm,
@@ -74,7 +75,7 @@ def _of_declared_type(spec: dict[str, Any]) -> st.SearchStrategy[Any]:
     return st.one_of(shapes) if shapes else JSON
 
 
-VALID = {
+VALID: dict[type[OpenAIRequest], dict[str, Any]] = {
     CompletionRequest: {"model": EMBEDDED_MODEL_NAME, "prompt": "hello", "max_tokens": 4},
     ChatCompletionRequest: {
         "model": EMBEDDED_MODEL_NAME,
@@ -97,7 +98,7 @@ def validator() -> RequestValidator:
 HAND_OVER_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 
 
-def hostility(model_cls: type, raw: bytes) -> str | None:
+def hostility(model_cls: type[OpenAIRequest], raw: bytes) -> str | None:
     """Why the router must refuse ``raw``, judged without the router: not a JSON object
     in UTF-8, a body vLLM's own request model refuses, a priority the router does not
     know, another model, or a field only the router sets. None: the router may serve it
@@ -122,7 +123,9 @@ def hostility(model_cls: type, raw: bytes) -> str | None:
     return next((f"sets {f}" for f in HAND_OVER_FIELDS if getattr(request, f) is not None), None)
 
 
-def refusal(validator: RequestValidator, model_cls: type, raw: bytes) -> OpenAIError | None:
+def refusal(
+    validator: RequestValidator, model_cls: type[OpenAIRequest], raw: bytes
+) -> OpenAIError | None:
     """The router's 4xx in OpenAI's format for ``raw``, or None if it serves it (on its
     own path, or through vLLM's layer, which validates it there); any other outcome
     fails."""
@@ -136,13 +139,15 @@ def refusal(validator: RequestValidator, model_cls: type, raw: bytes) -> OpenAIE
         assert 400 <= int(error.status) < 500, error.message
         document = error.body()
         json.dumps(document, ensure_ascii=False).encode("utf-8")  # renders, surrogates too
-        assert set(document["error"]) == {"message", "type", "param", "code"}
-        assert document["error"]["code"] == int(error.status)
+        fields = document["error"]
+        assert isinstance(fields, dict)
+        assert set(fields) == {"message", "type", "param", "code"}
+        assert fields["code"] == int(error.status)
         return error
     return None
 
 
-def check(validator: RequestValidator, model_cls: type, body: Any) -> str:
+def check(validator: RequestValidator, model_cls: type[OpenAIRequest], body: Any) -> str:
     """A hostile body refused with a 4xx in OpenAI's format (accepted, it fails the
     test); any other body served or refused the same way. Returns which it was."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -167,7 +172,9 @@ def test_the_openapi_description_names_vllms_request_models() -> None:
 
 
 @pytest.mark.parametrize("model_cls", [CompletionRequest, ChatCompletionRequest])
-def test_bodies_from_the_schema(validator: RequestValidator, model_cls: type) -> None:
+def test_bodies_from_the_schema(
+    validator: RequestValidator, model_cls: type[OpenAIRequest]
+) -> None:
     seen: Counter[str] = Counter()
 
     @EXAMPLES
@@ -180,7 +187,7 @@ def test_bodies_from_the_schema(validator: RequestValidator, model_cls: type) ->
 
 
 @pytest.mark.parametrize("model_cls", [CompletionRequest, ChatCompletionRequest])
-def test_arbitrary_json(validator: RequestValidator, model_cls: type) -> None:
+def test_arbitrary_json(validator: RequestValidator, model_cls: type[OpenAIRequest]) -> None:
     seen: Counter[str] = Counter()
 
     @EXAMPLES
@@ -194,7 +201,7 @@ def test_arbitrary_json(validator: RequestValidator, model_cls: type) -> None:
 
 @pytest.mark.parametrize("model_cls", [CompletionRequest, ChatCompletionRequest])
 def test_valid_bodies_with_one_field_gone_wrong(
-    validator: RequestValidator, model_cls: type
+    validator: RequestValidator, model_cls: type[OpenAIRequest]
 ) -> None:
     fields = sorted(model_cls.model_fields)
     seen: Counter[str] = Counter()
@@ -228,14 +235,18 @@ def test_bytes_that_are_not_a_json_object(validator: RequestValidator, raw: byte
 )
 @pytest.mark.parametrize("model_cls", [CompletionRequest, ChatCompletionRequest])
 def test_a_client_cannot_set_the_routers_hand_over_fields(
-    validator: RequestValidator, model_cls: type, field: str
+    validator: RequestValidator, model_cls: type[OpenAIRequest], field: str
 ) -> None:
     body = {**VALID[model_cls], field: {"transfer_id": "someone-elses", "do_remote_prefill": True}}
     refused = refusal(validator, model_cls, json.dumps(body).encode())
-    assert refused is not None and refused.body()["error"]["param"] == field
+    assert refused is not None
+    error = refused.body()["error"]
+    assert isinstance(error, dict) and error["param"] == field
 
 
 @pytest.mark.parametrize("model_cls", [CompletionRequest, ChatCompletionRequest])
-def test_the_valid_bodies_are_served(validator: RequestValidator, model_cls: type) -> None:
+def test_the_valid_bodies_are_served(
+    validator: RequestValidator, model_cls: type[OpenAIRequest]
+) -> None:
     # The other side of hostility(): what it lets through, the router serves.
     assert check(validator, model_cls, VALID[model_cls]) == "served"

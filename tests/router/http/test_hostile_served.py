@@ -10,7 +10,6 @@ set the router's own engine-to-engine hand-over fields.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,10 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
+from deployments.launcher import RunningApp
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from tests.router.http.test_hostile_input import from_schema
-from tests.support.bare_vllm import bare_vllm
-from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
 
@@ -53,14 +51,21 @@ CASES: list[tuple[str, str, bytes | dict[str, Any], bool]] = [
 
 
 @pytest.fixture(scope="module")
-def ours(served_apps: ServedApps) -> str:
-    return served_apps.get("single").base_url
+def ours(bare_vllm_answers: dict[str, Any], shapes_app: RunningApp) -> str:
+    # Bare vLLM first: it is stopped before the shared application starts beside it.
+    """single.yaml's model, the first of the shapes' shared application (conftest.py)."""
+    return shapes_app.base_url
+
+
+def bare_vllm_reference(base_url: str) -> dict[str, int]:
+    """Bare vLLM's status for each class of bad input (asked by conftest's
+    bare_vllm_answers, of the one bare server the session starts)."""
+    return {what: _post(base_url, route, body).status_code for what, route, body, _ in CASES}
 
 
 @pytest.fixture(scope="module")
-def bare_vllm_url(ours: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with bare_vllm(tmp_path_factory.mktemp("bare-vllm")) as url:
-        yield url
+def bare_statuses(bare_vllm_answers: dict[str, Any]) -> dict[str, int]:
+    return bare_vllm_answers[__name__]
 
 
 def _post(base_url: str, route: str, body: bytes | dict[str, Any]) -> httpx.Response:
@@ -80,14 +85,19 @@ def _assert_openai_error(response: httpx.Response) -> None:
     ("what", "route", "body", "vllm_refuses"), CASES, ids=[c[0] for c in CASES]
 )
 def test_each_class_of_bad_input_against_bare_vllm(
-    ours: str, bare_vllm_url: str, what: str, route: str, body: bytes | dict, vllm_refuses: bool
+    ours: str,
+    bare_statuses: dict[str, int],
+    what: str,
+    route: str,
+    body: bytes | dict,
+    vllm_refuses: bool,
 ) -> None:
     mine = _post(ours, route, body)
     _assert_openai_error(mine)
-    theirs = _post(bare_vllm_url, route, body)
-    assert theirs.status_code < 500, f"bare vLLM answered {theirs.status_code} to {what}"
+    theirs = bare_statuses[what]
+    assert theirs < 500, f"bare vLLM answered {theirs} to {what}"
     # Refused by both, with the same class of status, unless we differ on purpose.
-    assert (400 <= theirs.status_code < 500) == vllm_refuses, (what, theirs.status_code)
+    assert (400 <= theirs < 500) == vllm_refuses, (what, theirs)
 
 
 @settings(

@@ -16,12 +16,14 @@ from typing import Any
 
 import httpx
 import msgspec
+import openai
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engines.synthetic import SyntheticEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from router.lifecycle import RequestLife
+from router.pool.pooled_engine import LocalEngineLink
 from tests.support.in_process_router import (
     CHAT,
     COMPLETIONS,
@@ -51,6 +53,13 @@ def chat(content: str = "hi", **fields: Any) -> dict[str, Any]:
 
 def completion(**fields: Any) -> dict[str, Any]:
     return {"model": EMBEDDED_MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, **fields}
+
+
+def _host(router: Any, name: str) -> SyntheticEngineHost:
+    """The synthetic engine the in-process router hosts as ``name``."""
+    link = only_model(router).pool.get(name).link
+    assert isinstance(link, LocalEngineLink) and isinstance(link._host, SyntheticEngineHost)
+    return link._host
 
 
 @pytest.fixture
@@ -438,7 +447,7 @@ async def test_a_request_past_request_timeout_s_is_a_504_and_aborted_in_the_engi
         assert time.monotonic() - started < 2
         message = openai_error(response, 504, "TimeoutError", None)
         assert "router.request_timeout_s (0.3 s) on engine-0; it was aborted" in message
-        engine = only_model(router).pool.get("engine-0").link._host
+        engine = _host(router, "engine-0")
         await until(lambda: engine.stats().num_running == 0, timeout_s=1)
 
 
@@ -638,6 +647,65 @@ async def test_a_keys_queue_cap_is_a_429_with_auths_retry_after() -> None:
         assert await metric(client, rejections, team, reason="key_queue_full") == 1
 
 
+# Bad input of every kind the served shapes once each checked on real engines
+# (tests/deployments/test_shapes_served.py): its status, type and param, the same
+# whatever the shape, since the router answers it before any engine is asked.
+M = EMBEDDED_MODEL_NAME
+SHAPE_INDEPENDENT_BAD_REQUESTS = [
+    (COMPLETIONS, b"{not json", 400, None),
+    (COMPLETIONS, b"[1, 2]", 400, None),
+    (COMPLETIONS, {"model": M, "max_tokens": 3}, 400, "prompt"),
+    (COMPLETIONS, {"model": M, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": M, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    (COMPLETIONS, {"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    (COMPLETIONS, {"model": M, "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": M, "prompt": [1] * 4096, "max_tokens": 1}, 400, "prompt"),
+    (COMPLETIONS, {"model": M, "prompt": [1, 2, 100000]}, 400, "prompt"),
+    (COMPLETIONS, {"model": M, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    (CHAT, {"model": M, "messages": "hi"}, 400, "messages"),
+    (CHAT, {"model": M, "messages": []}, 400, "messages"),
+    (CHAT, {"model": M}, 400, "messages"),
+    (
+        CHAT,
+        {
+            "model": M,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        },
+        400,
+        None,  # vLLM's layer renders it: "... is not a multimodal model"
+    ),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), SHAPE_INDEPENDENT_BAD_REQUESTS)
+async def test_bad_input_of_any_shape_gets_the_openai_error(
+    client: httpx.AsyncClient, route: str, body: Any, status: int, param: str | None
+) -> None:
+    await ready(client)  # vLLM's layer, which renders some of these, is built by then
+    kwargs: dict[str, Any] = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = await client.post(route, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (status, param) and error["message"]
+    assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+async def test_the_openai_client_raises_typed_errors(client: httpx.AsyncClient) -> None:
+    await ready(client)
+    openai_client = openai.AsyncOpenAI(
+        base_url=f"{str(client.base_url).rstrip('/')}/v1",
+        api_key="unused",
+        http_client=client,  # type: ignore[arg-type]  # openai types its own httpx
+        max_retries=0,
+    )
+    with pytest.raises(openai.NotFoundError):
+        await openai_client.completions.create(model="no-such-model", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await openai_client.completions.create(model=M, prompt="hi", max_tokens=10_000)
+
+
 # ---- headers, /v1/models, /metrics ------------------------------------------------------------
 
 
@@ -729,7 +797,7 @@ async def test_through_vllms_layer_a_timeout_is_a_504_and_aborted_in_the_engine(
         response = await client.post(COMPLETIONS, json=completion(n=2))  # one step, then 5 s
         message = openai_error(response, 504, "TimeoutError", None)
         assert "router.request_timeout_s (0.3 s)" in message
-        engine = only_model(router).pool.get("engine-0").link._host
+        engine = _host(router, "engine-0")
         await until(lambda: engine.stats().num_running == 0, timeout_s=1)
 
 
@@ -757,7 +825,7 @@ async def test_through_vllms_layer_a_client_that_leaves_frees_the_engine() -> No
                 if line.startswith("data: {"):
                     break  # the client leaves after its first event
         replica = only_model(router).pool.get("engine-0")
-        await until(lambda: replica.state.in_flight == 0 and not replica.link._host._running)
+        await until(lambda: replica.state.in_flight == 0 and not _host(router, "engine-0")._running)
 
 
 async def test_through_vllms_layer_the_pools_engine_limits_hold() -> None:

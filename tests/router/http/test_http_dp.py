@@ -78,7 +78,7 @@ async def test_round_robin_takes_the_replicas_in_turn() -> None:
 async def test_a_busy_replica_is_passed_over_by_least_loaded_only(
     policy: str, expected: list[str]
 ) -> None:
-    args = {
+    args: dict[str, Any] = {
         "engine": {"backend": "synthetic", "step_interval_s": 0.02},
         "router": {"replica_choice": policy},
     }
@@ -109,7 +109,9 @@ async def test_prefix_affinity_keeps_a_prompt_on_the_replica_that_cached_it(
     reported_cache: None,
 ) -> None:
     first, second = list(range(1, 41)), list(range(101, 141))  # two full blocks each
-    args = {"router": {"replica_choice": "prefix_affinity", "stats_interval_s": 0.02}}
+    args: dict[str, Any] = {
+        "router": {"replica_choice": "prefix_affinity", "stats_interval_s": 0.02}
+    }
     async with dp(**args) as (router, client):
         await until(
             lambda: all(replica.state.prefix is not None for replica in only_model(router).pool)

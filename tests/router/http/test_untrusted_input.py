@@ -152,7 +152,8 @@ async def test_a_body_over_the_limit_is_a_413_declared_or_not(tokenizer: Any) ->
         with pytest.raises(OpenAIError) as raised:
             await limited.receive(headers, chunks)
         assert raised.value.status == 413
-        assert raised.value.body()["error"]["type"] == "RequestTooLargeError"
+        error = raised.value.body()["error"]
+        assert isinstance(error, dict) and error["type"] == "RequestTooLargeError"
         assert "router.max_request_bytes" in raised.value.message
 
 

@@ -61,7 +61,7 @@ def test_longer_prompts_are_drift_once_they_fill_the_window_and_it_is_logged_onc
         ratios.append(reading.ratios["prompt_tokens"])
     # The window slides: 1.5x, 2x, 2.5x, then 3x for as long as the long prompts last.
     assert ratios[:4] == pytest.approx([1.5, 2.0, 2.5, 3.0]) and ratios[-1] == pytest.approx(3)
-    assert reading.drifted == {"prompt_tokens"}
+    assert reading is not None and reading.drifted == {"prompt_tokens"}
     assert _sample(metrics, "splitserve_traffic_drifted", "prompt_tokens") == 1
     assert _sample(metrics, "splitserve_traffic_drifted", "output_tokens") == 0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

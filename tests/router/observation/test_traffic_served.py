@@ -1,7 +1,8 @@
 """A served router records its traffic and reports drift from the profile in its YAML.
 
 Synthetic engines (no model) keep this quick; the path from HTTP through the router to
-the record and the drift gauges is the one vLLM engines take.
+the record and the drift gauges is the one vLLM engines take. The ``recorded`` model of
+the model-free served tests' shared application (tests/support/shared_apps.py).
 """
 
 from __future__ import annotations
@@ -11,44 +12,31 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from deployments.launcher import RunningApp, config_path
-from engines.tiny_model import EMBEDDED_MODEL_NAME
-from tests.support.served_apps import ServedApps
+from deployments.launcher import RunningApp
+from tests.support.shared_apps import (
+    TRAFFIC_OUTPUT_TOKENS,
+    TRAFFIC_PROMPT_TOKENS,
+    TRAFFIC_RECORD,
+    TRAFFIC_WINDOW,
+    synthetic_models,
+)
 
 pytestmark = pytest.mark.serving
 
-WINDOW = 4
-PROMPT_TOKENS = 30  # three times the profile's 10: drift
-OUTPUT_TOKENS = 4  # as profiled
+RECORDED = synthetic_models(Path())["recorded"]
+WINDOW = TRAFFIC_WINDOW
+PROMPT_TOKENS = 3 * TRAFFIC_PROMPT_TOKENS  # three times the profile's: drift
+OUTPUT_TOKENS = TRAFFIC_OUTPUT_TOKENS  # as profiled
 
 
 @pytest.fixture(scope="module")
-def recording_app(
-    served_apps: ServedApps, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[RunningApp, Path]:
-    folder = tmp_path_factory.mktemp("traffic")
-    record = folder / "traffic.jsonl"
-    document = yaml.safe_load(config_path("dp").read_text())
-    args = document["applications"][0]["args"]
-    args["engine"] = {"backend": "synthetic"}
-    args["router"] = {
-        **args.get("router", {}),
-        "traffic_record": str(record),
-        "traffic_profile": {
-            "prompt_tokens": 10,
-            "output_tokens": OUTPUT_TOKENS,
-            "window_requests": WINDOW,
-        },
-    }
-    path = folder / "dp-recorded.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return served_apps.get(str(path)), record
+def recording_app(model_free_app: RunningApp, serve_logs: Path) -> tuple[RunningApp, Path]:
+    return model_free_app, serve_logs / TRAFFIC_RECORD
 
 
 def _metric(text: str, name: str, quantity: str) -> float:
-    prefix = f'{name}{{model="{EMBEDDED_MODEL_NAME}",quantity="{quantity}"}} '
+    prefix = f'{name}{{model="{RECORDED.name}",quantity="{quantity}"}} '
     line = next(line for line in text.splitlines() if line.startswith(prefix))
     return float(line[len(prefix) :])
 
@@ -56,7 +44,7 @@ def _metric(text: str, name: str, quantity: str) -> float:
 def test_answered_requests_are_recorded_and_their_drift_exported(recording_app) -> None:
     app, record = recording_app
     body = {
-        "model": EMBEDDED_MODEL_NAME,
+        "model": RECORDED.name,
         "prompt": [7] * PROMPT_TOKENS,
         "max_tokens": OUTPUT_TOKENS,
         "ignore_eos": True,
@@ -76,6 +64,6 @@ def test_answered_requests_are_recorded_and_their_drift_exported(recording_app) 
     assert _metric(metrics, "splitserve_traffic_drifted", "output_tokens") == 0.0
     assert _metric(metrics, "splitserve_traffic_drift_ratio", "prompt_tokens")  # as it reads
     assert (
-        f'splitserve_traffic_drift_ratio{{model="{EMBEDDED_MODEL_NAME}",quantity="request_rate"}}'
+        f'splitserve_traffic_drift_ratio{{model="{RECORDED.name}",quantity="request_rate"}}'
         not in metrics
     )

@@ -21,6 +21,7 @@ from router.dispatch import (
 from router.policies.qos import ENGINE_PRIORITY
 from router.pool.engine_pool import EnginePool
 from router.pool.pooled_engine import PooledEngine
+from router.settings import Priority
 from tests.support.fake_engine import FIRST_TOKEN, FakeEngineLink, RecordingKV, handle_of
 
 LONG = list(range(1, 1001))
@@ -59,7 +60,7 @@ class RoleFreePool:
             config.ingress_settings(), EnginePool(self.engines), self.kv, lambda _: transfer_s
         )
 
-    def queue_prefill_on(self, index: int, tokens: int, priority: str = "normal") -> None:
+    def queue_prefill_on(self, index: int, tokens: int, priority: Priority = "normal") -> None:
         self.engines[index].state.enqueue_prefill(tokens, 0.0, ENGINE_PRIORITY[priority])
 
     def decoding_on(self, index: int, streams: int) -> None:

@@ -3,6 +3,8 @@ reads, as pure functions."""
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import pytest
 
 from kv_transfer.metrics import TransferTotals
@@ -85,12 +87,21 @@ def test_an_unmeasured_hand_over_counts_as_free() -> None:
     assert _decide(remote=0.2, local=0.5, transfer=None) == ("remote", "remote_sooner")
 
 
+class _Load(TypedDict):
+    """Some of ``_decide``'s arguments, to pass along with others."""
+
+    remote: float
+    local: float
+    decode_active: int
+
+
 def test_a_busy_decode_engine_is_spared_by_a_less_busy_one_within_the_objective() -> None:
-    busy = {"remote": 0.6, "local": 0.5, "decode_active": 4}
+    busy: _Load = {"remote": 0.6, "local": 0.5, "decode_active": 4}
     assert _decide(**busy, prefill_active=3) == ("remote", "decode_busy")
     assert _decide(**busy, prefill_active=4) == ("local", "local_sooner")  # no fewer stalls
-    assert _decide(**{**busy, "decode_active": 3}, prefill_active=0) == ("local", "local_sooner")
-    late = {**busy, "remote": 2.5, "local": 1.0}
+    calmer: _Load = {**busy, "decode_active": 3}
+    assert _decide(**calmer, prefill_active=0) == ("local", "local_sooner")
+    late: _Load = {**busy, "remote": 2.5, "local": 1.0}
     assert _decide(**late, prefill_active=0) == ("local", "remote_too_slow")
     limit = COST.model_copy(update={"remote_ttft_max_s": 0.55})
     assert _decide(**busy, prefill_active=0, settings=limit) == ("local", "remote_too_slow")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from http import HTTPStatus
+from typing import NoReturn
 
 import pytest
 
@@ -126,7 +127,13 @@ def _replica(name: str, active: int = 0, kv: float = 0.0) -> PooledEngine:
             kv_capacity_blocks=1000,
         )
     )
-    return PooledEngine(name, "mixed", link=None, submit_timeout_s=1.0, state=state)
+    return PooledEngine(
+        name,
+        "mixed",
+        link=None,  # type: ignore[arg-type]  # the policies read its state, never the engine
+        submit_timeout_s=1.0,
+        state=state,
+    )
 
 
 PROMPT = PromptBlocks(list(range(40)))
@@ -246,7 +253,7 @@ def test_admission_refuses_low_priority_over_slo_and_everyone_over_the_cap() -> 
 
 
 def test_admission_off_admits_everything_without_asking_for_its_inputs() -> None:
-    def unasked() -> float:
+    def unasked() -> NoReturn:
         raise AssertionError("admission off must not scan the replicas")
 
     AdmissionControl(QoSConfig(enabled=False)).check("low", unasked, unasked)
@@ -316,6 +323,7 @@ def test_the_estimate_counts_what_is_inside_and_what_waits_ahead_of_the_priority
     assert state.estimate_ttft_s(100, priority=2) == pytest.approx(1.8)
     state.finish_prefill(inside, now=1.0, first_token=True)  # it left: only high ahead
     per_token = state.prefill_s_per_token.value
+    assert per_token is not None
     assert state.estimate_ttft_s(100, priority=0) == pytest.approx(300 * per_token)
 
 
@@ -346,6 +354,6 @@ def test_a_prefill_pool_too_slow_for_the_slo_is_passed_over_for_a_sooner_decode(
 def test_the_remote_ttft_limit_can_sit_below_the_objective() -> None:
     settings = CHAPTER.model_copy(update={"remote_ttft_max_s": 1.0})
     on = QoSConfig(enabled=True, ttft_slo_s=2.0)
-    inputs = PrefillInputs(1000, 0, 3, 0, "high", 1.5, 0.5)  # type: ignore[arg-type]
+    inputs = PrefillInputs(1000, 0, 3, 0, "high", 1.5, 0.5)
     assert _where_why(should_prefill_remotely(inputs, settings, on)) == ("local", "remote_too_slow")
     assert _where_why(should_prefill_remotely(inputs, CHAPTER, on)) == ("remote", "long_prompt")

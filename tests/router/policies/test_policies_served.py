@@ -23,6 +23,7 @@ import pytest
 from deployments.config import load_app_config
 from deployments.launcher import RunningApp, config_path
 from loadgen.client.streaming import RequestRecord, SamplingOptions, StreamingClient, build_payload
+from router.policies.prefill_policies import ConditionalSettings
 from tests.support.greedy import metric
 from tests.support.served_apps import ServedApps
 
@@ -30,7 +31,15 @@ pytestmark = pytest.mark.serving
 
 MODEL = "splitserve-tiny-llama"
 CONFIG = load_app_config(config_path("pd"))
-THRESHOLD = CONFIG.prefill_policy.settings.prompt_length_threshold
+
+
+def _conditional(settings: object) -> ConditionalSettings:
+    assert isinstance(settings, ConditionalSettings), "pd.yaml's prefill policy is conditional"
+    return settings
+
+
+POLICY = _conditional(CONFIG.prefill_policy.settings)
+THRESHOLD = POLICY.prompt_length_threshold
 SLO_S = CONFIG.qos.ttft_slo_s
 _rng = random.Random(11)
 
@@ -151,7 +160,7 @@ def test_long_prompt_goes_remote_and_its_prefix_then_stays_local(pd_app: Running
 
 
 def test_a_busy_prefill_pool_sends_long_prompts_local(pd_app: RunningApp) -> None:
-    queue_max = CONFIG.prefill_policy.settings.prefill_queue_max
+    queue_max = POLICY.prefill_queue_max
     burst = 3 * queue_max
     prompts = [_prompt(4 * THRESHOLD) for _ in range(burst)]
     before = Snapshot.take(pd_app.base_url)

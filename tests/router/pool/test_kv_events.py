@@ -16,7 +16,7 @@ PROMPT = list(range(100, 113))  # three full blocks and one token
 
 
 def _stored(
-    hashes: list[int], parent: int | None, tokens: list[int], **extra: object
+    hashes: list[bytes | int], parent: int | None, tokens: list[int], **extra: object
 ) -> BlockStored:
     return BlockStored(
         block_hashes=hashes,

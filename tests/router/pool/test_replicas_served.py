@@ -2,36 +2,34 @@
 
 Synthetic engines (no model) keep this quick; the path from HTTP to the engine link is
 the one vLLM engines take. Each router serves its own port by direct ingress and Serve's
-proxy spreads over both, so the Ray cluster is this test's own: the session's cluster
-gives direct ingress a single port.
+proxy spreads over both: the model-free served tests' shared application
+(tests/support/shared_apps.py), its ``routers`` model.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from deployments.launcher import RunningApp
-from engines.tiny_model import EMBEDDED_MODEL_NAME
-from tests.support.synthetic_apps import synthetic_dp
+from tests.support.shared_apps import SYNTHETIC_ROUTERS, synthetic_models
 
 pytestmark = pytest.mark.serving
 
-ROUTERS = 2
+ROUTERS = SYNTHETIC_ROUTERS
+MODEL = synthetic_models(Path())["routers"].name
 
 
 @pytest.fixture(scope="module")
-def two_routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
-    folder = tmp_path_factory.mktemp("routers")
-    with synthetic_dp(folder, ROUTERS, {"backend": "synthetic"}) as app:
-        yield app
+def two_routers(model_free_app: RunningApp) -> RunningApp:
+    return model_free_app
 
 
 def _stream(url: str, max_tokens: int) -> tuple[int, str | None]:
-    body = {"model": EMBEDDED_MODEL_NAME, "prompt": "hi", "max_tokens": max_tokens, "stream": True}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "stream": True}
     tokens, finish = 0, None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
         assert response.status_code == 200
