@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)-$(shell cat pyproject.toml | sha1sum | cut 
 # only where it answers: a machine with a local wheel folder (pip's find-links) and no
 # internet must not wait on it for every package.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: setup preflight demo test test-fast lint
 
