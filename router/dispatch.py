@@ -24,6 +24,9 @@ from splitserve.metric_catalogue import PREFILL_HEADER, PREFILL_REPLICA_HEADER, 
 
 # How an auto pool picks the engine that prefills for another (Choice.reason too).
 PEER_CHOICE = "soonest_first_token"
+# Beside the peers that hold a prompt's prefix: how many of those soonest to start any
+# prompt an auto pool weighs for one (router/pool/engine_index.py).
+PEERS_WEIGHED = 4
 
 
 @dataclass(slots=True)
@@ -114,19 +117,13 @@ class Dispatcher:
     def earliest_ttft_s(self, priority: Priority) -> float | None:
         """The soonest any engine that could compute a prompt of ``priority`` would
         start it: the work queued ahead there, before the prompt's own tokens (a lower
-        bound on the estimate of any request of that priority); None if unmeasured."""
-        engine_priority = ENGINE_PRIORITY[priority]
-        estimates = [
-            engine.state.estimate_ttft_s(0, engine_priority)
-            for engine in self._pool
-            if engine.healthy
-        ]
-        known = [estimate for estimate in estimates if estimate is not None]
-        return min(known) if known and len(known) == len(estimates) else None
+        bound on the estimate of any request of that priority); None if unmeasured.
+        Read from the pool's index, not asked of every engine."""
+        return self._pool.index.earliest_ttft_s(ENGINE_PRIORITY[priority])
 
     def queued_requests(self) -> int:
         """Requests router-wide still waiting for their first token."""
-        return sum(c.state.queued_prefills for c in self._pool)
+        return self._pool.index.queued_requests()
 
     def plan(self, request: GenerateRequest, priority: Priority) -> Plan:
         prompt = PromptBlocks(request.prompt_token_ids)
@@ -177,19 +174,39 @@ class Dispatcher:
         higher priority is ahead of it)."""
         if not self._auto_pool:
             return self._choose("prefill", prompt, adapter)
-        peers = [r for r in self._pool.of_role("mixed") if r.healthy and r is not decode]
-        peers = _holding(peers, adapter)
+        engine_priority = ENGINE_PRIORITY[priority]
+        hits: dict[PooledEngine, int] = {}
+        if adapter is None:
+            hits = self._pool.index.cached_tokens("mixed", prompt)
+            peers = self._peer_candidates(decode, hits, engine_priority)
+        else:
+            healthy = self._pool.index.healthy("mixed")
+            peers = _holding([r for r in healthy if r is not decode], adapter)
         if not peers:
             return None
-        engine_priority = ENGINE_PRIORITY[priority]
 
         def soonest(engine: PooledEngine) -> tuple[float, int, int]:
-            tokens = max(1, len(prompt) - engine.state.cached_tokens(prompt))
-            estimate = engine.state.estimate_ttft_s(tokens, engine_priority)
             state = engine.state
+            cached = hits[engine] if engine in hits else state.cached_tokens(prompt)
+            estimate = state.estimate_ttft_s(max(1, len(prompt) - cached), engine_priority)
             return (math.inf if estimate is None else estimate, state.prefill_queue, state.active)
 
         return Choice(min(peers, key=soonest), PEER_CHOICE)
+
+    def _peer_candidates(
+        self, decode: PooledEngine, hits: dict[PooledEngine, int], engine_priority: int
+    ) -> list[PooledEngine]:
+        """The peers worth weighing for the soonest first token: those that hold the
+        prompt's longest cached prefix (``hits``: their hit shortens it), and the few
+        that would start any prompt soonest; the index finds both without asking every
+        engine. Of peers whose per-token times differ much, one a little later to start
+        but quicker to compute may be missed: engines of one pool share a model and a
+        device."""
+        index = self._pool.index
+        soonest = index.soonest(engine_priority, PEERS_WEIGHED, lambda e: e is not decode)
+        unmeasured = [] if soonest else [e for e in index.healthy("mixed") if e is not decode]
+        held = [engine for engine in hits if engine is not decode]
+        return list(dict.fromkeys([*held, *soonest, *unmeasured]))
 
     def _prefill_inputs(
         self,
@@ -254,16 +271,21 @@ class Dispatcher:
             return None
         failed = plan.main.engine
         failed.healthy = False  # until its next successful stats poll
-        if not any(r.healthy for r in self._pool.of_role(failed.role)):
+        if not self._pool.index.healthy(failed.role):
             return None
         return self.plan(plan.request, plan.priority)
 
     def _choose(self, role: str, prompt: PromptBlocks, adapter: str | None) -> Choice | None:
         """A healthy engine of the pool, among those that hold the request's adapter if
-        any does; None if none is healthy (the caller decides what then)."""
-        healthy = [engine for engine in self._pool.of_role(role) if engine.healthy]
-        candidates = _holding(healthy, adapter)
-        return self._choices[role].choose(candidates, prompt) if candidates else None
+        any does; None if none is healthy (the caller decides what then). Every healthy
+        engine a candidate: the choice reads the pool's index, if it can."""
+        choice = self._choices[role]
+        choose_from = getattr(choice, "choose_from", None)
+        if adapter is None and choose_from is not None:
+            chosen: Choice | None = choose_from(self._pool.index, role, prompt)
+            return chosen
+        candidates = _holding(self._pool.index.healthy(role), adapter)
+        return choice.choose(candidates, prompt) if candidates else None
 
 
 def _holding(engines: list[PooledEngine], adapter: str | None) -> list[PooledEngine]:

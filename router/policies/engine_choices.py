@@ -1,5 +1,11 @@
 """The built-in engine choices (see router/policies/engine_choice.py): round_robin,
-least_loaded, prefix_affinity."""
+least_loaded, prefix_affinity.
+
+Each also chooses from the pool's ``EngineIndex`` (``choose_from``): the same rule read
+from indexes kept as loads change, in what a decision costs at any fleet size; the
+dispatcher uses it wherever every healthy engine of the role is a candidate (a request
+without an adapter, the common case), ``choose`` where it must narrow them first.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from router.policies.engine_choice import ENGINE_CHOICES, Choice
 from splitserve.config_base import StrictModel
 
 if TYPE_CHECKING:
+    from router.pool.engine_index import EngineIndex
     from router.pool.pooled_engine import PooledEngine
     from router.pool.prefix_index import PromptBlocks
 
@@ -29,6 +36,10 @@ class RoundRobin:
     def choose(self, engines: list[PooledEngine], prompt: PromptBlocks) -> Choice:
         _require(engines)
         return Choice(engines[next(self._counter) % len(engines)], "round_robin")
+
+    def choose_from(self, index: EngineIndex, role: str, prompt: PromptBlocks) -> Choice | None:
+        healthy = index.healthy(role)
+        return self.choose(healthy, prompt) if healthy else None
 
 
 @ENGINE_CHOICES.register("least_loaded")
@@ -51,6 +62,11 @@ class LeastLoaded:
         lightest = min(loads)
         tied = [r for r, load in zip(engines, loads, strict=True) if load == lightest]
         return tied[next(self._counter) % len(tied)]
+
+    def choose_from(self, index: EngineIndex, role: str, prompt: PromptBlocks) -> Choice | None:
+        """Of equals, the one chosen longest ago (where ``choose`` takes equals in turn)."""
+        engine = index.least_loaded(role)
+        return None if engine is None else Choice(engine, "least_loaded")
 
 
 class PrefixAffinitySettings(StrictModel):
@@ -86,6 +102,23 @@ class PrefixAffinity:
         least = min(_requests(r) for r in engines)
         if _requests(best) - least > self._config.max_load_imbalance:
             return Choice(self._fallback.pick(engines), "load_guard")
+        return Choice(best, "prefix_hit")
+
+    def choose_from(self, index: EngineIndex, role: str, prompt: PromptBlocks) -> Choice | None:
+        """The rule of ``choose``, with the hits found from the prompt's blocks
+        (``EngineIndex.cached_tokens``) and the least load from the index."""
+        hits = index.cached_tokens(role, prompt)
+        best = max(hits, key=lambda e: (hits[e], -_requests(e)), default=None)
+        if best is None or hits[best] < self._config.min_hit_tokens:
+            least = index.least_loaded(role)
+            return None if least is None else Choice(least, "no_prefix_hit")
+        least_requests = index.least_requests(role)
+        if (
+            least_requests is not None
+            and _requests(best) - least_requests > self._config.max_load_imbalance
+        ):
+            least = index.least_loaded(role)
+            return None if least is None else Choice(least, "load_guard")
         return Choice(best, "prefix_hit")
 
 

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from router.pool.engine_index import EngineIndex
 from router.pool.pooled_engine import PooledEngine
 
 logger = logging.getLogger("splitserve.router")
@@ -23,9 +24,12 @@ DRAIN_POLL_S = 0.05
 class EnginePool:
     def __init__(self, members: list[PooledEngine] | None = None) -> None:
         self._members: list[PooledEngine] = []
+        # Its members by what decisions ask, kept as their states change.
+        self.index = EngineIndex()
         for member in members or ():
             self._check_new(member)
             self._members.append(member)
+            self.index.add(member)
 
     def __iter__(self) -> Iterator[PooledEngine]:
         # A copy: members may come and go while a caller awaits between items.
@@ -44,7 +48,8 @@ class EnginePool:
         return list(dict.fromkeys(member.role for member in self._members))
 
     def of_role(self, role: str) -> list[PooledEngine]:
-        return [member for member in self._members if member.role == role]
+        """The members of ``role``, in the order they joined (read, do not change it)."""
+        return self.index.of_role(role)
 
     def get(self, name: str) -> PooledEngine:
         for member in self._members:
@@ -61,6 +66,7 @@ class EnginePool:
         """A new member takes requests once its engine is ready, like the first ones."""
         self._check_new(member)
         self._members.append(member)
+        self.index.add(member)
         member.start()
         logger.info("engine %s (%s) joined the pool", member.name, member.role)
 
@@ -75,6 +81,7 @@ class EnginePool:
         """No new request goes to the member from now on (``finish`` it after)."""
         member = self.get(name)
         self._members.remove(member)
+        self.index.remove(member)
         return member
 
     async def finish(self, member: PooledEngine, drain_timeout_s: float) -> None:

@@ -11,20 +11,23 @@ policies read.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from engines.protocol import CacheUpdate, EngineStats
-from router.pool.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
+from router.pool.prefix_index import BlockIndex, PrefixHolders, PrefixIndex, PromptBlocks
 
 # The prefix-cache signals, as metrics label them: the engine's KV events, the mirror.
 KV_EVENTS, MIRROR = "kv_events", "mirror"
 
 
 class MovingAverage:
-    """Exponentially weighted; None until the first sample."""
+    """Exponentially weighted; None until the first sample. ``on_change``: called after
+    each sample (the engine index refiles its engine)."""
 
-    def __init__(self, weight: float) -> None:
+    def __init__(self, weight: float, on_change: Callable[[], None] | None = None) -> None:
         self._weight = weight
+        self._on_change = on_change
         self.value: float | None = None
 
     def add(self, sample: float) -> None:
@@ -32,6 +35,8 @@ class MovingAverage:
             self.value = sample
         else:
             self.value += self._weight * (sample - self.value)
+        if self._on_change is not None:
+            self._on_change()
 
 
 @dataclass(slots=True)
@@ -52,7 +57,9 @@ class EngineState:
     min_prefill_tokens_per_sample: int = 64
     # How long a sent prompt's blocks count as cached before the engine's events say so.
     kv_events_pending_s: float = 0.0
-    in_flight: int = 0
+    # Requests on the engine from this router: a request's life (router/lifecycle.py)
+    # counts itself in at its start and out at its release.
+    _in_flight: int = 0
     queued_prefills: int = 0
     queued_prefill_tokens: int = 0
     # Of those: inside the engine already (any priority: it runs them whatever comes),
@@ -69,10 +76,30 @@ class EngineState:
     prefill_s_per_token: MovingAverage = field(init=False)
     # Seconds between tokens: the decode step a new prompt is batched into.
     step_s: MovingAverage = field(init=False)
+    # Called after every change that a decision reads (the pool's EngineIndex refiles
+    # the engine): load, queue, estimates, health.
+    on_change: Callable[[], None] | None = field(default=None, repr=False)
+    # The pool's inverse prefix index and this engine's name in it, which its KV events
+    # keep (router/pool/engine_index.py).
+    holders: PrefixHolders | None = field(default=None, repr=False)
+    owner: Hashable = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.prefill_s_per_token = MovingAverage(self.ema_weight)
-        self.step_s = MovingAverage(self.ema_weight)
+        self.prefill_s_per_token = MovingAverage(self.ema_weight, self.changed)
+        self.step_s = MovingAverage(self.ema_weight, self.changed)
+
+    def changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self._in_flight = value
+        self.changed()
 
     # ---- load -----------------------------------------------------------------------------
 
@@ -98,6 +125,7 @@ class EngineState:
 
     def update_engine(self, stats: EngineStats) -> None:
         self.engine = stats
+        self.changed()
         if stats.block_size and stats.kv_capacity_blocks:
             prefix = self.prefix
             if prefix is None or (prefix.block_size, prefix.capacity_blocks) != (
@@ -111,35 +139,45 @@ class EngineState:
     def cached_tokens(self, prompt: PromptBlocks) -> int:
         """Leading prompt tokens the engine holds: by its KV events where it sends them,
         else by the mirror of what the router sent it."""
-        if self._block_size and self.blocks is not None:
-            return self.blocks.cached_tokens(prompt, self._block_size)
+        if self.block_size and self.blocks is not None:
+            return self.blocks.cached_tokens(prompt, self.block_size)
         return self.prefix.cached_tokens(prompt) if self.prefix else 0
 
     @property
     def prefix_signal(self) -> str:
-        return KV_EVENTS if self._block_size and self.blocks is not None else MIRROR
+        return KV_EVENTS if self.block_size and self.blocks is not None else MIRROR
 
     def cached_tokens_by_signal(self, prompt: PromptBlocks) -> dict[str, int]:
         """Each available signal's count, for routing and for checking them against vLLM."""
         counts = {MIRROR: self.prefix.cached_tokens(prompt) if self.prefix else 0}
-        if self._block_size and self.blocks is not None:
-            counts[KV_EVENTS] = self.blocks.cached_tokens(prompt, self._block_size)
+        if self.block_size and self.blocks is not None:
+            counts[KV_EVENTS] = self.blocks.cached_tokens(prompt, self.block_size)
         return counts
 
     @property
-    def _block_size(self) -> int:
+    def block_size(self) -> int:
+        """The engine's KV block in tokens, as its stats report it (0 until they do)."""
         return self.engine.block_size if self.engine is not None else 0
 
     def record_prompt(self, prompt: PromptBlocks) -> None:
         if self.prefix is not None:
             self.prefix.record(prompt)
-        if self.blocks is not None and self._block_size:
-            self.blocks.expect(prompt, self._block_size)
+        if self.blocks is not None and self.block_size:
+            self.blocks.expect(prompt, self.block_size)
 
     def apply_cache_update(self, update: CacheUpdate) -> None:
         if self.blocks is None:
-            self.blocks = BlockIndex(self.kv_events_pending_s)
+            self.blocks = BlockIndex(self.kv_events_pending_s, self.holders, self.owner)
+            self.changed()  # its prefix signal is the engine's events now
         self.blocks.apply(update)
+
+    def forget_blocks(self) -> None:
+        """The engine's cache may be gone (its delta stream broke): its next stream
+        starts with a snapshot, and until then its prefix signal is the mirror."""
+        if self.blocks is not None:
+            self.blocks.forget()
+            self.blocks = None
+            self.changed()
 
     # ---- time to first token --------------------------------------------------------------
 
@@ -168,6 +206,7 @@ class EngineState:
             self.queued_prefill_tokens += tokens
             waiting = self.waiting_tokens_by_priority
             waiting[priority] = waiting.get(priority, 0) + tokens
+            self.changed()
         return ticket
 
     def enter_engine(self, ticket: PrefillTicket) -> None:
@@ -177,6 +216,7 @@ class EngineState:
         ticket.inside = True
         self.waiting_tokens_by_priority[ticket.priority] -= ticket.tokens
         self.inside_tokens += ticket.tokens
+        self.changed()
 
     def finish_prefill(self, ticket: PrefillTicket, now: float, first_token: bool) -> None:
         """The first token arrived (a time sample) or the request ended without one."""
@@ -192,3 +232,5 @@ class EngineState:
         work = ticket.tokens_ahead + ticket.tokens
         if first_token and work >= self.min_prefill_tokens_per_sample:
             self.prefill_s_per_token.add((now - ticket.submitted_at) / work)
+        else:
+            self.changed()

@@ -212,9 +212,7 @@ class PooledEngine:
         self.name = name
         self.role = role
         self.state = state or EngineState()
-        # False from a broken delta stream or failed stats poll until a poll succeeds again;
-        # the dispatcher routes around unhealthy engines where it has a choice.
-        self.healthy = True
+        self._healthy = True
         # The LoRA adapters this engine has loaded, by name: the dispatcher prefers an
         # engine that holds a request's adapter (another would load it first).
         self.adapters: set[str] = set()
@@ -228,6 +226,18 @@ class PooledEngine:
     @property
     def link(self) -> EngineLink:
         return self._link
+
+    @property
+    def healthy(self) -> bool:
+        """False from a broken delta stream or failed stats poll until a poll succeeds
+        again; the dispatcher routes around unhealthy engines where it has a choice."""
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        if value is not self._healthy:
+            self._healthy = value
+            self.state.changed()
 
     def start(self) -> None:
         if self._listener is None:
@@ -359,7 +369,7 @@ class PooledEngine:
                 logger.warning("delta stream from %s broke: %s", self.name, error)
             self.healthy = False
             # The cache it described may be gone too; the next stream starts with a snapshot.
-            self.state.blocks = None
+            self.state.forget_blocks()
             # Whatever was in flight on that stream is lost with it.
             lost = GenerateFailure(f"engine replica {self.name} went away", engine_dead=True)
             for mailbox in self._pending.values():

@@ -14,9 +14,10 @@ Both are checked against the ``num_cached_tokens`` vLLM reports
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Container, Hashable, Sequence
 from typing import Any
 
 from engines.kv_events import chain_hashes
@@ -59,6 +60,49 @@ def leading_hits(prompt: PromptBlocks, block_size: int, held: Container[int]) ->
     return prompt.cacheable_tokens(block_size, hits) if hits else 0
 
 
+class PrefixHolders:
+    """Which engines hold each block, pool-wide: the inverse of every engine's
+    ``BlockIndex``, so that "who holds this prompt's longest prefix" costs the prompt's
+    blocks, not one look per engine. A block held until an eviction says otherwise is
+    held for ever (``math.inf``); one a sent prompt is expected to store, until its
+    pending time is over."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, dict[Hashable, float]] = {}
+
+    def hold(self, block: int, engine: Hashable, until: float = math.inf) -> None:
+        holders = self._holders.setdefault(block, {})
+        if holders.get(engine, -math.inf) < until:
+            holders[engine] = until
+
+    def release(self, block: int, engine: Hashable) -> None:
+        holders = self._holders.get(block)
+        if holders is not None and holders.pop(engine, None) is not None and not holders:
+            del self._holders[block]
+
+    def deepest(self, hashes: Sequence[int]) -> tuple[int, list[Hashable]]:
+        """How many of a prompt's leading blocks (``hashes``, one block size's) some engine
+        holds, and the engines that hold the last of them: those with its longest cached
+        prefix. A binary search over the blocks, since an engine that holds a block holds
+        the blocks before it (a chained hash names its whole prefix, and vLLM evicts a
+        chain's blocks tail first): log(blocks) looks, whatever the fleet."""
+        now = time.monotonic()
+        low, high = 0, len(hashes)  # some holder at blocks < low; none at blocks >= high
+        while low < high:
+            middle = (low + high) // 2
+            if self._live(hashes[middle], now):
+                low = middle + 1
+            else:
+                high = middle
+        if not low:
+            return 0, []
+        return low, self._live(hashes[low - 1], now)
+
+    def _live(self, block: int, now: float) -> list[Hashable]:
+        holders = self._holders.get(block)
+        return [engine for engine, until in holders.items() if until > now] if holders else []
+
+
 class BlockIndex:
     """One engine's cached blocks as its KV events report them, and the blocks of prompts
     sent to it that its events have not confirmed yet.
@@ -69,8 +113,17 @@ class BlockIndex:
     (the events own them then) or removes them.
     """
 
-    def __init__(self, pending_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        pending_s: float = 0.0,
+        holders: PrefixHolders | None = None,
+        owner: Hashable = None,
+    ) -> None:
+        """``holders``: the pool's inverse index, told of every block this engine
+        (``owner``) holds or is expected to."""
         self._pending_s = pending_s
+        self._pool = holders
+        self._owner = owner
         self._names: dict[Any, int] = {}  # vLLM's block hash -> the router's
         # The router's hashes held, by how many of vLLM's blocks carry each (two requests
         # computing one prefix at once may each store a block of the same content).
@@ -97,23 +150,50 @@ class BlockIndex:
         now = time.monotonic()
         until = now + self._pending_s
         if len(self._pending) > len(self._held) + PENDING_SWEEP_SLACK:
-            self._pending = {h: t for h, t in self._pending.items() if t > now}
+            self._sweep(now)
+        pool = self._pool
         for block_hash in prompt.hashes(block_size):
             if block_hash not in self._held:
                 self._pending[block_hash] = until
+                if pool is not None:
+                    pool.hold(block_hash, self._owner, until)
+
+    def _sweep(self, now: float) -> None:
+        expired = [h for h, until in self._pending.items() if until <= now]
+        for block_hash in expired:
+            del self._pending[block_hash]
+            if self._pool is not None and block_hash not in self._held:
+                self._pool.release(block_hash, self._owner)
+
+    def forget(self) -> None:
+        """Nothing is known of this engine's cache any more (its stream broke)."""
+        if self._pool is not None:
+            for block_hash in {*self._held, *self._pending}:
+                self._pool.release(block_hash, self._owner)
+        self._names.clear()
+        self._held.clear()
+        self._pending.clear()
 
     def apply(self, update: CacheUpdate) -> None:
         """Idempotent per block: a snapshot may repeat changes that crossed it."""
         # Per block, for every engine's events: the offline simulation's hottest loop.
         names, held, forget = self._names, self._held, self._pending.pop
+        pool, owner = self._pool, self._owner
         if update.cleared:
+            if pool is not None:
+                for block_hash in held:
+                    if block_hash not in self._pending:
+                        pool.release(block_hash, owner)
             names.clear()
             held.clear()
         for vllm_hash, ours in update.stored:
             forget(ours, None)
             if vllm_hash not in names:
                 names[vllm_hash] = ours
-                held[ours] = held.get(ours, 0) + 1
+                count = held.get(ours, 0)
+                held[ours] = count + 1
+                if pool is not None and not count:
+                    pool.hold(ours, owner)
         for vllm_hash in update.removed:
             removed = names.pop(vllm_hash, None)
             if removed is not None:
@@ -123,6 +203,8 @@ class BlockIndex:
                     held[removed] = left
                 else:
                     held.pop(removed, None)
+                    if pool is not None:
+                        pool.release(removed, owner)
 
 
 class PrefixIndex:
