@@ -14,6 +14,36 @@ done from a step's output) and then compute only their last prompt token.
 It keeps no clock: a caller asks for a step (``schedule``), spends the time a latency
 profile gives for its ``StepShape``, and hands it back (``complete``). The real-time
 engine (engines/simulated/host.py) and the offline simulator drive the same class.
+
+Two modes replay vLLM 0.6.0's V0 engine (read in its sdist, commit
+32e7db25365415841ebc7c4215851743fbb1bad1: vllm/core/scheduler.py, vllm/config.py,
+vllm/engine/arg_utils.py, vllm/engine/async_llm_engine.py,
+vllm/engine/output_processor/multi_step.py), for benchmarks run on it:
+
+- ``chunked_prefill=False``: ``Scheduler._schedule_default``. While a waiting request
+  can start, a step is whole prompts only (``_schedule_prefills``: FCFS, each charged
+  its whole length to ``max_num_batched_tokens``, admission stopping at the first that
+  does not fit the budget, ``max_num_seqs`` or the free blocks) and the running
+  requests' decodes wait; otherwise a step is the running requests' decodes alone
+  (``_schedule_running``), preempting the newest by recompute for blocks.
+- ``scheduler_steps=k`` (``--num-scheduler-steps``): a decode step is a group of k
+  model steps over the batch it started with (the engine reuses its cached scheduler
+  output until every step ran); each request's blocks for all k tokens are reserved
+  when it is scheduled (``num_lookahead_slots = k - 1``), and its tokens reach the
+  client at the group's end only. A request that reaches max_tokens within a group
+  stays in the batch to its end, its extra tokens dropped (``_process_seq_outputs``);
+  one that arrives waits for the end. Prefill steps stay single steps
+  (``_get_num_lookahead_slots(is_prefill=True)`` is 0). 0.6.0 refuses multi-step with
+  chunked prefill, and so does ``SchedulerLimits``.
+
+Left out of these: V0's watermark of free blocks kept back at admission (1%), its
+worst-case count of blocks a decode touches, ``scheduler_delay_factor`` (0 by
+default), swapping (only beam search swaps), prompts V0 ignores for their length (they
+are refused when added instead), and async output processing, which overlaps a group's
+output handling with the next group and so delivers its tokens a little later. Each
+step of a group costs the profile's time for its shape: the per-step CPU work that
+multi-step saves is in the profile's ``step_overhead_s``, if it was fitted on such an
+engine.
 """
 
 from __future__ import annotations
@@ -69,6 +99,9 @@ class ScheduledStep:
     preempted: list[SimRequest]
     # Requests whose handed-over KV this step loads.
     loads: list[SimRequest] = field(default_factory=list)
+    # Model steps it runs: a multi-step group of decodes runs scheduler_steps, all on
+    # this batch and shape's first step, and hands its tokens back at its end.
+    steps: int = 1
 
 
 @dataclass(slots=True)
@@ -76,6 +109,9 @@ class StepResult:
     # Requests that got a token this step, and those of them that finished.
     sampled: list[SimRequest]
     finished: list[SimRequest]
+    # How many tokens each sampled request got, by request id: one a step, so more for a
+    # multi-step group or a run, and fewer for one that reached max_tokens within them.
+    new_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -182,6 +218,21 @@ class SchedulerLimits:
     policy: SchedulingPolicy = "fcfs"
     enable_prefix_caching: bool = True
     kv_load_steps: int = 1  # LatencyProfile.handover_load_steps
+    # False: vLLM V0's scheduling without chunked prefill (the module's docstring).
+    chunked_prefill: bool = True
+    # Above 1: V0's multi-step scheduling, this many steps a decode group.
+    scheduler_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.scheduler_steps < 1:
+            raise ValueError(f"scheduler_steps must be at least 1, got {self.scheduler_steps}")
+        if self.scheduler_steps > 1 and self.chunked_prefill:
+            # vllm/engine/arg_utils.py of 0.6.0: "Chunked prefill is not supported with
+            # multi-step (--num-scheduler-steps > 1)".
+            raise ValueError(
+                "scheduler_steps > 1 (vLLM V0's multi-step scheduling) needs chunked_prefill"
+                " off, as vLLM 0.6.0 does"
+            )
 
 
 class SimScheduler:
@@ -207,12 +258,23 @@ class SimScheduler:
         """Raise ValueError for a request this engine can never run."""
         if request.request_id in self._by_id:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        # The last sampled token is never fed back, so it needs no KV.
-        needed = -(-(request.prompt_tokens + request.max_tokens - 1) // self.limits.block_size)
-        if needed > self.limits.num_blocks:
+        limits = self.limits
+        # The last sampled token is never fed back, so it needs no KV; a multi-step group
+        # reserves its later steps' slots even past max_tokens.
+        longest = request.prompt_tokens + request.max_tokens - 1
+        needed = -(-(longest + limits.scheduler_steps - 1) // limits.block_size)
+        if needed > limits.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} needs {needed} KV blocks, more than the"
-                f" engine's {self.limits.num_blocks}"
+                f" engine's {limits.num_blocks}"
+            )
+        if not limits.chunked_prefill and longest > limits.max_num_batched_tokens:
+            # Its prompt, or after a preemption prompt and output, is recomputed whole in
+            # one step; vLLM V0 refuses a max_num_batched_tokens below max_model_len so.
+            raise ValueError(
+                f"request {request.request_id!r} may need {longest} tokens in one step"
+                f" without chunked prefill, more than max_num_batched_tokens"
+                f" {limits.max_num_batched_tokens}"
             )
 
     def add(self, request: SimRequest) -> None:
@@ -249,6 +311,90 @@ class SimScheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step's work, or None when nothing can run."""
+        if not self.limits.chunked_prefill:
+            return self._schedule_whole_prompts()
+        work, preempted, budget = self._schedule_running()
+        if not preempted:
+            self._admit_waiting(budget, work)
+        return self._step(work, preempted)
+
+    def complete(self, step: ScheduledStep) -> StepResult:
+        """The step ran, all its ``steps``: its tokens are computed, and each request past
+        its prompt has sampled a token a step, up to its max_tokens."""
+        return self.complete_run(step, step.steps)
+
+    def decode_run_length(self, step: ScheduledStep) -> int:
+        """How many steps exactly like ``step`` follow each other if nothing arrives: a
+        batch of decodes only, with nothing waiting that could join it, runs unchanged
+        until its first request finishes or its blocks run out, in whole multi-step
+        groups (one that finishes within a group leaves at its end). ``step.steps`` for
+        any other step."""
+        group = step.steps
+        if (
+            step.shape.prefill_tokens
+            or step.preempted
+            or step.loads
+            or len(step.work) != len(self.running)
+        ):
+            return group
+        if len(self.running) < self.limits.max_num_seqs and any(r.kv_ready for r in self.waiting):
+            return group
+        groups = -(-min(r.max_tokens - r.output_tokens for r, _ in step.work) // group)
+        size = self.limits.block_size
+        while groups > 1:
+            steps = groups * group
+            needed = sum(-(-(r.computed + steps) // size) - len(r.blocks) for r, _ in step.work)
+            if needed <= self.blocks.free_blocks:
+                break
+            groups //= 2
+        return max(groups, 1) * group
+
+    def complete_run(self, step: ScheduledStep, steps: int) -> StepResult:
+        """``steps`` model steps of ``step``'s batch ran: its own, or a run of them that
+        decode_run_length allows, in which each decode computed a token a step."""
+        if steps % step.steps:
+            raise ValueError(f"a run of {steps} steps cuts a group of {step.steps}")
+        self._advance_loads(step.loads, steps)
+        result = StepResult([], [])
+        run = steps > step.steps  # past the blocks schedule reserved
+        for request, tokens in step.work:
+            if request.request_id not in self._by_id:
+                continue  # aborted while the step ran
+            if run and not self._grow(request, steps):
+                raise RuntimeError("a decode run outgrew the blocks decode_run_length allowed")
+            request.computed += tokens if steps == 1 else steps
+            self._store_full_blocks(request)
+            if request.computed < request.tokens_to_compute:
+                continue  # a chunk of a longer prompt: no token yet
+            count = min(steps, request.max_tokens - request.output_tokens)
+            request.output_tokens += count
+            result.sampled.append(request)
+            result.new_tokens[request.request_id] = count
+            if request.output_tokens >= request.max_tokens:
+                result.finished.append(request)
+                self._finish(request)
+        return result
+
+    def _advance_loads(self, loads: list[SimRequest], steps: int) -> None:
+        for request in loads:
+            request.load_steps_left -= steps
+            if request.load_steps_left <= 0:
+                self._loading.pop(request.request_id, None)
+
+    def _step(
+        self, work: list[tuple[SimRequest, int]], preempted: list[SimRequest], steps: int = 1
+    ) -> ScheduledStep | None:
+        loads = list(self._loading.values())
+        if not work and not loads:
+            return None
+        return ScheduledStep(work, self._shape(work, len(loads)), preempted, loads, steps)
+
+    def _schedule_running(
+        self, lookahead: int = 0
+    ) -> tuple[list[tuple[SimRequest, int]], list[SimRequest], int]:
+        """The running requests' tokens within the budget, each with blocks for them and
+        ``lookahead`` more (a multi-step group's later steps), preempting others for
+        blocks: the work, the preempted and the budget left."""
         budget = self.limits.max_num_batched_tokens
         work: list[tuple[SimRequest, int]] = []
         preempted: list[SimRequest] = []
@@ -259,7 +405,7 @@ class SimScheduler:
                 continue
             tokens = min(self._tokens_left(request), budget)
             victims = len(preempted)
-            fits = self._make_room(request, tokens, preempted)
+            fits = self._make_room(request, tokens + lookahead, preempted)
             if len(preempted) > victims:
                 # The priority policy may take back blocks of one scheduled already.
                 work = [(r, t) for r, t in work if r.started]
@@ -267,82 +413,51 @@ class SimScheduler:
             if fits:
                 work.append((request, tokens))
                 budget -= tokens
-        if not preempted:
-            budget = self._admit_waiting(budget, work)
-        loads = list(self._loading.values())
-        if not work and not loads:
-            return None
-        return ScheduledStep(work, self._shape(work, len(loads)), preempted, loads)
+        return work, preempted, budget
 
-    def complete(self, step: ScheduledStep) -> StepResult:
-        """The step ran: its tokens are computed, and each request past its prompt has
-        sampled one token."""
-        sampled: list[SimRequest] = []
-        finished: list[SimRequest] = []
-        for request in step.loads:
-            request.load_steps_left -= 1
-            if request.load_steps_left <= 0:
-                self._loading.pop(request.request_id, None)
-        for request, tokens in step.work:
-            if request.request_id not in self._by_id:
-                continue  # aborted while the step ran
-            request.computed += tokens
-            self._store_full_blocks(request)
-            if request.computed < request.tokens_to_compute:
-                continue  # a chunk of a longer prompt: no token yet
-            request.output_tokens += 1
-            sampled.append(request)
-            if request.output_tokens >= request.max_tokens:
-                finished.append(request)
-                self._finish(request)
-        return StepResult(sampled, finished)
+    def _schedule_whole_prompts(self) -> ScheduledStep | None:
+        """vLLM V0 without chunked prefill: whole prompts while any can start, else the
+        running requests' decodes, for scheduler_steps steps."""
+        work = self._admit_whole_prompts()
+        if work:
+            return self._step(work, [])
+        steps = self.limits.scheduler_steps
+        work, preempted, _ = self._schedule_running(lookahead=steps - 1)
+        return self._step(work, preempted, steps if work else 1)
 
-    def decode_run_length(self, step: ScheduledStep) -> int:
-        """How many steps exactly like ``step`` follow each other if nothing arrives: a
-        batch of decodes only, with nothing waiting that could join it, runs unchanged
-        until its first request finishes or its blocks run out. 1 for any other step."""
-        if (
-            step.shape.prefill_tokens
-            or step.preempted
-            or step.loads
-            or len(step.work) != len(self.running)
-        ):
-            return 1
-        if len(self.running) < self.limits.max_num_seqs and any(r.kv_ready for r in self.waiting):
-            return 1
-        steps = min(r.max_tokens - r.output_tokens for r, _ in step.work)
-        size = self.limits.block_size
-        while steps > 1:
-            needed = sum(-(-(r.computed + steps) // size) - len(r.blocks) for r, _ in step.work)
-            if needed <= self.blocks.free_blocks:
+    def _admit_whole_prompts(self) -> list[tuple[SimRequest, int]]:
+        """V0's _schedule_prefills without chunking: waiting requests in order, until one
+        does not fit the token budget, max_num_seqs or the free blocks."""
+        if self.limits.policy == "priority":
+            self.waiting.sort(key=lambda r: (r.priority, r.arrival))
+        budget = self.limits.max_num_batched_tokens
+        work: list[tuple[SimRequest, int]] = []
+        for request in self.waiting:
+            if len(self.running) >= self.limits.max_num_seqs:
                 break
-            steps //= 2
-        return max(steps, 1)
-
-    def complete_run(self, step: ScheduledStep, steps: int) -> StepResult:
-        """``steps`` decode steps of ``step``'s batch ran (decode_run_length allows it):
-        each request computed and sampled that many tokens."""
-        if steps == 1:
-            return self.complete(step)
-        sampled: list[SimRequest] = []
-        finished: list[SimRequest] = []
-        for request, _ in step.work:
-            if request.request_id not in self._by_id:
+            if not request.kv_ready or request.load_steps_left > 0:
                 continue
-            if not self._grow(request, steps):
-                raise RuntimeError("a decode run outgrew the blocks decode_run_length allowed")
-            request.computed += steps
-            request.output_tokens += steps
-            sampled.append(request)
-            if request.output_tokens >= request.max_tokens:
-                finished.append(request)
-                self._finish(request)
-        return StepResult(sampled, finished)
+            # V0 charges the whole sequence, its cached prefix too: unchunked, its
+            # num_new_tokens is the sequence's length.
+            charge = 1 if request.kv_from_elsewhere else request.tokens_to_compute
+            if charge > budget:
+                break
+            if not request.started:
+                self._start(request)
+            tokens = self._tokens_left(request)
+            if not self._grow(request, tokens):
+                break
+            self.running.append(request)
+            work.append((request, tokens))
+            budget -= charge
+        for request, _ in work:
+            self.waiting.remove(request)
+        return work
 
     def _tokens_left(self, request: SimRequest) -> int:
         return max(1, request.tokens_to_compute - request.computed)
 
-    def _admit_waiting(self, budget: int, work: list[tuple[SimRequest, int]]) -> int:
+    def _admit_waiting(self, budget: int, work: list[tuple[SimRequest, int]]) -> None:
         if self.limits.policy == "priority":
             self.waiting.sort(key=lambda r: (r.priority, r.arrival))
         admitted: list[SimRequest] = []
@@ -362,7 +477,6 @@ class SimScheduler:
             budget -= tokens
         for request in admitted:
             self.waiting.remove(request)
-        return budget
 
     def _start(self, request: SimRequest) -> None:
         """First schedule: what of the prompt is cached, or arrived from elsewhere."""
