@@ -15,7 +15,13 @@ from pydantic import Field, ValidationError, model_validator
 
 from engines.model_source import served_name_of
 from engines.protocol import EngineRole
-from engines.settings import EngineBackendConfig, ModelConfig, PoolConfig
+from engines.settings import (
+    SIMULATED_ONLY_ENGINE_ARGS,
+    EngineBackendConfig,
+    ModelConfig,
+    PoolConfig,
+)
+from engines.vllm_args import engine_arg_names
 from kv_transfer.backend_registry import make_kv_backend
 from kv_transfer.settings import KVTransferConfig
 from router.settings import (
@@ -110,16 +116,32 @@ class AppConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _simulated_pools_have_profiles(self) -> AppConfig:
+    def _simulated_pools_have_profiles_and_limits(self) -> AppConfig:
         if self.engine.backend != "simulated":
             return self
-        from engines.simulated.settings import resolve_profile
+        from engines.simulated.settings import pool_limits, resolve_profile
 
         assert self.engine.profile is not None
         for pool in self.pools:
-            resolve_profile(
+            profile = resolve_profile(
                 self.engine.profile, pool.tensor_parallel_size, pool.pipeline_parallel_size
             )
+            pool_limits(pool, self.model, profile)
+        return self
+
+    @model_validator(mode="after")
+    def _only_simulated_engines_take_older_vllm_args(self) -> AppConfig:
+        if self.engine.backend == "simulated":
+            return self
+        for pool in self.pools:
+            for name in sorted(pool.engine_kwargs.keys() & SIMULATED_ONLY_ENGINE_ARGS.keys()):
+                if name not in engine_arg_names():
+                    raise ValueError(
+                        f"the {pool.role} pool's engine_kwargs.{name} is"
+                        f" {SIMULATED_ONLY_ENGINE_ARGS[name]}: the installed vLLM has no such"
+                        f" argument, so engine.backend {self.engine.backend!r} cannot take it;"
+                        " only engine.backend 'simulated' replays it"
+                    )
         return self
 
     @model_validator(mode="after")

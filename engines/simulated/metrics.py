@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.settings import EngineSpec
+from engines.simulated.settings import V0_SCHEDULING_ARGS
 
 
 @dataclass(slots=True)
@@ -35,8 +36,11 @@ class SimulatedEngineMetrics:
 
         # One rank's configuration without a KV connector: the metrics depend on neither,
         # a CPU box may not validate a GPU pool's degrees, and the simulated hand-over
-        # names no connector of vLLM's.
-        pool = spec.pool.model_copy(update={"tensor_parallel_size": 1, "pipeline_parallel_size": 1})
+        # names no connector of vLLM's. Nor V0's scheduling, which the installed vLLM may
+        # refuse or not have.
+        kwargs = {k: v for k, v in spec.pool.engine_kwargs.items() if k not in V0_SCHEDULING_ARGS}
+        degrees = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+        pool = spec.pool.model_copy(update={**degrees, "engine_kwargs": kwargs})
         alone = spec.model_copy(update={"pool": pool, "kv_transfer": None, "kv_events": False})
         vllm_config = build_engine_args(alone).create_engine_config()
         self._logger = replica_stat_logger(spec.name, spec.role)(vllm_config, [0])

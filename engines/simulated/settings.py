@@ -2,19 +2,37 @@
 YAML names (``engine.profile``), for the pool's TP and PP degrees, and vLLM's own engine
 arguments where the pool sets them (``max_num_seqs``, ``max_num_batched_tokens``,
 ``scheduling_policy``, ``num_gpu_blocks_override``), so one YAML serves vLLM or its
-simulation."""
+simulation.
+
+Two more replay vLLM 0.6.0's V0 engine (engines/simulated/scheduler.py):
+``enable_chunked_prefill: false`` schedules as V0 does without chunked prefill, which is
+not what the installed vLLM (V1) does with it (V1 still batches decodes beside whole
+prompts); ``num_scheduler_steps`` (V0's multi-step scheduling, which V1 has not: only
+the simulated backend takes it) implies chunked prefill off unless set, as 0.6.0's
+default for a max_model_len up to 32K. Without chunked prefill the token budget
+defaults to 0.6.0's ``max(max_model_len, 2048)`` (``SchedulerConfig`` in vllm/config.py
+of commit 32e7db25365415841ebc7c4215851743fbb1bad1, multi-step or not), and one below
+max_model_len is refused, as 0.6.0 refuses it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from engines.settings import EngineSpec
+from engines.settings import EngineSpec, ModelConfig, PoolConfig
 from engines.simulated.scheduler import SchedulerLimits
 from splitserve.latency.profile import LatencyProfile, load_profile, shipped_profiles
 
 # kv_transfer_params key of a simulated prefill's answer: the prompt tokens whose KV the
 # decode engine waits for (the hand-over's size).
 SIMULATED_KV_TOKENS = "simulated_kv_tokens"
+
+# The engine arguments that choose V0's scheduling: what the simulation reads of them is
+# V0's meaning, not the installed vLLM's.
+V0_SCHEDULING_ARGS = ("enable_chunked_prefill", "num_scheduler_steps")
+# vLLM 0.6.0's token budget without chunked prefill: max(max_model_len, this).
+V0_MIN_BATCHED_TOKENS = 2048
 
 
 def profile_name(base: str, tensor_parallel_size: int, pipeline_parallel_size: int) -> str:
@@ -59,17 +77,59 @@ def engine_profile(spec: EngineSpec) -> LatencyProfile:
 
 
 def scheduler_limits(spec: EngineSpec, profile: LatencyProfile) -> SchedulerLimits:
-    kwargs = spec.pool.engine_kwargs
-    block_size = spec.model.block_size or profile.block_size
+    return pool_limits(spec.pool, spec.model, profile)
+
+
+def pool_limits(pool: PoolConfig, model: ModelConfig, profile: LatencyProfile) -> SchedulerLimits:
+    """The scheduler limits of a pool's engines; ValueError for engine_kwargs that vLLM
+    0.6.0 would refuse together."""
+    kwargs = pool.engine_kwargs
+    block_size = model.block_size or profile.block_size
     blocks = kwargs.get("num_gpu_blocks_override") or profile.kv_capacity_tokens // block_size
+    chunked_prefill, steps = scheduling_modes(kwargs)
     return SchedulerLimits(
         max_num_seqs=int(kwargs.get("max_num_seqs") or profile.max_num_seqs),
-        max_num_batched_tokens=int(
-            kwargs.get("max_num_batched_tokens") or profile.max_num_batched_tokens
-        ),
+        max_num_batched_tokens=_batched_tokens(kwargs, chunked_prefill, model, profile),
         block_size=block_size,
         num_blocks=int(blocks),
         policy="priority" if kwargs.get("scheduling_policy") == "priority" else "fcfs",
-        enable_prefix_caching=spec.model.enable_prefix_caching,
+        enable_prefix_caching=model.enable_prefix_caching,
         kv_load_steps=profile.handover_load_steps,
+        chunked_prefill=chunked_prefill,
+        scheduler_steps=steps,
     )
+
+
+def scheduling_modes(kwargs: dict[str, Any]) -> tuple[bool, int]:
+    """(chunked prefill, scheduler steps) that a pool's engine_kwargs ask for."""
+    steps = kwargs.get("num_scheduler_steps", 1)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            f"engine_kwargs.num_scheduler_steps must be a whole number of at least 1, got {steps!r}"
+        )
+    chunked = kwargs.get("enable_chunked_prefill")
+    if chunked is None:
+        chunked = steps == 1
+    if chunked and steps > 1:
+        raise ValueError(
+            "engine_kwargs.num_scheduler_steps > 1 needs enable_chunked_prefill false:"
+            " vLLM 0.6.0 refuses chunked prefill with multi-step scheduling"
+        )
+    return bool(chunked), steps
+
+
+def _batched_tokens(
+    kwargs: dict[str, Any], chunked_prefill: bool, model: ModelConfig, profile: LatencyProfile
+) -> int:
+    budget = kwargs.get("max_num_batched_tokens")
+    if chunked_prefill:
+        return int(budget or profile.max_num_batched_tokens)
+    max_model_len = model.max_model_len or profile.max_model_len
+    budget = int(budget or max(max_model_len, V0_MIN_BATCHED_TOKENS))
+    if budget < max_model_len:
+        raise ValueError(
+            f"engine_kwargs.max_num_batched_tokens {budget} is below max_model_len"
+            f" {max_model_len}: without chunked prefill a prompt runs whole in one step, and"
+            " vLLM 0.6.0 refuses a budget that would cut max_model_len"
+        )
+    return budget
