@@ -41,7 +41,12 @@ from deployments.config import KV_SHAPES, AppConfig, load_application
 from deployments.launcher import config_path, simulated_config
 from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
 from engines.settings import EngineSpec
-from engines.simulated.host import count_prompt_sources, record_handover, simulated_stats
+from engines.simulated.host import (
+    count_prompt_sources,
+    record_handover,
+    simulated_stats,
+    step_ends,
+)
 from engines.simulated.link import HandoverLink
 from engines.simulated.scheduler import (
     ScheduledStep,
@@ -123,7 +128,8 @@ class VirtualEngine:
     A batch of decodes that nothing can join runs as one event for all its steps, until
     its first request finishes (``SimScheduler.decode_run_length``); a request that
     arrives meanwhile cuts the run short after the step in progress, where a real
-    engine would take it in."""
+    engine would take it in: after the multi-step group in progress, whose tokens all
+    come at its end."""
 
     def __init__(self, spec: EngineSpec, client: PooledEngine, queue: EventQueue) -> None:
         self.name = spec.name
@@ -175,26 +181,23 @@ class VirtualEngine:
         if step is None:
             return
         steps = self.scheduler.decode_run_length(step)
-        if steps > 1:
-            shape = step.shape
-            ends = self._step_times.decode_run_ends(
-                shape.decode_seqs, shape.decode_context_tokens, steps
-            )
-        else:
-            ends = [self._step_times.step(step.shape)]
+        ends = step_ends(self._step_times, step, steps)
         self._step, self._started, self._ends = step, self._queue.now, ends
         self._generation += 1
         self._queue.at(self._started + ends[-1], self._done, self._generation)
 
     def _cut_run(self) -> None:
-        """Something may join the batch: end the run after the step in progress."""
+        """Something may join the batch: end the run after the step (the multi-step
+        group) in progress."""
         ends = self._ends
-        if self._step is None or len(ends) == 1:
+        if self._step is None or len(ends) <= self._step.steps:
             return
+        group = self._step.steps
         in_progress = bisect.bisect_right(ends, self._queue.now - self._started) + 1
-        if in_progress >= len(ends):
+        keep = -(-in_progress // group) * group
+        if keep >= len(ends):
             return
-        self._ends = ends[:in_progress]
+        self._ends = ends[:keep]
         self._generation += 1
         self._queue.at(self._started + self._ends[-1], self._done, self._generation)
 
@@ -207,10 +210,10 @@ class VirtualEngine:
         self.busy_s += ends[-1]
         result = self.scheduler.complete_run(step, len(ends))
         finished = {request.request_id for request in result.finished}
-        started = self._started
-        times = [started + end for end in ends]
+        times = self._token_times(step.steps)
         for request in result.sampled:
-            if request.output_tokens == 1:
+            count = result.new_tokens[request.request_id]
+            if request.output_tokens == count:  # its first tokens
                 count_prompt_sources(request, self.prompt_tokens)
                 if request.kv_from_elsewhere:
                     record_handover(self.transfers, self.profile, request, 1.0)
@@ -219,7 +222,7 @@ class VirtualEngine:
             if done:
                 self._listeners.pop(request.request_id, None)
             if listener is not None:
-                listener(times, done)
+                listener(times if count == len(times) else times[:count], done)
         events = self.scheduler.blocks.take_events()
         if self._kv_events and (events.stored or events.removed):
             update = CacheUpdate(
@@ -227,6 +230,14 @@ class VirtualEngine:
             )
             self.client.state.apply_cache_update(update)
         self._kick()
+
+    def _token_times(self, group: int) -> list[float]:
+        """When the run's tokens reach the caller, a step each: a multi-step group's all
+        at its end."""
+        started, ends = self._started, self._ends
+        if group == 1:
+            return [started + end for end in ends]
+        return [started + ends[step // group * group + group - 1] for step in range(len(ends))]
 
     def stats(self) -> EngineStats:
         max_model_len = self.spec.model.max_model_len or self.profile.max_model_len

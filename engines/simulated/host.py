@@ -248,7 +248,8 @@ class SimulatedEngineHost:
                 await self._work.wait()
                 due = loop.time()
                 continue
-            seconds = self._step_times.step(step.shape) * self._time_scale
+            # A multi-step group runs all its steps before anything is streamed.
+            seconds = step_ends(self._step_times, step, step.steps)[-1] * self._time_scale
             if self._spender is not None:
                 await self._spender.spend(seconds)
             else:
@@ -266,7 +267,8 @@ class SimulatedEngineHost:
         finished = {request.request_id for request in result.finished}
         prompt_sources: dict[str, int] = {}
         for request in result.sampled:
-            if request.output_tokens == 1:
+            count = result.new_tokens[request.request_id]
+            if request.output_tokens == count:  # its first tokens
                 count_prompt_sources(request, self._prompt_tokens, prompt_sources)
                 if request.kv_from_elsewhere:
                     record_handover(self._transfers, self.profile, request, self._time_scale)
@@ -274,29 +276,35 @@ class SimulatedEngineHost:
             if client is None:
                 continue
             done = request.request_id in finished
-            self._send(request, client, done)
+            self._send(request, client, done, count)
             if done:
                 del self._clients[request.request_id]
         if self._metrics is not None:
-            self._metrics.step(self._scheduler, result.sampled, result.finished, prompt_sources)
+            self._metrics.step(
+                self._scheduler, result.sampled, result.finished, prompt_sources, result.new_tokens
+            )
         self._publish_cache_events()
 
-    def _send(self, request: SimRequest, client: _Client, done: bool) -> None:
+    def _send(self, request: SimRequest, client: _Client, done: bool, count: int) -> None:
+        """``count`` new tokens of ``request`` in one chunk per completion, as vLLM streams
+        a step's (or a multi-step group's) tokens."""
         outbox = self._streams.outbox(client.subscriber)
-        first = request.output_tokens == 1
+        first = request.output_tokens == count
         kv_params = None
         if done and client.handover:
             kv_params = {SIMULATED_KV_TOKENS: request.prompt_tokens}
         for index in range(client.completions):
             chunk = GenerateChunk(
-                token_ids=[client.token_id],
-                text=SIMULATED_TEXT,
+                token_ids=[client.token_id] * count,
+                text=SIMULATED_TEXT * count,
                 finish_reason="length" if done else None,
                 num_prompt_tokens=request.prompt_tokens,
                 num_cached_tokens=request.cached_tokens if first else 0,
                 kv_transfer_params=kv_params,
                 index=index,
-                logprobs=[[_certain(client.token_id)]] if client.logprobs else None,
+                logprobs=[[_certain(client.token_id)] for _ in range(count)]
+                if client.logprobs
+                else None,
                 prompt_logprobs=client.prompt_logprobs if first else None,
             )
             outbox.put_nowait((request.request_id, chunk))
@@ -313,6 +321,16 @@ def _in_ray() -> bool:
     import ray
 
     return bool(ray.is_initialized())
+
+
+def step_ends(step_times: StepTimes, step: ScheduledStep, steps: int) -> list[float]:
+    """When each of ``steps`` model steps of ``step`` ends, from its start: its shape's
+    time, or for decodes (a run, a multi-step group) each step's, which reads one more
+    token of context per request than the last."""
+    if steps == 1:
+        return [step_times.step(step.shape)]
+    shape = step.shape
+    return step_times.decode_run_ends(shape.decode_seqs, shape.decode_context_tokens, steps)
 
 
 def simulated_stats(

@@ -60,9 +60,11 @@ class SimulatedEngineMetrics:
         sampled: list[Any],
         finished: list[Any],
         prompt_sources: dict[str, int],
+        new_tokens: dict[str, int] | None = None,
     ) -> None:
-        """One step's stats: ``sampled`` requests got a token, ``finished`` ended;
-        ``prompt_sources``: prompt tokens by vLLM's source, of prompts done this step."""
+        """One step's stats: ``sampled`` requests got a token (or ``new_tokens`` of them,
+        by request id: a multi-step group's), ``finished`` ended; ``prompt_sources``:
+        prompt tokens by vLLM's source, of prompts done this step."""
         from vllm.v1.engine import FinishReason
         from vllm.v1.metrics.stats import (
             FinishedRequestStats,
@@ -83,7 +85,7 @@ class SimulatedEngineMetrics:
             times = self._times.get(request.request_id)
             if times is None:
                 continue
-            iteration.num_generation_tokens += 1
+            iteration.num_generation_tokens += (new_tokens or {}).get(request.request_id, 1)
             if times.first_token is None:
                 times.first_token = now
                 iteration.time_to_first_tokens_iter.append(now - times.arrival)

@@ -4,10 +4,19 @@ a group of steps and hands its tokens back at the group's end."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
+from deployments.app import engine_names, engine_spec
+from deployments.config import parse_app_config
 from engines.kv_events import chain_hashes
+from engines.protocol import GenerateChunk, GenerateRequest
+from engines.simulated.host import SimulatedEngineHost
 from engines.simulated.scheduler import SchedulerLimits, SimRequest, SimScheduler
+from splitserve.latency.profile import LatencyProfile
 
 BLOCK = 4
 
@@ -160,3 +169,52 @@ def test_a_run_is_whole_groups_and_ends_as_group_by_group() -> None:
             len(request.blocks),
         )
     assert run.blocks.free_blocks == stepped.blocks.free_blocks
+
+
+def _host(tmp_path: Path, steps: int) -> SimulatedEngineHost:
+    step_s = 0.02
+    profile = LatencyProfile(
+        device="test",
+        model="tiny",
+        source="a test's round numbers",
+        step_overhead_s=step_s,
+        weights_read_s=0.0,
+        compute_per_token_s=0.0,
+        per_context_token_s=0.0,
+        per_attention_pair_s=0.0,
+        kv_bytes_per_token=1000,
+        kv_capacity_tokens=64 * 1024,
+        handover_bytes_per_s=1e9,
+        max_model_len=2048,
+    )
+    path = tmp_path / "profile.yaml"
+    profile.save(path)
+    config = parse_app_config(
+        {
+            "shape": "single",
+            "accelerator": "cpu",
+            "engine": {"backend": "simulated", "profile": str(path)},
+            "pools": [{"engine_kwargs": {"num_scheduler_steps": steps}}],
+        }
+    )
+    ((name, pool, index),) = engine_names(config)
+    return SimulatedEngineHost(engine_spec(config, name, pool, index))
+
+
+async def test_the_real_time_engine_streams_a_groups_tokens_at_its_end(tmp_path: Path) -> None:
+    host = _host(tmp_path, steps=3)
+    loop = asyncio.get_running_loop()
+    params = SimpleNamespace(max_tokens=6, n=1, logprobs=None, prompt_logprobs=None)
+    stream = host.deltas("router")
+    await host.submit(GenerateRequest("r", "router", list(range(20)), params))
+    chunks: list[tuple[float, GenerateChunk]] = []
+    try:
+        async for batch in stream:
+            chunks.extend((loop.time(), c) for _, c in batch if isinstance(c, GenerateChunk))
+            if chunks and chunks[-1][1].finish_reason is not None:
+                break
+    finally:
+        host.shutdown()
+    assert [len(c.token_ids) for _, c in chunks] == [1, 3, 2]
+    # A group's three steps run before any of its tokens is streamed.
+    assert chunks[1][0] - chunks[0][0] > 2.5 * 0.02
