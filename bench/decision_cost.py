@@ -27,13 +27,14 @@ from rich.console import Console
 from rich.table import Table
 
 from deployments.config import parse_app_config
-from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
+from engines.protocol import CacheUpdate, EngineRole, EngineStats, GenerateRequest
 from router.dispatch import Dispatcher
 from router.policies.qos import AdmissionControl
 from router.pool.engine_pool import EnginePool
 from router.pool.engine_state import EngineState
 from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
+from router.settings import Priority
 
 console = Console()
 PROMPT_TOKENS = 1024
@@ -72,14 +73,15 @@ def fleet(
     config = parse_app_config(args)
     settings = config.ingress_settings()
     members = []
-    for pool in config.pools:
-        prefix = "engine" if pool.role == "mixed" else pool.role
-        for index in range(pool.replicas):
+    for pool_config in config.pools:
+        role = pool_config.role
+        prefix = "engine" if role == "mixed" else role
+        for index in range(pool_config.replicas):
             state = EngineState()
-            state.update_engine(_stats(f"{prefix}-{index}", pool.role, rng))
+            state.update_engine(_stats(f"{prefix}-{index}", role, rng))
             state.prefill_s_per_token.add(rng.uniform(1e-5, 5e-5))
             state.step_s.add(rng.uniform(0.01, 0.03))
-            members.append(PooledEngine(f"{prefix}-{index}", pool.role, _Link(), 1.0, state))  # type: ignore[arg-type]
+            members.append(PooledEngine(f"{prefix}-{index}", role, _Link(), 1.0, state))
     kv = _RouterSide() if shape in ("pd", "auto") else None
     pool = EnginePool(members)
     return Dispatcher(settings, pool, kv), AdmissionControl(settings.qos), pool
@@ -104,7 +106,7 @@ class _RouterSide:
         return None
 
 
-def _stats(name: str, role: str, rng: random.Random) -> EngineStats:
+def _stats(name: str, role: EngineRole, rng: random.Random) -> EngineStats:
     running = rng.choice(RUNNING)
     return EngineStats(
         replica=name,
@@ -132,7 +134,7 @@ def cache_prompts(pool: EnginePool, prompts: list[list[int]], rng: random.Random
     for prompt in prompts:
         blocks = PromptBlocks(prompt).hashes(BLOCK_SIZE)
         for engine in rng.sample(engines, k=min(HOLDERS_PER_PROMPT, len(engines))):
-            stored = [(h, h) for h in blocks]
+            stored: list[tuple[bytes | int, int]] = [(h, h) for h in blocks]
             engine.state.apply_cache_update(CacheUpdate(stored=stored, removed=[]))
 
 
@@ -166,7 +168,7 @@ class _Params:
 
 def decide(dispatcher: Dispatcher, admission: AdmissionControl, request: GenerateRequest) -> None:
     """One request's decisions, and its prefill's bookkeeping from queued to finished."""
-    priority = "normal"
+    priority: Priority = "normal"
     admission.check(
         priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
     )

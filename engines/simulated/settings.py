@@ -4,12 +4,13 @@ arguments where the pool sets them (``max_num_seqs``, ``max_num_batched_tokens``
 ``scheduling_policy``, ``num_gpu_blocks_override``), so one YAML serves vLLM or its
 simulation.
 
-Two more replay vLLM 0.6.0's V0 engine (engines/simulated/scheduler.py):
-``enable_chunked_prefill: false`` schedules as V0 does without chunked prefill, which is
-not what the installed vLLM (V1) does with it (V1 still batches decodes beside whole
-prompts); ``num_scheduler_steps`` (V0's multi-step scheduling, which V1 has not: only
-the simulated backend takes it) implies chunked prefill off unless set, as 0.6.0's
-default for a max_model_len up to 32K. Without chunked prefill the token budget
+A pool that names ``num_scheduler_steps`` (V0's multi-step scheduling, which V1 has
+not: only the simulated backend takes it; 1 for V0 without it) replays vLLM 0.6.0's V0
+engine (engines/simulated/scheduler.py), and then ``enable_chunked_prefill`` is read as
+V0 read it: off unless set, as 0.6.0's default for a max_model_len up to 32K, and off
+means prefill-only steps. Without ``num_scheduler_steps`` the engines schedule as the
+installed vLLM (V1) does, which batches decodes beside every prompt whether it chunks
+prompts or not, so one YAML means the same on both backends. Without chunked prefill the token budget
 defaults to 0.6.0's ``max(max_model_len, 2048)`` (``SchedulerConfig`` in vllm/config.py
 of commit 32e7db25365415841ebc7c4215851743fbb1bad1, multi-step or not), and one below
 max_model_len is refused, as 0.6.0 refuses it.
@@ -102,6 +103,8 @@ def pool_limits(pool: PoolConfig, model: ModelConfig, profile: LatencyProfile) -
 
 def scheduling_modes(kwargs: dict[str, Any]) -> tuple[bool, int]:
     """(chunked prefill, scheduler steps) that a pool's engine_kwargs ask for."""
+    if "num_scheduler_steps" not in kwargs:
+        return True, 1  # V1's mixed batches (see the module's docstring)
     steps = kwargs.get("num_scheduler_steps", 1)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(

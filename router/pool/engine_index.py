@@ -227,10 +227,10 @@ class EngineIndex:
         for size in self._block_sizes:
             depth, holders = self.prefix.deepest(prompt.hashes(size))
             hits = prompt.cacheable_tokens(size, depth)
-            for slot in holders:
-                engine = self._slots.get(slot) if isinstance(slot, int) else None
-                if engine is not None and engine.role == role and engine.healthy:
-                    found[engine] = hits
+            for owner in holders:
+                holder = self._slots.get(owner) if isinstance(owner, int) else None
+                if holder is not None and holder.role == role and holder.healthy:
+                    found[holder] = hits
         return found
 
     # ---- filing -----------------------------------------------------------------------

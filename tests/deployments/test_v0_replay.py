@@ -53,6 +53,17 @@ def test_a_v0_yaml_gives_simulated_engines_v0_scheduling_and_its_token_budget() 
     assert (limits.chunked_prefill, limits.scheduler_steps) == (True, 1)
 
 
+def test_chunked_prefill_off_without_num_scheduler_steps_keeps_v1s_mixed_batches() -> None:
+    # The installed vLLM (V1) batches decodes beside whole prompts with chunking off: the
+    # same YAML must mean that on simulated engines, not V0's prefill-only steps.
+    spec = _spec({"enable_chunked_prefill": False})
+    limits = scheduler_limits(spec, engine_profile(spec))
+    assert (limits.chunked_prefill, limits.scheduler_steps) == (True, 1)
+    v0 = _spec({"num_scheduler_steps": 1, "enable_chunked_prefill": False})
+    limits = scheduler_limits(v0, engine_profile(v0))
+    assert (limits.chunked_prefill, limits.scheduler_steps) == (False, 1)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -63,7 +74,13 @@ def test_a_v0_yaml_gives_simulated_engines_v0_scheduling_and_its_token_budget() 
         ),
         (_args({"num_scheduler_steps": 0}), "at least 1"),
         (
-            _args({"enable_chunked_prefill": False, "max_num_batched_tokens": 1024}),
+            _args(
+                {
+                    "num_scheduler_steps": 1,
+                    "enable_chunked_prefill": False,
+                    "max_num_batched_tokens": 1024,
+                }
+            ),
             "below max_model_len 2048",
         ),
     ],
