@@ -9,7 +9,8 @@ N engines whose loads are spread the way a busy fleet's are. No HTTP, no engine,
 event loop: the decision objects alone, so that the figure is what fleet size adds.
 
     python bench/decision_cost.py [--engines 2,64,512] [--requests 20000]
-        [--shapes dp,pd,auto] [--choice least_loaded] [--out results/decision_cost]
+        [--shapes dp,pd,auto] [--choice least_loaded] [--repeats 3]
+        [--out results/decision_cost]
 """
 
 from __future__ import annotations
@@ -183,6 +184,14 @@ def decide(dispatcher: Dispatcher, admission: AdmissionControl, request: Generat
     engine.state.finish_prefill(ticket, now, first_token=False)
 
 
+def _median_row(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    row = dict(repeats[0])
+    for key in ("mean_us", "p50_us", "p99_us"):
+        row[key] = statistics.median(r[key] for r in repeats)
+    row["p50_us_rounds"] = [r["p50_us"] for r in repeats]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="2,64,512")
@@ -190,15 +199,27 @@ def main() -> None:
     parser.add_argument("--choice", default="least_loaded")
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="interleaved rounds; the table is their median"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/decision_cost"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [
-        measure(shape, int(engines), args.requests, args.choice, args.seed)
-        for shape in args.shapes.split(",")
-        for engines in args.engines.split(",")
+    cells = [(s, int(n)) for s in args.shapes.split(",") for n in args.engines.split(",")]
+    # Rounds interleave the cells: this box's speed drifts by tens of percent between
+    # minutes, and a drift must not land on one fleet size alone.
+    rounds = [
+        [
+            measure(shape, engines, args.requests, args.choice, args.seed + r)
+            for shape, engines in cells
+        ]
+        for r in range(args.repeats)
     ]
-    table = Table(title=f"router decisions per request, {args.choice}, this box (2 cores)")
+    rows = [_median_row([round_[i] for round_ in rounds]) for i in range(len(cells))]
+    table = Table(
+        title=f"router decisions per request, {args.choice}, this box (2 cores),"
+        f" median of {args.repeats} rounds"
+    )
     for column in ("shape", "engines", "mean us", "p50 us", "p99 us"):
         table.add_column(column, justify="right")
     for row in rows:

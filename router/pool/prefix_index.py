@@ -140,8 +140,19 @@ class BlockIndex:
         return until is not None and until > time.monotonic()
 
     def cached_tokens(self, prompt: PromptBlocks, block_size: int) -> int:
-        """Leading prompt tokens the engine holds (its block size, from its stats)."""
-        return leading_hits(prompt, block_size, self)
+        """Leading prompt tokens the engine holds (its block size, from its stats): a
+        binary search over the prompt's blocks, as ``PrefixHolders.deepest`` searches,
+        since what an engine holds of one chain is a prefix of it (vLLM frees a
+        request's blocks tail first, so it evicts them tail first)."""
+        hashes = prompt.hashes(block_size)
+        low, high = 0, len(hashes)  # held at blocks < low; not at blocks >= high
+        while low < high:
+            middle = (low + high) // 2
+            if hashes[middle] in self:
+                low = middle + 1
+            else:
+                high = middle
+        return prompt.cacheable_tokens(block_size, low) if low else 0
 
     def expect(self, prompt: PromptBlocks, block_size: int) -> None:
         """The prompt was sent to this engine: its blocks are about to be stored."""
