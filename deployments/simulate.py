@@ -41,6 +41,7 @@ from deployments.config import KV_SHAPES, AppConfig, load_application
 from deployments.launcher import config_path, simulated_config
 from engines.protocol import CacheUpdate, EngineStats, GenerateRequest
 from engines.settings import EngineSpec
+from engines.simulated.frontend import FrontEnd
 from engines.simulated.host import (
     count_prompt_sources,
     record_handover,
@@ -138,6 +139,7 @@ class VirtualEngine:
         self.profile: LatencyProfile = engine_profile(spec)
         self._step_times = StepTimes(self.profile, spec.name)
         self._link = HandoverLink(self.profile)
+        self._front_end = FrontEnd(self.profile.request_overhead_s)
         self.limits = scheduler_limits(spec, self.profile)
         self.scheduler = SimScheduler(self.limits)
         self._queue = queue
@@ -153,24 +155,29 @@ class VirtualEngine:
         self.prompt_tokens: dict[str, int] = {}
         self.transfers = TransferTotals()
 
-    def submit(self, request: SimRequest, on_tokens: Callable[[list[float], bool], None]) -> None:
+    def submit(self, request: SimRequest, on_tokens: Callable[[list[float], bool], None]) -> float:
+        """Take ``request`` in; when the front end has (engines/simulated/frontend.py)."""
         self._listeners[request.request_id] = on_tokens
-        delay = self.profile.request_overhead_s
-        self._queue.at(self._queue.now + delay, self._admit, request)
+        taken_in = self._front_end.take(request, self._queue.now)
+        self._queue.at(taken_in, self._release, taken_in)
+        return taken_in
 
-    def kv_arrives(self, request_id: str, tokens: int) -> None:
+    def kv_arrives(self, request_id: str, tokens: int, taken_in: float) -> None:
         """A hand-over of ``tokens`` of KV for a request just submitted: it moves once the
-        front end has taken the request in, behind the link's earlier hand-overs."""
-        start = self._queue.now + self.profile.request_overhead_s
-        self._queue.at(self._link.arrival(start, tokens), self._kv_arrived, request_id)
+        front end has taken the request in (``taken_in``), behind the link's earlier
+        hand-overs."""
+        self._queue.at(self._link.arrival(taken_in, tokens), self._kv_arrived, request_id)
+
+    def _release(self, at: float) -> None:
+        released = self._front_end.release(at)
+        if released:
+            for request in released:
+                self.scheduler.add(request)
+            self._cut_run()
+            self._kick()
 
     def _kv_arrived(self, request_id: str) -> None:
         self.scheduler.kv_arrived(request_id)
-        self._cut_run()
-        self._kick()
-
-    def _admit(self, request: SimRequest) -> None:
-        self.scheduler.add(request)
         self._cut_run()
         self._kick()
 
@@ -437,9 +444,9 @@ class OfflineCluster:
             outcome.status, outcome.outcome, outcome.error = 400, "error", str(error)
             self._closed(now)
             return
-        engine.submit(request, on_tokens)
+        taken_in = engine.submit(request, on_tokens)
         if handed_over:
-            engine.kv_arrives(request.request_id, len(arrival.prompt))
+            engine.kv_arrives(request.request_id, len(arrival.prompt), taken_in)
 
     def _closed(self, now: float) -> None:
         self._open -= 1

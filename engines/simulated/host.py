@@ -40,6 +40,7 @@ from engines.protocol import (
 )
 from engines.settings import CPU_BIND_ENV, EngineSpec
 from engines.simulated.cpu_spender import CpuSpender, bound_cores
+from engines.simulated.frontend import FrontEnd
 from engines.simulated.link import HandoverLink
 from engines.simulated.metrics import SimulatedEngineMetrics
 from engines.simulated.scheduler import (
@@ -100,7 +101,7 @@ class SimulatedEngineHost:
         self._scheduler = SimScheduler(self.limits)
         self._clients: dict[str, _Client] = {}
         # Requests still in the front end's input processing (request_overhead_s).
-        self._admissions: dict[str, asyncio.TimerHandle] = {}
+        self._front_end = FrontEnd(self.profile.request_overhead_s * self._time_scale)
         self._streams = DeltaStreams()
         self._work = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
@@ -143,18 +144,22 @@ class SimulatedEngineHost:
         loop = asyncio.get_running_loop()
         if self._stepper is None:
             self._stepper = loop.create_task(self._step_forever())
-        overhead = self.profile.request_overhead_s * self._time_scale
-        if overhead > 0:
+        taken_in = loop.time()
+        if self._front_end.intake_s > 0:
             # The front end's input processing, before the scheduler sees the request.
-            self._admissions[sim.request_id] = loop.call_later(overhead, self._admit, sim)
+            taken_in = self._front_end.take(sim, taken_in)
+            loop.call_at(taken_in, self._release, taken_in)
         else:
             self._admit(sim)
         if handle is not None:
-            arrived = self._link.arrival(loop.time() + overhead, int(handle))
+            arrived = self._link.arrival(taken_in, int(handle))
             loop.call_at(arrived, self._kv_crossed, request.request_id)
 
+    def _release(self, at: float) -> None:
+        for request in self._front_end.release(at):
+            self._admit(request)
+
     def _admit(self, request: SimRequest) -> None:
-        self._admissions.pop(request.request_id, None)
         self._scheduler.add(request)
         self._work.set()
 
@@ -180,9 +185,7 @@ class SimulatedEngineHost:
         self._drop(request_id)
 
     def _drop(self, request_id: str) -> None:
-        admission = self._admissions.pop(request_id, None)
-        if admission is not None:
-            admission.cancel()
+        self._front_end.drop(request_id)
         self._scheduler.abort(request_id)
         self._clients.pop(request_id, None)
         if self._metrics is not None:

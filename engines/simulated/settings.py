@@ -10,8 +10,8 @@ engine (engines/simulated/scheduler.py), and then ``enable_chunked_prefill`` is 
 V0 read it: off unless set, as 0.6.0's default for a max_model_len up to 32K, and off
 means prefill-only steps. Without ``num_scheduler_steps`` the engines schedule as the
 installed vLLM (V1) does, which batches decodes beside every prompt whether it chunks
-prompts or not, so one YAML means the same on both backends. Without chunked prefill the token budget
-defaults to 0.6.0's ``max(max_model_len, 2048)`` (``SchedulerConfig`` in vllm/config.py
+prompts or not, so one YAML means the same on both backends. Without chunked prefill the
+token budget defaults to 0.6.0's ``max(max_model_len, 2048)`` (``SchedulerConfig`` in vllm/config.py
 of commit 32e7db25365415841ebc7c4215851743fbb1bad1, multi-step or not), and one below
 max_model_len is refused, as 0.6.0 refuses it.
 """
