@@ -30,10 +30,14 @@ llama.cpp measurement, and the study this project reproduces
 from __future__ import annotations
 
 import sys
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import NamedTuple
 
+import yaml
+from pydantic import Field
+
+from splitserve.config_base import StrictModel
 from splitserve.latency.profile import LatencyProfile, StepShape
 from splitserve.latency.roofline import GIB, DeviceSpec, Efficiency, ModelDims, roofline_profile
 
@@ -122,6 +126,23 @@ LLAMA_3_1_70B = ModelDims(
         "huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (80 layers,"
         " hidden 8192, 64 heads, 8 KV heads, intermediate 28672, vocab 128256, untied)",
     ],
+)
+
+# Weights of the decoder layers in FP8 (per-tensor scales), the embeddings and LM head
+# at BF16, the KV cache at BF16 (vLLM's kv_cache_dtype auto): the checkpoint Lambda's
+# 70B FP8 runs served. vLLM multiplies it in FP8 where the device has FP8 tensor cores
+# (H100) and widens the weights to BF16 as it reads them where not (A100: Marlin).
+LLAMA_3_1_70B_FP8 = LLAMA_3_1_70B.model_copy(
+    update={
+        "name": "Llama-3.1-70B-FP8",
+        "layer_weight_bytes": 1,
+        "sources": [
+            *LLAMA_3_1_70B.sources,
+            "huggingface.co/neuralmagic/Meta-Llama-3.1-70B-Instruct-FP8: weights and"
+            " activations of the linear layers in FP8 (static per-tensor scales);"
+            " embeddings and lm_head unquantized",
+        ],
+    }
 )
 
 
@@ -228,12 +249,14 @@ _H100_PUBLISHED = DeviceSpec(
     memory_bytes=81559 * MIB,
     memory_bytes_per_s=3.35e12,
     flops_per_s=989.4e12,  # dense BF16 (1,979 TFLOPS is with sparsity)
+    fp8_flops_per_s=1978.9e12,  # dense FP8 (3,958 TFLOPS is with sparsity)
     link_bytes_per_s=450e9,  # NVLink 4: 900 GB/s per GPU, both directions together
     link_latency_s=0.0,  # calibrated below
     handover_bytes_per_s=host_path_bytes_per_s(pcie_bytes_per_s(5, 16)),
     sources=[
         "nvidia.com/en-us/data-center/h100 datasheet, H100 SXM: 80 GB HBM3, 3.35 TB/s,"
-        " BF16 1,979 TFLOPS with sparsity (989.4 dense), NVLink 900 GB/s, PCIe Gen5",
+        " BF16 1,979 TFLOPS with sparsity (989.4 dense), FP8 3,958 with sparsity"
+        " (1,978.9 dense), NVLink 900 GB/s, PCIe Gen5",
         "KV hand-over over PCIe Gen5 x16 (63.0 GB/s a direction)",
         *HOST_PATH_SOURCES,
     ],
@@ -254,10 +277,6 @@ _H100_FACTORS = Efficiency(
         f"link 0.55: {VIDUR}/network/h100_dgx/all_reduce.csv, 16 MiB: bus bandwidth"
         " 227 GB/s (2 GPUs) to 255 GB/s (8) of NVLink's 450",
     ],
-)
-H100_EFFICIENCY = calibrated_overhead(_H100_PUBLISHED, LLAMA_3_1_8B, _H100_FACTORS, H100_8B_TP1)
-H100_SXM_80GB = calibrated_link_latency(
-    _H100_PUBLISHED, LLAMA_3_1_8B, H100_EFFICIENCY, 2, H100_8B_TP2
 )
 
 
@@ -295,10 +314,87 @@ _A100_FACTORS = Efficiency(
         " 107 GB/s (8 GPUs) to 121 GB/s (2) of NVLink's 300",
     ],
 )
-A100_EFFICIENCY = calibrated_overhead(_A100_PUBLISHED, LLAMA_3_1_8B, _A100_FACTORS, A100_8B_TP1)
-A100_SXM_80GB = calibrated_link_latency(
-    _A100_PUBLISHED, LLAMA_3_1_8B, A100_EFFICIENCY, 2, A100_8B_TP2
-)
+# --- What the engine's host pays, fitted on public runs ------------------------------
+
+
+class HostTerms(StrictModel):
+    """A device's terms beside the roofline's, fitted on public runs of vLLM on it
+    (bench/fit_published.py writes them, with the runs it fitted on and the error on the
+    runs it held out, into public_runs/fitted.yaml)."""
+
+    request_overhead_s: float = Field(0.0, ge=0)
+    per_sequence_s: float = Field(0.0, ge=0)
+    quantized_layer_s: float = Field(0.0, ge=0)
+    vllm_version: str | None = None
+    calibration_runs: list[str] = Field(default_factory=list)
+    held_out_runs: list[str] = Field(default_factory=list)
+    held_out_error: dict[str, float] = Field(default_factory=dict)
+    calibration_error: dict[str, float] = Field(default_factory=dict)
+
+    def applied_to(self, efficiency: Efficiency) -> Efficiency:
+        sources = efficiency.sources
+        if self.calibration_runs:  # a fit's result, not a candidate: say where from
+            sources = [
+                *sources,
+                f"request_overhead_s {self.request_overhead_s * 1e3:.2f} ms, per_sequence_s"
+                f" {self.per_sequence_s * 1e6:.1f} us, quantized_layer_s"
+                f" {self.quantized_layer_s * 1e6:.1f} us: fitted on vLLM {self.vllm_version}'s"
+                f" public runs {', '.join(self.calibration_runs)} (bench/fit_published.py;"
+                " splitserve/latency/public_runs)",
+            ]
+        return efficiency.model_copy(
+            update={
+                "request_overhead_s": self.request_overhead_s,
+                "per_sequence_s": self.per_sequence_s,
+                "quantized_layer_s": self.quantized_layer_s,
+                "sources": sources,
+            }
+        )
+
+
+def fitted_host_terms() -> dict[str, HostTerms]:
+    """public_runs/fitted.yaml, by device; none where it is absent (before a first fit)."""
+    path = FITTED_PATH
+    if not path.exists():
+        return {}
+    document = yaml.safe_load(path.read_text()) or {}
+    return {
+        device: HostTerms.model_validate(terms)
+        for device, terms in (document.get("devices") or {}).items()
+    }
+
+
+FITTED_PATH = Path(__file__).resolve().parent / "public_runs" / "fitted.yaml"
+FITTED = fitted_host_terms()
+
+
+def calibrated_device(
+    published: DeviceSpec,
+    factors: Efficiency,
+    tp1: Measurement,
+    tp2: Measurement,
+    host: HostTerms,
+) -> tuple[DeviceSpec, Efficiency]:
+    """A device whose step overhead and all-reduce latency are what its published
+    batch-1 steps leave over once the roofline and ``host``'s terms are taken off."""
+    efficiency = calibrated_overhead(published, LLAMA_3_1_8B, host.applied_to(factors), tp1)
+    return calibrated_link_latency(published, LLAMA_3_1_8B, efficiency, 2, tp2), efficiency
+
+
+def _h100(host: HostTerms) -> tuple[DeviceSpec, Efficiency]:
+    return calibrated_device(_H100_PUBLISHED, _H100_FACTORS, H100_8B_TP1, H100_8B_TP2, host)
+
+
+def _a100(host: HostTerms) -> tuple[DeviceSpec, Efficiency]:
+    return calibrated_device(_A100_PUBLISHED, _A100_FACTORS, A100_8B_TP1, A100_8B_TP2, host)
+
+
+CALIBRATED: dict[str, Callable[[HostTerms], tuple[DeviceSpec, Efficiency]]] = {
+    "h100": _h100,
+    "a100": _a100,
+}
+H100_SXM_80GB, H100_EFFICIENCY = _h100(FITTED.get("h100", HostTerms()))
+A100_SXM_80GB, A100_EFFICIENCY = _a100(FITTED.get("a100", HostTerms()))
 
 
 # --- RTX 2080 SUPER 8GB, as in the study: PCIe Gen3 x8, no peer-to-peer ---------------
@@ -380,6 +476,7 @@ MODELS: dict[str, ModelDims] = {
     "llama-3.2-1b": LLAMA_3_2_1B,
     "llama-3.1-8b": LLAMA_3_1_8B,
     "llama-3.1-70b": LLAMA_3_1_70B,
+    "llama-3.1-70b-fp8": LLAMA_3_1_70B_FP8,
 }
 
 
@@ -399,13 +496,21 @@ VLLM_BATCH_DEFAULTS: dict[str, tuple[int, int]] = {
 
 
 def catalog_profile(
-    device: str, model: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+    device: str,
+    model: str,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    host: HostTerms | None = None,
 ) -> LatencyProfile:
     """The profile of ``model`` on ``tensor_parallel_size x pipeline_parallel_size``
-    devices of the type ``device``, by short name (``"h100"``, ``"llama-3.1-8b"``)."""
+    devices of the type ``device``, by short name (``"h100"``, ``"llama-3.1-8b"``).
+    ``host``: host terms to build it with instead of the fitted ones (a fit's candidate)."""
     _known("device", device, DEVICES)
     _known("model", model, MODELS)
     spec, efficiency = DEVICES[device]
+    if host is not None and device in CALIBRATED:
+        spec, efficiency = CALIBRATED[device](host)
+    terms = host if host is not None else FITTED.get(device, HostTerms())
     profile = roofline_profile(
         spec, MODELS[model], efficiency, tensor_parallel_size, pipeline_parallel_size
     )
@@ -416,6 +521,10 @@ def catalog_profile(
             "max_num_seqs": seqs,
             "source": f"{profile.source}; vLLM 0.32.0 batch defaults on this device:"
             f" {batched_tokens} tokens, {seqs} sequences (EngineArgs.get_batch_defaults)",
+            "vllm_version": terms.vllm_version,
+            "calibration_runs": terms.calibration_runs,
+            "held_out_runs": terms.held_out_runs,
+            "held_out_error": terms.held_out_error,
         }
     )
 
@@ -438,6 +547,8 @@ SHIPPED: tuple[tuple[str, str, int, int], ...] = (
         for gpu in ("h100", "a100")
         for tp, pp in ((4, 1), (8, 1), (4, 2))
     ),
+    # FP8 70B fits two devices: the public runs of 70B at FP8 use 2, 4 and 8.
+    *((gpu, "llama-3.1-70b-fp8", tp, 1) for gpu in ("h100", "a100") for tp in (2, 4, 8)),
 )
 
 

@@ -122,6 +122,27 @@ class LatencyProfile(StrictModel):
     max_num_batched_tokens: int = Field(2048, gt=0)
     block_size: int = Field(16, gt=0)
     max_model_len: int = Field(8192, gt=0, description="The context engines are given.")
+    vllm_version: str | None = Field(
+        None,
+        description="The vLLM whose runs the host's terms (request_overhead_s,"
+        " per_sequence_s) were fitted on; another version's scheduler and front end"
+        " cost what they cost there.",
+    )
+    calibration_runs: list[str] = Field(
+        default_factory=list,
+        description="Public runs the profile's fitted terms were fitted on, by id"
+        " (splitserve/latency/public_runs/runs.yaml: source, vLLM version, settings).",
+    )
+    held_out_runs: list[str] = Field(
+        default_factory=list,
+        description="Public runs of the same device never fitted on, replayed to measure"
+        " the profile's error (bench/sim_published.py).",
+    )
+    held_out_error: dict[str, float] = Field(
+        default_factory=dict,
+        description="|simulated / published - 1| over the held-out runs, per figure:"
+        " '<figure> median' and '<figure> worst'. The advisor's error band.",
+    )
     fit_error: dict[str, float] = Field(
         default_factory=dict,
         description="Fitted profiles: relative error of the fit on its measurements.",

@@ -27,6 +27,12 @@ class DeviceSpec(StrictModel):
     memory_bytes: float = Field(gt=0)
     memory_bytes_per_s: float = Field(gt=0, description="HBM/GDDR bandwidth.")
     flops_per_s: float = Field(gt=0, description="Dense 16-bit tensor arithmetic.")
+    fp8_flops_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="Dense FP8 tensor arithmetic; None where the device has none (an FP8"
+        " checkpoint then multiplies at 16 bits, its weights widened as they are read).",
+    )
     # Between two devices of a TP group (NVLink, or PCIe where there is none).
     link_bytes_per_s: float = Field(gt=0)
     link_latency_s: float = Field(ge=0)
@@ -50,8 +56,33 @@ class ModelDims(StrictModel):
     intermediate_size: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
     tied_embeddings: bool = False
-    dtype_bytes: int = Field(2, gt=0)
+    dtype_bytes: int = Field(2, gt=0, description="Activations and KV cache.")
+    layer_weight_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Per weight of the decoder layers, where a quantized checkpoint's"
+        " differ (FP8: 1); its embeddings and LM head keep dtype_bytes, as the FP8"
+        " checkpoints vLLM serves keep them.",
+    )
     sources: list[str] = Field(min_length=1)
+
+    @property
+    def layer_bytes_per_weight(self) -> int:
+        return self.layer_weight_bytes or self.dtype_bytes
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the weights take in memory."""
+        layers = self.num_layers * self.layer_params * self.layer_bytes_per_weight
+        return layers + self.embedding_params * self.dtype_bytes
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -66,8 +97,7 @@ class ModelDims(StrictModel):
 
     @property
     def params(self) -> int:
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return self.num_layers * self.layer_params + embeddings
+        return self.num_layers * self.layer_params + self.embedding_params
 
     @property
     def matmul_params(self) -> int:
@@ -89,6 +119,20 @@ class Efficiency(StrictModel):
     attention: float = Field(gt=0, le=1, description="Of peak FLOPs, in prefill attention.")
     link: float = Field(gt=0, le=1, description="Of the link's peak, in all-reduces.")
     step_overhead_s: float = Field(ge=0, description="Scheduling, launches, sampling per step.")
+    # What the engine's host pays beside the device's work, fitted on public runs
+    # (bench/fit_published.py; splitserve/latency/public_runs/fitted.yaml).
+    request_overhead_s: float = Field(
+        0.0, ge=0, description="The front end's input processing of one request."
+    )
+    per_sequence_s: float = Field(
+        0.0, ge=0, description="Per request in a step: its inputs, sampling, its output."
+    )
+    quantized_layer_s: float = Field(
+        0.0,
+        ge=0,
+        description="Per decoder layer and step of a quantized checkpoint: the kernels that"
+        " quantize activations and scale outputs, which a 16-bit model does not run.",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # Activations, CUDA graphs and the allocator's share, per device.
     reserved_bytes: float = Field(2 * GIB, ge=0)
@@ -108,12 +152,19 @@ def roofline_profile(
     devices = tp * pp
     bandwidth = device.memory_bytes_per_s * efficiency.memory
     flops = device.flops_per_s * efficiency.compute
+    layer_flops = flops
+    if model.layer_bytes_per_weight == 1 and device.fp8_flops_per_s is not None:
+        layer_flops = device.fp8_flops_per_s * efficiency.compute
     # Per stage a device holds 1/devices of the weights and KV; PP's stages run in turn,
     # so a batch's step takes pp stage times: the sums below are over the whole model.
-    weight_bytes = model.params * model.dtype_bytes
+    weight_bytes = model.weight_bytes
+    layer_weights = model.num_layers * model.layer_params
     # A step reads the weights it multiplies; the input embedding is only looked up.
-    weights_read_s = model.matmul_params * model.dtype_bytes / tp / bandwidth
-    compute_per_token_s = 2 * model.matmul_params / tp / flops
+    read_bytes = (
+        layer_weights * model.layer_bytes_per_weight + model.lm_head_params * model.dtype_bytes
+    )
+    weights_read_s = read_bytes / tp / bandwidth
+    compute_per_token_s = (2 * layer_weights / layer_flops + 2 * model.lm_head_params / flops) / tp
     per_context_token_s = model.kv_bytes_per_token / tp / bandwidth
     per_attention_pair_s = (
         4 * model.num_layers * model.hidden_size / tp / (device.flops_per_s * efficiency.attention)
@@ -129,6 +180,8 @@ def roofline_profile(
         hop_bytes = model.hidden_size * model.dtype_bytes
         serial_per_token_s += (pp - 1) * hop_bytes / (device.link_bytes_per_s * efficiency.link)
     fixed_s = efficiency.step_overhead_s + (all_reduces + pp - 1) * device.link_latency_s
+    if model.layer_bytes_per_weight < model.dtype_bytes:
+        fixed_s += model.num_layers * efficiency.quantized_layer_s
     free_per_device = (
         device.memory_bytes * efficiency.gpu_memory_utilization
         - weight_bytes / devices
@@ -149,6 +202,8 @@ def roofline_profile(
         pipeline_parallel_size=pp,
         source="roofline of published specs: " + "; ".join(sources),
         step_overhead_s=fixed_s,
+        request_overhead_s=efficiency.request_overhead_s,
+        per_sequence_s=efficiency.per_sequence_s,
         weights_read_s=weights_read_s,
         compute_per_token_s=compute_per_token_s,
         serial_per_token_s=serial_per_token_s,
