@@ -68,6 +68,11 @@ from router.pool.stats_poller import TransferCostMeter, summed_transfer_totals, 
 from router.settings import IngressSettings, Priority
 from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes
 
+# Stats polls in a row with requests open and no other event due before a run is
+# declared stalled: far more than any legitimate wait between two events (a poll is
+# the only thing due only while every engine is idle), small enough to fail in seconds.
+STALLED_POLLS = 1000
+
 
 class EventQueue:
     """Virtual time: callbacks by due time, ties in the order they were scheduled."""
@@ -80,6 +85,10 @@ class EventQueue:
 
     def at(self, due: float, callback: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._heap, (due, next(self._order), callback, args))
+
+    @property
+    def pending(self) -> int:
+        return len(self._heap)
 
     def run(self, until: Callable[[], bool]) -> None:
         while self._heap and not until():
@@ -177,6 +186,8 @@ class VirtualEngine:
             self._kick()
 
     def _kv_arrived(self, request_id: str) -> None:
+        if self._front_end.kv_arrived(request_id):
+            return  # the scheduler starts loading it when the front end releases it
         self.scheduler.kv_arrived(request_id)
         self._cut_run()
         self._kick()
@@ -290,6 +301,7 @@ class OfflineCluster:
         self.outcomes: list[Outcome] = []
         self._open = 0
         self._polling = False
+        self._idle_polls = 0
         self._calibrate()
         self._poll()
 
@@ -327,8 +339,20 @@ class OfflineCluster:
             if totals is not None:
                 self.transfer_cost.update(totals, transferred_tokens(self.pool))
         self._polling = bool(self._open)
+        self._check_progress()
         if self._polling:
             self.queue.at(self.queue.now + self.settings.router.stats_interval_s, self._poll)
+
+    def _check_progress(self) -> None:
+        """Fail a run that can never end: requests open while the next poll is all that
+        is left to happen, poll after poll (a request lost between the front end, the
+        scheduler and a hand-over would otherwise poll forever)."""
+        self._idle_polls = self._idle_polls + 1 if self._open and not self.queue.pending else 0
+        if self._idle_polls > STALLED_POLLS:
+            raise RuntimeError(
+                f"offline run stalled at {self.queue.now:.3f} s: {self._open} requests open"
+                f" and nothing left to happen for {STALLED_POLLS} stats polls"
+            )
 
     def run(self, arrivals: list[Arrival]) -> list[Outcome]:
         for arrival in arrivals:

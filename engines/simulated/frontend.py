@@ -44,6 +44,15 @@ class FrontEnd:
         self._taken.clear()
         return released
 
+    def kv_arrived(self, request_id: str) -> bool:
+        """A hand-over's KV arrived for a request perhaps still being taken in (a burst
+        is released together, after the first ones' KV may have crossed): whether it
+        was held here, now marked so that the scheduler starts loading it on release."""
+        request = self._taken.get(request_id)
+        if request is not None:
+            request.kv_ready = True
+        return request is not None
+
     def drop(self, request_id: str) -> bool:
         """Forget a request still being taken in (aborted); whether it was."""
         return self._taken.pop(request_id, None) is not None

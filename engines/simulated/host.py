@@ -178,7 +178,8 @@ class SimulatedEngineHost:
         self._kv_arrived(request_id)
 
     def _kv_arrived(self, request_id: str) -> None:
-        self._scheduler.kv_arrived(request_id)
+        if not self._front_end.kv_arrived(request_id):
+            self._scheduler.kv_arrived(request_id)
         self._work.set()
 
     async def abort(self, request_id: str) -> None:

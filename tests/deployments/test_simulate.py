@@ -18,6 +18,7 @@ import yaml
 from deployments.config import load_application
 from deployments.launcher import config_path
 from deployments.simulate import Arrival, OfflineCluster, Worker, simulated_application
+from engines.simulated.frontend import FrontEnd
 from engines.simulated.scheduler import SimScheduler
 from loadgen.study.simulate import SimulatedTarget, describe
 from splitserve.latency.profile import load_profile
@@ -288,3 +289,21 @@ def test_advise_simulate_searches_every_placement_of_a_budget(tmp_path: Path) ->
     assert config.router.traffic_profile is not None
     assert config.router.traffic_profile.request_rate == pytest.approx(winner["goodput"], 1e-3)
     assert len(list((tmp_path / "advice" / "placements").glob("*.yaml"))) == 5
+
+
+def test_a_request_lost_on_its_way_to_the_scheduler_fails_the_run_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hand-over's KV arriving while its request is still in the front end once left
+    the decode waiting forever, and the run polled forever: now it stops with a reason."""
+    monkeypatch.setattr(FrontEnd, "kv_arrived", lambda self, request_id: True)
+    arrivals = [dataclasses.replace(a, at=0.0) for a in _arrivals(4, rate=1.0, output=2)]
+    with pytest.raises(RuntimeError, match="stalled"):
+        _run("pd_always", arrivals)
+
+
+def test_kv_that_crosses_before_its_burst_is_released_is_loaded_on_release() -> None:
+    arrivals = [dataclasses.replace(a, at=0.0) for a in _arrivals(8, rate=1.0, output=2)]
+    cluster = _run("pd_always", arrivals)
+    assert all(len(o.token_times) == 2 for o in cluster.outcomes)
+    assert cluster.engines["decode-0"].scheduler.prefix_queries == 0

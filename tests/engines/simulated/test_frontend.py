@@ -44,3 +44,13 @@ def test_an_aborted_request_never_reaches_the_scheduler() -> None:
     due = front_end.take(_request("b"), now=0.0)
     assert front_end.drop("a") and not front_end.drop("a")
     assert [r.request_id for r in front_end.release(due)] == ["b"]
+
+
+def test_kv_that_arrives_for_a_request_still_held_is_marked_for_the_scheduler() -> None:
+    front_end = FrontEnd(0.003)
+    held = _request("a")
+    due = front_end.take(held, now=0.0)
+    front_end.take(_request("b"), now=0.0)
+    assert front_end.kv_arrived("a") and held.kv_ready
+    assert not front_end.kv_arrived("elsewhere")  # not held: the scheduler's to mark
+    assert front_end.release(due) == []
