@@ -281,14 +281,17 @@ def candidate_of(shape: str, runs: list[RunPoint], devices: int, target: float) 
 
 
 def simplest_near_best(
-    items: Sequence[T], goodput: Callable[[T], float], simplicity: Callable[[T], Any]
+    items: Sequence[T],
+    goodput: Callable[[T], float],
+    simplicity: Callable[[T], Any],
+    tie: float = TIE_SHARE,
 ) -> tuple[T, T]:
-    """The simplest item within ``TIE_SHARE`` of the highest goodput (the simplest of all
-    where none has any goodput), and the item with the highest."""
+    """The simplest item within ``tie`` (a share) of the highest goodput (the simplest of
+    all where none has any goodput), and the item with the highest."""
     top = max(items, key=goodput)
     if goodput(top) <= 0:
         return min(items, key=simplicity), top
-    close = [item for item in items if goodput(item) >= (1 - TIE_SHARE) * goodput(top)]
+    close = [item for item in items if goodput(item) >= (1 - tie) * goodput(top)]
     return min(close, key=simplicity), top
 
 

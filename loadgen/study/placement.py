@@ -17,8 +17,10 @@ knee of its SLO attainment against the request rate (``loadgen/study/knee.py``: 
 halving the bracket), every step one offline run of the same prompts at that rate
 (``python -m deployments.simulate``, in one worker process). The first candidate's
 search starts at ``--qps-start``, the others at the best knee found so far: on one
-budget the knees are of one scale. The highest knee wins; within ``TIE_SHARE`` of it the
-fewer moving parts win (the advisor's simplicity order, then fewer engines).
+budget the knees are of one scale. The highest knee wins; within ``TIE_SHARE`` of it, or within the
+profile's error on public runs it was not fitted on (its ``ErrorBand``) where that is
+wider, the fewer moving parts win (the advisor's simplicity order, then fewer engines):
+a simulation cannot tell apart two knees closer than its own error.
 
 Not searched: placement across nodes (every candidate is one node's devices; DistServe
 searches that too), and each template's router and prefill-policy settings, which are
@@ -237,6 +239,52 @@ def _set_objectives(args: dict[str, Any], objectives: Objectives) -> None:
         policy["remote_ttft_max_s"] = objectives.ttft_s / 2
 
 
+# ---- the profile's error ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErrorBand:
+    """A profile's error on the public runs of its device it was never fitted on
+    (``held_out_error``: median and worst |simulated / published - 1|, bench/sim_published.py),
+    printed beside every figure the search gives. Goodput takes throughput's."""
+
+    goodput: float
+    goodput_worst: float
+    ttft: float
+    tpot: float
+    runs: int
+
+    def range_of(self, goodput: float) -> tuple[float, float]:
+        return goodput * (1 - self.goodput), goodput * (1 + self.goodput)
+
+    def __str__(self) -> str:
+        return (
+            f"throughput ±{self.goodput:.0%} (worst {self.goodput_worst:.0%}), TTFT p50"
+            f" ±{self.ttft:.0%}, TPOT p50 ±{self.tpot:.0%}: medians over {self.runs} held-out"
+            " public runs"
+        )
+
+
+def error_band(profile: str) -> ErrorBand | None:
+    """The band of ``profile`` (a file, a shipped profile or a family, whose members
+    share their device's fit); none where it was never checked on held-out runs."""
+    if Path(profile).exists() or profile in shipped_profiles():
+        one = load_profile(profile)
+    else:
+        first = profile_degrees(profile)[0]
+        one = load_profile(f"{profile}-tp{first.tp}-pp{first.pp}")
+    error = one.held_out_error
+    if "output_tokens_per_s median" not in error:
+        return None
+    return ErrorBand(
+        goodput=error["output_tokens_per_s median"],
+        goodput_worst=error["output_tokens_per_s worst"],
+        ttft=error.get("ttft_p50_ms median", math.nan),
+        tpot=error.get("tpot_p50_ms median", math.nan),
+        runs=len(one.held_out_runs),
+    )
+
+
 # ---- the search -----------------------------------------------------------------------------
 
 
@@ -270,6 +318,7 @@ class SearchResult:
     wall_s: float = 0.0
     workload: str = ""  # its label
     mean_lengths: tuple[float, float] = (0.0, 0.0)  # prompt and output tokens
+    band: ErrorBand | None = None  # the profile's held-out error
 
     @property
     def runs(self) -> int:
@@ -291,10 +340,11 @@ async def search(
     knee: KneeSearchConfig,
     profile: str,
     progress: Progress | None = None,
+    band: ErrorBand | None = None,
 ) -> SearchResult:
     if not candidates:
         raise ValueError("no placement to search")
-    result = SearchResult(candidates[0].devices, profile)
+    result = SearchResult(candidates[0].devices, profile, band=band)
     started = time.perf_counter()
     start = knee.qps_start
     for placement in candidates:
@@ -314,7 +364,7 @@ async def search(
         if progress is not None:
             progress(searched)
     result.wall_s = time.perf_counter() - started
-    result.winner, result.reason = choose(result.searched)
+    result.winner, result.reason = choose(result.searched, band)
     return result
 
 
@@ -326,8 +376,9 @@ def _round_rate(qps: float) -> float:
     return math.floor(qps / unit) * unit
 
 
-def choose(searched: Sequence[Searched]) -> tuple[Searched, str]:
-    chosen, best = simplest_near_best(searched, lambda s: s.goodput, _simplicity)
+def choose(searched: Sequence[Searched], band: ErrorBand | None = None) -> tuple[Searched, str]:
+    tie = max(TIE_SHARE, band.goodput) if band is not None else TIE_SHARE
+    chosen, best = simplest_near_best(searched, lambda s: s.goodput, _simplicity, tie)
     if best.goodput <= 0:
         return chosen, "no placement met the objectives at any rate tried"
     if chosen.goodput == best.goodput:
@@ -339,8 +390,9 @@ def choose(searched: Sequence[Searched]) -> tuple[Searched, str]:
             else ""
         )
         return chosen, f"the highest goodput: {chosen.goodput:.1f} req/s{margin}"
+    within = "the profile's held-out error" if tie > TIE_SHARE else "the search's resolution"
     return chosen, (
-        f"within {TIE_SHARE:.0%} of {best.placement.label} ({chosen.goodput:.1f} vs"
+        f"within {tie:.0%} ({within}) of {best.placement.label} ({chosen.goodput:.1f} vs"
         f" {best.goodput:.1f} req/s) with fewer moving parts"
     )
 

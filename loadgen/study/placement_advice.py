@@ -115,8 +115,9 @@ def search_offline(question: PlacementQuestion, out: Path, console: Console) -> 
                 f"  ({len(searched.knee.steps)} runs, {searched.wall_s:.1f} s)"
             )
 
+        band = placement.error_band(question.profile)
         result = run_event_loop(
-            placement.search(candidates, step_at, knee, question.profile, progress)
+            placement.search(candidates, step_at, knee, question.profile, progress, band)
         )
     result.workload = rates.prepared.plan.label
     result.mean_lengths = rates.prepared.plan.mean_lengths()
@@ -130,7 +131,7 @@ def advise_placement(
     write_winner(question, result, yaml_path)
     report = write_report(question, result, out, yaml_path)
     console.print(results_table(result))
-    console.print(f"{result.reason}\nYAML: {yaml_path}\nreport: {report}")
+    console.print(f"{result.reason}\n{_band_text(result)}\nYAML: {yaml_path}\nreport: {report}")
     return result
 
 
@@ -149,6 +150,7 @@ def write_winner(question: PlacementQuestion, result: SearchResult, path: Path) 
         f" {question.devices}: {winner.placement.label}, {result.reason}.\n"
         f"# Simulated, not measured: {result.runs} offline runs of"
         f" {result.workload} on the profile's time.\n"
+        f"# {_band_text(result)}.\n"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump(document, sort_keys=False))
@@ -163,8 +165,25 @@ def _run_length(question: PlacementQuestion) -> str:
 
 
 REPORT_COLUMNS = (
-    "placement", "devices", "goodput req/s", "per device", "TTFT p50 ms", "TPOT p50 ms", "runs",
+    "placement", "devices", "goodput req/s", "band req/s", "per device", "TTFT p50 ms",
+    "TPOT p50 ms", "runs",
 )  # fmt: skip
+
+
+def _band_text(result: SearchResult) -> str:
+    if result.band is None:
+        return (
+            f"Error unknown: {result.profile} was never replayed against public runs it was"
+            " not fitted on"
+        )
+    return f"The profile's error: {result.band}"
+
+
+def _band_cell(result: SearchResult, goodput: float) -> str:
+    if result.band is None or goodput <= 0:
+        return "-"
+    low, high = result.band.range_of(goodput)
+    return f"{low:.1f}-{high:.1f}"
 
 
 def report_rows(result: SearchResult) -> list[tuple[str, ...]]:
@@ -177,6 +196,7 @@ def report_rows(result: SearchResult) -> list[tuple[str, ...]]:
                 searched.placement.label,
                 str(searched.placement.devices),
                 f"{searched.goodput:.1f}",
+                _band_cell(result, searched.goodput),
                 f"{searched.goodput / result.devices:.2f}",
                 _ms(step.ttft_p50_s if step else None),
                 _ms(step.tpot_p50_s if step else None),
@@ -218,6 +238,7 @@ def write_report(
         f"Simulated offline: {len(result.searched)} placements, {result.runs} runs in"
         f" {result.wall_s:.0f} s. Goodput is each placement's knee: the highest rate tried"
         f" whose attainment met the target (steps within {question.tolerance:.0%}).",
+        f"{_band_text(result)}; goodputs within it of the best are ties, won by the simplest.",
         "",
         "| " + " | ".join(REPORT_COLUMNS) + " |",
         "|" + " --- |" * len(REPORT_COLUMNS),
@@ -239,6 +260,7 @@ def _jsonable(result: SearchResult) -> dict[str, Any]:
         "profile": result.profile,
         "winner": result.winner.placement.label if result.winner else None,
         "reason": result.reason,
+        "error_band": asdict(result.band) if result.band is not None else None,
         "wall_s": result.wall_s,
         "placements": [
             {

@@ -17,9 +17,11 @@ from loadgen.study.knee import KneeSearchConfig, KneeStep
 from loadgen.study.placement import (
     SEARCH_SHAPES,
     Degree,
+    ErrorBand,
     Placement,
     PoolPlacement,
     StepAt,
+    error_band,
     placement_document,
     placements,
     profile_degrees,
@@ -143,3 +145,26 @@ def test_a_simpler_placement_within_five_percent_wins_and_a_refused_one_is_kept_
     }
     assert all(s.goodput == 0 for s in refused)
     assert not math.isnan(result.wall_s)
+
+
+def test_a_shipped_gpu_family_carries_its_held_out_error_and_a_cpu_fit_none() -> None:
+    band = error_band("h100-llama-3.1-8b")
+    assert band is not None and band.runs >= 10
+    assert 0 < band.goodput <= band.goodput_worst < 1 and 0 < band.ttft < 1
+    assert "held-out public runs" in str(band)
+    assert error_band("rtx2080s-llama-3.2-1b") is None  # no public run of it to hold out
+
+
+def test_knees_closer_than_the_profiles_error_are_a_tie_the_simpler_wins() -> None:
+    """9% apart: beyond the search's 5% but within a profile whose held-out throughput
+    error is 12%, so the simulation cannot say pd is better; without the band it can."""
+    found = placements(4, H100_DEGREES, ("dp", "pd"))
+    goodput = {"dp 4 x TP1": 100.0, "pd 2:2 x TP1": 109.0}
+    _, step_at = _knee_at(goodput)
+    knee = KneeSearchConfig(attainment=0.9, qps_start=100, qps_max=1e6, tolerance=0.01)
+    wide = ErrorBand(goodput=0.12, goodput_worst=0.2, ttft=0.2, tpot=0.05, runs=18)
+    result = run_event_loop(search(found, step_at, knee, "p", band=wide))
+    assert result.winner is not None and result.winner.placement.label == "dp 4 x TP1"
+    assert "held-out error" in result.reason and result.band is wide
+    plain = run_event_loop(search(found, step_at, knee, "p"))
+    assert plain.winner is not None and plain.winner.placement.label == "pd 2:2 x TP1"
