@@ -110,8 +110,12 @@ class EngineIndex:
         self._last_chosen: dict[int, int] = {}
         self._health: dict[int, bool] = {}  # as last filed
         # Which engines hold each block (their KV events'), and the engines whose prefix
-        # signal is the router's mirror instead (asked one by one: the fallback).
+        # signal is the router's mirror instead (asked one by one: the fallback). Kept
+        # only from the first decision that reads it: least-loaded choice and PD's
+        # policies never do, and filing every block of every prompt twice was the
+        # largest cost of a 64-engine offline run.
         self.prefix = PrefixHolders()
+        self._prefix_kept = False
         self._mirror: set[int] = set()
         self._block_sizes: set[int] = set()  # of the engines that send KV events
 
@@ -123,7 +127,9 @@ class EngineIndex:
         self._roles.setdefault(engine.role, []).append(engine)
         self._load.setdefault(engine.role, MinTree())
         engine.state.on_change = lambda: self._dirty.add(slot)
-        engine.state.holders, engine.state.owner = self.prefix, slot
+        engine.state.owner = slot
+        if self._prefix_kept:
+            engine.state.keep_holders(self.prefix)
         self._dirty.add(slot)
         self._healthy.pop(engine.role, None)
 
@@ -217,6 +223,8 @@ class EngineIndex:
         them: an engine's blocks are prefix-closed); found from the prompt's blocks
         (``PrefixHolders.deepest``), not by asking every engine. Engines whose signal is
         the router's mirror (no KV events yet) are asked one by one."""
+        if not self._prefix_kept:
+            self._keep_prefix()
         self.refresh()
         found: dict[PooledEngine, int] = {}
         for slot in self._mirror:
@@ -232,6 +240,11 @@ class EngineIndex:
                 if holder is not None and holder.role == role and holder.healthy:
                     found[holder] = hits
         return found
+
+    def _keep_prefix(self) -> None:
+        self._prefix_kept = True
+        for engine in self._slots.values():
+            engine.state.keep_holders(self.prefix)
 
     # ---- filing -----------------------------------------------------------------------
 

@@ -165,6 +165,13 @@ class EngineState:
         if self.blocks is not None and self.block_size:
             self.blocks.expect(prompt, self.block_size)
 
+    def keep_holders(self, holders: PrefixHolders) -> None:
+        """From now on, tell the pool's ``holders`` of every block this engine holds or
+        is expected to, starting with those it holds already."""
+        self.holders = holders
+        if self.blocks is not None:
+            self.blocks.keep_holders(holders, self.owner)
+
     def apply_cache_update(self, update: CacheUpdate) -> None:
         if self.blocks is None:
             self.blocks = BlockIndex(self.kv_events_pending_s, self.holders, self.owner)

@@ -133,6 +133,16 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._held)
 
+    def keep_holders(self, holders: PrefixHolders, owner: Hashable) -> None:
+        """Tell ``holders`` (as ``owner``) of what this index holds now and from now on."""
+        self._pool, self._owner = holders, owner
+        now = time.monotonic()
+        for block_hash in self._held:
+            holders.hold(block_hash, owner)
+        for block_hash, until in self._pending.items():
+            if until > now and block_hash not in self._held:
+                holders.hold(block_hash, owner, until)
+
     def __contains__(self, block_hash: object) -> bool:
         if block_hash in self._held:
             return True

@@ -9,7 +9,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from engines.kv_events import BlockNames
 from engines.protocol import CacheUpdate
 from router.pool.engine_state import KV_EVENTS, MIRROR, EngineState
-from router.pool.prefix_index import BlockIndex, PrefixIndex, PromptBlocks
+from router.pool.prefix_index import BlockIndex, PrefixHolders, PrefixIndex, PromptBlocks
 
 BLOCK = 4
 PROMPT = list(range(100, 113))  # three full blocks and one token
@@ -134,3 +134,25 @@ def test_without_a_pending_time_only_events_count() -> None:
     index = BlockIndex()
     index.expect(PromptBlocks(PROMPT), BLOCK)
     assert index.cached_tokens(PromptBlocks(PROMPT), BLOCK) == 0
+
+
+def test_holders_kept_late_learn_what_the_engine_held_and_was_sent_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pool's inverse index starts with the first decision that reads it: it must
+    then know every block held already, and the sent prompts still pending."""
+    clock = [100.0]
+    monkeypatch.setattr("router.pool.prefix_index.time.monotonic", lambda: clock[0])
+    names = BlockNames()
+    index = _index_of(names, _stored([11, 12], None, PROMPT[:8]))
+    index._pending_s = 2.0
+    other = PromptBlocks([7] * 12)
+    index.expect(other, BLOCK)  # sent, not confirmed yet
+    holders = PrefixHolders()
+    index.keep_holders(holders, owner="e0")
+    assert holders.deepest(PromptBlocks(PROMPT).hashes(BLOCK)) == (2, ["e0"])
+    assert holders.deepest(other.hashes(BLOCK)) == (3, ["e0"])
+    index.apply(CacheUpdate(removed=[12]))  # and from then on, every change
+    assert holders.deepest(PromptBlocks(PROMPT).hashes(BLOCK)) == (1, ["e0"])
+    clock[0] += 3  # the pending prompt lapsed
+    assert holders.deepest(other.hashes(BLOCK)) == (0, [])
