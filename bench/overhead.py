@@ -133,12 +133,27 @@ def run_client(
         "itl_p90_ms": float(np.percentile(itls, 90)),
         "itl_mean_ms": float(np.mean(itls)),
         "itl_p99_ms": float(np.percentile(itls, 99)),
+        # Tokens each streamed event carried: 1.0 unless a relay joined deltas it lagged
+        # behind (the client counts an ITL per event, after the first).
+        "tokens_per_event": tokens_per_event(result),
         # Share of one core per process role while the client ran (client start included).
         "cpu_share": {
             role: round((seconds - cpu_before.get(role, 0.0)) / wall_s, 3)
             for role, seconds in sorted(cpu_after.items())
         },
     }
+
+
+def tokens_per_event(result: dict[str, Any]) -> float:
+    """Output tokens over streamed events, over the completed requests of one run."""
+    done = [
+        (tokens, len(gaps) + 1)
+        for tokens, gaps, error in zip(
+            result["output_lens"], result["itls"], result["errors"], strict=True
+        )
+        if tokens and not error
+    ]
+    return sum(tokens for tokens, _ in done) / max(1, sum(events for _, events in done))
 
 
 @contextlib.contextmanager
