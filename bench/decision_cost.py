@@ -29,6 +29,7 @@ from rich.table import Table
 
 from deployments.config import parse_app_config
 from engines.protocol import CacheUpdate, EngineRole, EngineStats, GenerateRequest
+from kv_transfer.builtin_backends import PlainRouterSide
 from router.dispatch import Dispatcher
 from router.policies.qos import AdmissionControl
 from router.pool.engine_pool import EnginePool
@@ -88,7 +89,7 @@ def fleet(
     return Dispatcher(settings, pool, kv), AdmissionControl(settings.qos), pool
 
 
-class _RouterSide:
+class _RouterSide(PlainRouterSide):
     """The KV backend's router side as the plan sees it: nothing is handed over here."""
 
     def prefill_params(self, consumer: str | None) -> dict[str, Any]:
@@ -96,15 +97,6 @@ class _RouterSide:
 
     def decode_params(self, handle: dict[str, Any] | None) -> dict[str, Any]:
         return {}
-
-    def release(self, handle: dict[str, Any]) -> None:
-        return None
-
-    async def ledger_snapshot(self) -> dict[str, Any] | None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
 
 
 def _stats(name: str, role: EngineRole, rng: random.Random) -> EngineStats:
