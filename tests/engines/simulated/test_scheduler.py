@@ -4,23 +4,9 @@ events, preemption, priority and handed-over KV."""
 from __future__ import annotations
 
 from engines.kv_events import chain_hashes
-from engines.simulated.scheduler import (
-    SchedulerLimits,
-    SimRequest,
-    SimScheduler,
-)
-
-BLOCK = 4
-
-
-def _scheduler(**limits: object) -> SimScheduler:
-    defaults: dict[str, object] = {
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 64,
-        "block_size": BLOCK,
-        "num_blocks": 64,
-    }
-    return SimScheduler(SchedulerLimits(**{**defaults, **limits}))  # type: ignore[arg-type]
+from engines.simulated.scheduler import SimRequest, SimScheduler
+from tests.support.simulated import BLOCK
+from tests.support.simulated import small_scheduler as _scheduler
 
 
 def _request(name: str, prompt: int, out: int = 4, **fields: object) -> SimRequest:

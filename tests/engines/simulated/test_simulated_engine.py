@@ -16,7 +16,6 @@ from deployments.config import parse_app_config
 from engines.simulated.host import SimulatedEngineHost
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from router.pool.pooled_engine import LocalEngineLink
-from splitserve.latency.profile import LatencyProfile
 from tests.support.in_process_router import (
     COMPLETIONS,
     http_client,
@@ -26,6 +25,7 @@ from tests.support.in_process_router import (
     until,
 )
 from tests.support.processes import TICKS_PER_S, alive, cpu_seconds
+from tests.support.simulated import round_profile
 
 # Steps of tens of milliseconds: long beside this loop's own delays, short for a test.
 STEP_S = 0.02
@@ -40,23 +40,13 @@ def _host(router: Any, name: str) -> SimulatedEngineHost:
 
 
 def _profile(tmp_path: Path, **fields: Any) -> str:
-    profile = LatencyProfile(
-        device="test",
-        model="tiny",
-        source="a test's round numbers",
-        step_overhead_s=STEP_S,
-        weights_read_s=0.0,
+    return round_profile(
+        tmp_path,
+        STEP_S,
         compute_per_token_s=0.0001,
-        per_context_token_s=0.0,
-        per_attention_pair_s=0.0,
-        kv_bytes_per_token=1000,
-        kv_capacity_tokens=64 * 1024,
         handover_bytes_per_s=1000 * 1000,  # 1 ms per token of KV: 0.2 s for the prompt
         **fields,
     )
-    path = tmp_path / "profile.yaml"
-    profile.save(path)
-    return str(path)
 
 
 def _engine(tmp_path: Path) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -16,20 +17,12 @@ from engines.kv_events import chain_hashes
 from engines.protocol import GenerateChunk, GenerateRequest
 from engines.simulated.host import SimulatedEngineHost
 from engines.simulated.scheduler import SchedulerLimits, SimRequest, SimScheduler
-from splitserve.latency.profile import LatencyProfile
-
-BLOCK = 4
+from tests.support.simulated import BLOCK, round_profile, small_scheduler
 
 
-def _scheduler(**limits: object) -> SimScheduler:
-    defaults: dict[str, object] = {
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 64,
-        "block_size": BLOCK,
-        "num_blocks": 64,
-        "chunked_prefill": False,
-    }
-    return SimScheduler(SchedulerLimits(**{**defaults, **limits}))  # type: ignore[arg-type]
+def _scheduler(**limits: Any) -> SimScheduler:
+    """V0 without chunked prefill, unless ``limits`` say otherwise."""
+    return small_scheduler(**{"chunked_prefill": False, **limits})
 
 
 def _request(name: str, prompt: int, out: int = 4, text: str | None = None) -> SimRequest:
@@ -172,28 +165,12 @@ def test_a_run_is_whole_groups_and_ends_as_group_by_group() -> None:
 
 
 def _host(tmp_path: Path, steps: int) -> SimulatedEngineHost:
-    step_s = 0.02
-    profile = LatencyProfile(
-        device="test",
-        model="tiny",
-        source="a test's round numbers",
-        step_overhead_s=step_s,
-        weights_read_s=0.0,
-        compute_per_token_s=0.0,
-        per_context_token_s=0.0,
-        per_attention_pair_s=0.0,
-        kv_bytes_per_token=1000,
-        kv_capacity_tokens=64 * 1024,
-        handover_bytes_per_s=1e9,
-        max_model_len=2048,
-    )
-    path = tmp_path / "profile.yaml"
-    profile.save(path)
+    path = round_profile(tmp_path, 0.02, handover_bytes_per_s=1e9, max_model_len=2048)
     config = parse_app_config(
         {
             "shape": "single",
             "accelerator": "cpu",
-            "engine": {"backend": "simulated", "profile": str(path)},
+            "engine": {"backend": "simulated", "profile": path},
             "pools": [{"engine_kwargs": {"num_scheduler_steps": steps}}],
         }
     )
