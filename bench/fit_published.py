@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,10 +33,10 @@ from typing import Any
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from rich.console import Console
-from sim_published import Replay, replay
+from sim_published import Replay, errors, replay
 
 from splitserve.latency.catalog import FITTED_PATH, HostTerms, catalog_profile
-from splitserve.latency.published import FIGURES, ReplaySpec, replay_specs
+from splitserve.latency.published import ReplaySpec, replay_specs
 
 console = Console()
 # The terms' ranges: wide enough for any host, from no cost up.
@@ -96,14 +95,8 @@ def fit_device(specs: list[ReplaySpec], rounds: int) -> HostTerms:
     return HostTerms(**terms)
 
 
-def errors(items: list[Replay]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for figure in FIGURES:
-        values = [abs(r.ratios()[figure] - 1) for r in items if figure in r.ratios()]
-        if values:
-            out[f"{figure} median"] = round(statistics.median(values), 4)
-            out[f"{figure} worst"] = round(max(values), 4)
-    return out
+def rounded_errors(items: list[Replay]) -> dict[str, float]:
+    return {key: round(value, 4) for key, value in errors(items).items()}
 
 
 def main() -> None:
@@ -129,8 +122,8 @@ def main() -> None:
         )
         terms = terms.model_copy(
             update={
-                "calibration_error": errors(replays(calibration, terms)),
-                "held_out_error": errors(replays(held_out, terms)),
+                "calibration_error": rounded_errors(replays(calibration, terms)),
+                "held_out_error": rounded_errors(replays(held_out, terms)),
             }
         )
         console.print(f"  calibration error {terms.calibration_error}")

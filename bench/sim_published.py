@@ -125,21 +125,27 @@ def figures(spec: ReplaySpec, outcomes: list[Outcome]) -> dict[Figure, float]:
     }
 
 
+def errors(replays: list[Replay], runs: bool = False) -> dict[str, float]:
+    """Per figure, the median and worst |ratio - 1| over ``replays`` (and how many runs
+    publish it, with ``runs``): a profile's ``held_out_error`` takes this form."""
+    out: dict[str, float] = {}
+    for figure in FIGURES:
+        values = [abs(r.ratios()[figure] - 1) for r in replays if figure in r.ratios()]
+        if values:
+            out[f"{figure} median"] = statistics.median(values)
+            out[f"{figure} worst"] = max(values)
+            if runs:
+                out[f"{figure} runs"] = len(values)
+    return out
+
+
 def summary(replays: list[Replay]) -> dict[str, dict[str, float]]:
-    """Per set and figure: the median and worst |ratio - 1| over its runs."""
+    """Per set: ``errors`` over its runs."""
     out: dict[str, dict[str, float]] = {}
     for name in ("calibration", "held-out"):
-        errors: dict[Figure, list[float]] = {figure: [] for figure in FIGURES}
-        for item in replays:
-            if item.spec.set == name:
-                for figure, ratio in item.ratios().items():
-                    errors[figure].append(abs(ratio - 1))
-        for figure in FIGURES:
-            values = errors[figure]
-            if values:
-                out.setdefault(name, {})[f"{figure} median"] = statistics.median(values)
-                out[name][f"{figure} worst"] = max(values)
-                out[name][f"{figure} runs"] = len(values)
+        found = errors([item for item in replays if item.spec.set == name], runs=True)
+        if found:
+            out[name] = found
     return out
 
 
