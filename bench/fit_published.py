@@ -9,7 +9,10 @@ engine's host adds beside it is fitted here, per device, on the public runs name
 - ``per_sequence_s``: each scheduled request's share of a step (inputs, sampling, its
   output), which makes a large batch's step dearer than its tokens;
 - ``quantized_layer_s``: per decoder layer and step of an FP8 checkpoint, the kernels
-  that quantize activations and scale outputs.
+  that quantize activations and scale outputs;
+- ``quantized_compute``: the share of the 16-bit GEMMs' efficiency that an FP8
+  checkpoint's GEMMs reach (a prefill's rate: the published first tokens of 70B FP8
+  came about 1.25x later than FP8's peak at the 16-bit share predicts).
 
 Each candidate is replayed offline on every calibration run of its device
 (bench/sim_published.py's replay) and scored by the sum of squared log ratios of TTFT
@@ -44,7 +47,9 @@ BOUNDS = {
     "request_overhead_s": (0.0, 0.010),
     "per_sequence_s": (0.0, 100e-6),
     "quantized_layer_s": (0.0, 100e-6),
+    "quantized_compute": (0.3, 1.0),
 }
+QUANTIZED_TERMS = ("quantized_layer_s", "quantized_compute")
 GOLDEN = (math.sqrt(5) - 1) / 2
 SEARCH_STEPS = 14  # golden-section narrowings per term and round: 0.2% of its range
 
@@ -79,9 +84,10 @@ def golden_section(score: Callable[[float], float], low: float, high: float) -> 
 
 
 def fit_device(specs: list[ReplaySpec], rounds: int) -> HostTerms:
-    terms: dict[str, float] = {name: 0.0 for name in BOUNDS}
+    defaults = HostTerms()
+    terms: dict[str, float] = {name: getattr(defaults, name) for name in BOUNDS}
     quantized = any("fp8" in s.model for s in specs)
-    names = [n for n in BOUNDS if quantized or n != "quantized_layer_s"]
+    names = [n for n in BOUNDS if quantized or n not in QUANTIZED_TERMS]
     for round_ in range(rounds):
         for name in names:
 
@@ -90,9 +96,13 @@ def fit_device(specs: list[ReplaySpec], rounds: int) -> HostTerms:
 
             terms[name] = golden_section(score, *BOUNDS[name])
         best = loss(specs, HostTerms(**terms))
-        shown = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in terms.items())
+        shown = ", ".join(_shown(k, v) for k, v in terms.items())
         console.print(f"  round {round_ + 1}: {shown}; loss {best:.4f}")
     return HostTerms(**terms)
+
+
+def _shown(name: str, value: float) -> str:
+    return f"{name} {value * 1e6:.1f} us" if name.endswith("_s") else f"{name} {value:.3f}"
 
 
 def rounded_errors(items: list[Replay]) -> dict[str, float]:

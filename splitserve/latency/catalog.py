@@ -325,6 +325,7 @@ class HostTerms(StrictModel):
     request_overhead_s: float = Field(0.0, ge=0)
     per_sequence_s: float = Field(0.0, ge=0)
     quantized_layer_s: float = Field(0.0, ge=0)
+    quantized_compute: float = Field(1.0, gt=0, le=1)
     vllm_version: str | None = None
     calibration_runs: list[str] = Field(default_factory=list)
     held_out_runs: list[str] = Field(default_factory=list)
@@ -338,7 +339,8 @@ class HostTerms(StrictModel):
                 *sources,
                 f"request_overhead_s {self.request_overhead_s * 1e3:.2f} ms, per_sequence_s"
                 f" {self.per_sequence_s * 1e6:.1f} us, quantized_layer_s"
-                f" {self.quantized_layer_s * 1e6:.1f} us: fitted on vLLM {self.vllm_version}'s"
+                f" {self.quantized_layer_s * 1e6:.1f} us, quantized_compute"
+                f" {self.quantized_compute:.3f}: fitted on vLLM {self.vllm_version}'s"
                 f" public runs {', '.join(self.calibration_runs)} (bench/fit_published.py;"
                 " splitserve/latency/public_runs)",
             ]
@@ -347,6 +349,7 @@ class HostTerms(StrictModel):
                 "request_overhead_s": self.request_overhead_s,
                 "per_sequence_s": self.per_sequence_s,
                 "quantized_layer_s": self.quantized_layer_s,
+                "quantized_compute": self.quantized_compute,
                 "sources": sources,
             }
         )

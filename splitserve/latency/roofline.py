@@ -133,6 +133,14 @@ class Efficiency(StrictModel):
         description="Per decoder layer and step of a quantized checkpoint: the kernels that"
         " quantize activations and scale outputs, which a 16-bit model does not run.",
     )
+    quantized_compute: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Of ``compute``, what a quantized checkpoint's linear layers reach: its"
+        " kernels (FP8 GEMMs with per-tensor scales; on a device without FP8 arithmetic,"
+        " weights widened as they are read) reach less of their rate than 16-bit GEMMs.",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # Activations, CUDA graphs and the allocator's share, per device.
     reserved_bytes: float = Field(2 * GIB, ge=0)
@@ -155,6 +163,8 @@ def roofline_profile(
     layer_flops = flops
     if model.layer_bytes_per_weight == 1 and device.fp8_flops_per_s is not None:
         layer_flops = device.fp8_flops_per_s * efficiency.compute
+    if model.layer_bytes_per_weight < model.dtype_bytes:
+        layer_flops *= efficiency.quantized_compute
     # Per stage a device holds 1/devices of the weights and KV; PP's stages run in turn,
     # so a batch's step takes pp stage times: the sums below are over the whole model.
     weight_bytes = model.weight_bytes
