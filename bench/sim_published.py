@@ -32,10 +32,11 @@ from rich.console import Console
 from rich.table import Table
 
 from deployments.config import parse_app_config
-from deployments.simulate import Arrival, OfflineCluster, Outcome
+from deployments.simulate import OfflineCluster
 from splitserve.latency.catalog import PROFILES_DIR, profile_name
 from splitserve.latency.profile import LatencyProfile
 from splitserve.latency.published import FIGURES, Figure, ReplaySpec, replay_specs
+from splitserve.offline_exchange import Arrival, Outcome
 
 console = Console(width=160)
 

@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from deployments.launcher import REPO_ROOT
-from deployments.simulate import Arrival, OfflineCluster, simulated_application
+from deployments.simulate import OfflineCluster, simulated_application
+from splitserve.offline_exchange import Arrival
 
 console = Console()
 PROMPT_TOKENS, OUTPUT_TOKENS = 1024, 128
@@ -59,7 +60,7 @@ def measure(engines: int, args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     outcomes = cluster.run(requests)
     wall = time.perf_counter() - started
-    virtual = cluster.queue.now
+    virtual = cluster.queue.now - cluster.epoch  # from the first arrival's clock
     ttft = [o.token_times[0] - o.arrival_s for o in outcomes if o.token_times]
     return {
         "engines": engines,

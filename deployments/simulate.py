@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import dataclasses
 import heapq
 import itertools
-import json
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import msgspec
 
 from deployments.app import engine_names, engine_spec
 from deployments.config import KV_SHAPES, AppConfig, load_application
@@ -57,16 +57,32 @@ from engines.simulated.scheduler import (
 from engines.simulated.settings import engine_profile, scheduler_limits
 from kv_transfer import make_kv_backend
 from kv_transfer.metrics import TransferTotals
-from router.dispatch import Dispatcher, Plan
-from router.http.errors import REFUSAL_STATUS
+from router.dispatch import Dispatch, Dispatcher
+from router.http.errors import OpenAIError, Rejection
+from router.lifecycle import Lifecycle, RequestLife
+from router.observation.metrics import RouterMetrics
+from router.observation.requests import RequestMetrics
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl
+from router.pool.calibration import CALIBRATION_OUTPUT_TOKENS
 from router.pool.engine_pool import EnginePool
 from router.pool.engine_state import EngineState
 from router.pool.pooled_engine import PooledEngine
 from router.pool.prefix_index import PromptBlocks
 from router.pool.stats_poller import TransferCostMeter, summed_transfer_totals, transferred_tokens
-from router.settings import IngressSettings, Priority
-from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes
+from router.settings import IngressSettings
+from splitserve.latency.profile import LatencyProfile, StepTimes
+from splitserve.offline_exchange import (
+    Answer,
+    Arrival,
+    Description,
+    Job,
+    Outcome,
+    RunSpeed,
+    decode,
+    encode,
+    read_lines,
+    write_lines,
+)
 
 # Stats polls in a row with requests open and no other event due before a run is
 # declared stalled: far more than any legitimate wait between two events (a poll is
@@ -96,32 +112,6 @@ class EventQueue:
             self.now = due
             self.events += 1
             callback(*args)
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What a client saw of one request."""
-
-    index: int
-    arrival_s: float
-    status: int = 200
-    outcome: str = "ok"
-    error: str | None = None
-    token_times: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    prefill: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "arrival_s": self.arrival_s,
-            "status": self.status,
-            "outcome": self.outcome,
-            "error": self.error,
-            "token_times": self.token_times,
-            "prompt_tokens": self.prompt_tokens,
-            "prefill": self.prefill,
-        }
 
 
 class _NoLink:
@@ -264,17 +254,46 @@ class VirtualEngine:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    index: int
-    at: float
-    prompt: list[int]
-    max_tokens: int
-    priority: Priority | None = None
+class VirtualClock:
+    """The router's clock (router/lifecycle.py ``RouterClock``) on the event queue's
+    virtual time; nothing is given up by a deadline (no request times out offline)."""
+
+    def __init__(self, queue: EventQueue) -> None:
+        self._queue = queue
+
+    def now(self) -> float:
+        return self._queue.now
+
+    def deadline(self, after_s: float) -> float | None:
+        return None
+
+
+class AlwaysReady:
+    """Readiness offline: the engines are calibrated before the first arrival."""
+
+    is_ready = True
+
+    async def wait(self, timeout_s: float) -> bool:
+        return True
+
+    def starting_error(self, retry_after_s: float) -> OpenAIError:
+        raise AssertionError("an offline cluster is ready before its first request")
+
+
+def _uncounted(model: str, route: str, status: str, priority: str) -> None:
+    """Offline, a request's count is its outcome."""
 
 
 class OfflineCluster:
-    """One model's router decisions over its simulated engines, in virtual time."""
+    """One model's router over its simulated engines, in virtual time.
+
+    Each request lives the router's own life (router/lifecycle.py) as far as it decides:
+    a ``RequestLife`` enters the model's ``Lifecycle``, is admitted early and planned by
+    it (the dispatcher and QoS), and its plan starts through the dispatcher, which
+    records the prompt on its engines and names them; its engines' in-flight counts
+    run from its start to its end, and each engine's stream is timed by the router's
+    ``StreamTiming``. Calibration is the router's: one lone prefill and decode step of
+    ``qos.calibration_prompt_tokens`` on every engine before the first arrival."""
 
     def __init__(self, config: AppConfig, path_s: float = 0.0) -> None:
         """``path_s``: what the serving path costs a request before the router plans it
@@ -298,12 +317,26 @@ class OfflineCluster:
             self.settings, self.pool, self.kv, self.transfer_cost.estimate_s
         )
         self.admission = AdmissionControl(self.settings.qos)
+        self.clock = VirtualClock(self.queue)
+        model = config.served_name
+        self.lifecycle = Lifecycle(
+            model,
+            self.settings.router,
+            self.dispatcher,
+            self.admission,
+            AlwaysReady(),
+            RequestMetrics(
+                RouterMetrics().for_model(model), config.shape, self.dispatcher, None, None
+            ),
+            self.clock,
+        )
         self.outcomes: list[Outcome] = []
         self._open = 0
-        self._polling = False
+        self._next_poll: float | None = None  # the poll chain's next poll, while one runs
         self._idle_polls = 0
+        # Virtual time at the end of calibration: arrivals and token times count from it.
+        self.epoch = 0.0
         self._calibrate()
-        self._poll()
 
     def _engine_state(self) -> EngineState:
         qos, router = self.settings.qos, self.settings.router
@@ -314,15 +347,30 @@ class OfflineCluster:
         )
 
     def _calibrate(self) -> None:
-        """What the router's calibration measures before it admits anything: one lone
-        prefill of calibration_prompt_tokens on each engine (router/pool/calibration.py)."""
+        """The router's calibration (router/pool/calibration.py): every engine at once
+        prefills calibration_prompt_tokens and decodes one more token, timed as every
+        later request is."""
         tokens = self.settings.qos.calibration_prompt_tokens
-        for engine in self.engines.values():
-            pairs = tokens * (tokens + 1) // 2
-            alone = engine.profile.request_overhead_s + engine.profile.step_seconds(
-                StepShape(prefill_tokens=tokens, attention_pairs=pairs, prefill_seqs=1)
-            )
-            engine.client.state.prefill_s_per_token.add(alone / tokens)
+        if tokens > 0:
+            rng = random.Random(0)
+            calibration = Outcome(-1, 0.0)
+            for engine in self.engines.values():
+                prompt = [rng.randrange(1, 2**15) for _ in range(tokens)]
+                blocks = PromptBlocks(prompt)
+                arrival = Arrival(-1, 0.0, prompt, CALIBRATION_OUTPUT_TOKENS)
+                self._open += 1
+                if not self._generate(
+                    engine.client, arrival, blocks, tokens, calibration, self._closed
+                ):
+                    raise ValueError(
+                        f"{engine.name} cannot take qos.calibration_prompt_tokens ({tokens}):"
+                        f" {calibration.error}"
+                    )
+            self._poll()
+            self.queue.run(until=lambda: self._open == 0)
+        self.epoch = self.queue.now
+        self._next_poll = None  # the chain ends with calibration; the first arrival starts one
+        self._poll()
 
     def _poll(self) -> None:
         """The router's stats poll, every stats_interval_s while requests are open (one
@@ -338,10 +386,16 @@ class OfflineCluster:
             totals = summed_transfer_totals(self.pool)
             if totals is not None:
                 self.transfer_cost.update(totals, transferred_tokens(self.pool))
-        self._polling = bool(self._open)
         self._check_progress()
-        if self._polling:
-            self.queue.at(self.queue.now + self.settings.router.stats_interval_s, self._poll)
+        self._next_poll = None
+        if self._open:
+            due = self.queue.now + self.settings.router.stats_interval_s
+            self._next_poll = due
+            self.queue.at(due, self._poll_due, due)
+
+    def _poll_due(self, due: float) -> None:
+        if self._next_poll == due:  # else its chain ended and another began
+            self._poll()
 
     def _check_progress(self) -> None:
         """Fail a run that can never end: requests open while the next poll is all that
@@ -356,7 +410,7 @@ class OfflineCluster:
 
     def run(self, arrivals: list[Arrival]) -> list[Outcome]:
         for arrival in arrivals:
-            self.queue.at(arrival.at + self.path_s, self._arrive, arrival)
+            self.queue.at(self.epoch + arrival.at + self.path_s, self._arrive, arrival)
         total = len(arrivals)
         self.queue.run(until=lambda: len(self.outcomes) == total and self._open == 0)
         return sorted(self.outcomes, key=lambda outcome: outcome.index)
@@ -364,51 +418,64 @@ class OfflineCluster:
     def _arrive(self, arrival: Arrival) -> None:
         outcome = Outcome(arrival.index, arrival.at, prompt_tokens=len(arrival.prompt))
         self.outcomes.append(outcome)
-        priority = arrival.priority or self.settings.qos.default_priority
+        life = RequestLife("offline", str(arrival.index), _uncounted, self.clock)
+        self.lifecycle.enter(life, arrival.priority or self.settings.qos.default_priority, None)
         request = GenerateRequest(
             request_id=str(arrival.index),
             subscriber="",
             prompt_token_ids=arrival.prompt,
             sampling_params=SimpleNamespace(max_tokens=arrival.max_tokens, n=1),
-            priority=ENGINE_PRIORITY[priority],
         )
-        dispatcher = self.dispatcher
-        refusal = self.admission.check(
-            priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
-        )
-        if refusal is None:
-            plan = dispatcher.plan(request, priority)
-            refusal = self.admission.check(
-                plan.priority, dispatcher.queued_requests, plan.ttft_estimate_s
-            )
-        if refusal is not None:
-            outcome.status, outcome.outcome = int(REFUSAL_STATUS[refusal.reason]), "rejected"
-            outcome.error = refusal.reason
+        try:
+            life.admit_early()
+            plan = life.plan(request)
+        except Rejection as refused:
+            outcome.status, outcome.outcome = int(refused.status), "rejected"
+            outcome.error = refused.reason
             return
+        dispatch = self.dispatcher.start(plan)
+        outcome.headers = dispatch.response_headers()
         outcome.prefill = f"{plan.decision.where}:{plan.decision.reason}"
         self._open += 1
-        if not self._polling:
+        if self._next_poll is None:
             self._poll()
-        self._start(plan, arrival, outcome)
+        self._start(dispatch, arrival, outcome)
 
-    def _start(self, plan: Plan, arrival: Arrival, outcome: Outcome) -> None:
+    def _start(self, dispatch: Dispatch, arrival: Arrival, outcome: Outcome) -> None:
+        """The dispatch's engine streams, its engines in flight until it ends (as a
+        request's life counts them: router/lifecycle.py)."""
+        for engine in dispatch.engines:
+            engine.state.in_flight += 1
+
+        def ended(now: float) -> None:
+            for engine in dispatch.engines:
+                engine.state.in_flight -= 1
+            self._closed(now)
+
+        plan = dispatch.plan
         main = plan.main.engine
-        main.state.record_prompt(plan.prompt)
         if plan.prefill is None:
-            self._generate(main, arrival, plan.prompt, plan.prefill_tokens, outcome, self._closed)
+            if not self._generate(main, arrival, plan.prompt, plan.prefill_tokens, outcome, ended):
+                ended(self.queue.now)
             return
-        prefill = plan.prefill.engine
-        prefill.state.record_prompt(plan.prompt)
 
         def handed_over(now: float) -> None:
-            if arrival.max_tokens <= 1:
-                self._closed(now)
-                return
-            self._generate(main, arrival, plan.prompt, 0, outcome, self._closed, handed_over=True)
+            if arrival.max_tokens <= 1 or not self._generate(
+                main, arrival, plan.prompt, 0, outcome, ended, handed_over=True
+            ):
+                ended(now)
 
-        self._generate(
-            prefill, arrival, plan.prompt, plan.prefill_tokens, outcome, handed_over, prefill=True
+        started = self._generate(
+            plan.prefill.engine,
+            arrival,
+            plan.prompt,
+            plan.prefill_tokens,
+            outcome,
+            handed_over,
+            prefill=True,
         )
+        if not started:
+            ended(self.queue.now)
 
     def _generate(
         self,
@@ -420,14 +487,14 @@ class OfflineCluster:
         on_end: Callable[[float], None],
         prefill: bool = False,
         handed_over: bool = False,
-    ) -> None:
-        """PooledEngine.generate's bookkeeping around one engine's part of a request."""
+    ) -> bool:
+        """One engine's part of a request, timed as PooledEngine.generate times it;
+        ``on_end`` is called at its end. False: the engine refused it (400), at once."""
         engine = self.engines[pooled.name]
-        state = pooled.state
         now = self.queue.now
-        pooled.state.in_flight += 1
-        ticket = state.enqueue_prefill(prefill_tokens, now, self._engine_priority(arrival))
-        state.enter_engine(ticket)
+        priority = self._engine_priority(arrival)
+        timing = pooled.state.open_stream(prefill_tokens, now, priority)
+        pooled.state.enter_engine(timing.ticket)
         block_size = engine.limits.block_size
         request = SimRequest(
             f"{arrival.index}-{pooled.name}",
@@ -435,42 +502,33 @@ class OfflineCluster:
             max_tokens=1 if prefill else arrival.max_tokens,
             # The router's plan hashed the prompt already, once per block size.
             block_hashes=prompt.hashes(block_size),
-            priority=ticket.priority,
+            priority=timing.ticket.priority,
             arrival=now,
             kv_from_elsewhere=handed_over,
             kv_ready=not handed_over,
         )
-        last: list[float | None] = [None]
+        epoch = self.epoch
 
         def on_tokens(times: list[float], done: bool) -> None:
-            previous = last[0]
-            if previous is None:
-                state.finish_prefill(ticket, times[0], first_token=True)
-                # A handed-over request's first token was the prefill engine's.
-                outcome.token_times.extend(times[1:] if handed_over else times)
-            else:
-                outcome.token_times.extend(times)
-            earlier = times[-2] if len(times) > 1 else previous
-            if earlier is not None:
-                # The router's moving average of the step, from the latest gap.
-                state.step_s.add(times[-1] - earlier)
-            last[0] = times[-1]
+            first = timing.last_token_at is None
+            timing.run_tokens(times, done)
+            # A handed-over request's first token was the prefill engine's.
+            relayed = times[1:] if first and handed_over else times
+            outcome.token_times.extend([time - epoch for time in relayed])
             if done:
-                state.finish_prefill(ticket, times[-1], first_token=False)
-                pooled.state.in_flight -= 1
+                timing.closed(times[-1])
                 on_end(times[-1])
 
         try:
             engine.scheduler.check(request)
         except ValueError as error:
-            pooled.state.in_flight -= 1
-            state.finish_prefill(ticket, now, first_token=False)
+            timing.closed(now)
             outcome.status, outcome.outcome, outcome.error = 400, "error", str(error)
-            self._closed(now)
-            return
+            return False
         taken_in = engine.submit(request, on_tokens)
         if handed_over:
             engine.kv_arrives(request.request_id, len(arrival.prompt), taken_in)
+        return True
 
     def _closed(self, now: float) -> None:
         self._open -= 1
@@ -491,57 +549,38 @@ def simulated_application(config: str, profile: str, model: str | None = None) -
     return models[model]
 
 
-def describe(config: AppConfig) -> dict[str, Any]:
+def describe(config: AppConfig) -> Description:
     """What a client would learn from GET /v1/models and the router's shape."""
     cluster_engine = next(iter(OfflineCluster(config).engines.values()))
-    return {
-        "model": config.served_name,
-        "max_model_len": cluster_engine.stats().max_model_len,
-        "shape": config.shape,
-    }
+    return Description(config.served_name, cluster_engine.stats().max_model_len, config.shape)
 
 
 def read_arrivals(path: Path) -> list[Arrival]:
-    arrivals = []
-    with path.open() as lines:
-        for line in lines:
-            item = json.loads(line)
-            arrivals.append(
-                Arrival(
-                    int(item["index"]),
-                    float(item["at"]),
-                    [int(token) for token in item["prompt"]],
-                    int(item["max_tokens"]),
-                    item.get("priority"),
-                )
-            )
-    return arrivals
+    return list(read_lines(path, Arrival))
 
 
-def serve(config: AppConfig, arrivals: list[Arrival], out: Path, path_ms: float) -> dict[str, Any]:
+def serve(config: AppConfig, arrivals: list[Arrival], out: Path, path_ms: float) -> RunSpeed:
     """Serve ``arrivals`` offline, write each outcome to ``out`` (JSON lines) and say how
     it went: virtual and wall seconds, each engine's busy share, events."""
     started = time.perf_counter()
     cluster = OfflineCluster(config, path_s=path_ms / 1000)
     outcomes = cluster.run(arrivals)
     elapsed = time.perf_counter() - started
-    with out.open("w") as lines:
-        for outcome in outcomes:
-            lines.write(json.dumps(outcome.to_json()) + "\n")
-    virtual = cluster.queue.now
+    write_lines(out, outcomes)
+    virtual = cluster.queue.now - cluster.epoch
     span = virtual - min((a.at for a in arrivals), default=0.0)
-    return {
-        "utilization_pct": {
+    return RunSpeed(
+        utilization_pct={
             name: 100.0 * engine.busy_s / span if span > 0 else 0.0
             for name, engine in cluster.engines.items()
         },
-        "requests": len(arrivals),
-        "engines": len(cluster.engines),
-        "virtual_s": virtual,
-        "wall_s": elapsed,
-        "speedup": virtual / elapsed if elapsed else None,
-        "events": cluster.queue.events,
-    }
+        requests=len(arrivals),
+        engines=len(cluster.engines),
+        virtual_s=virtual,
+        wall_s=elapsed,
+        speedup=virtual / elapsed if elapsed else None,
+        events=cluster.queue.events,
+    )
 
 
 class Worker:
@@ -559,15 +598,15 @@ class Worker:
         self._applications: dict[tuple[str, float, str, str | None], AppConfig] = {}
         self._arrivals: dict[tuple[str, float], list[Arrival]] = {}
 
-    def answer(self, job: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, job: Job) -> Answer:
         try:
-            config = self._application(job["config"], job["profile"], job.get("model"))
-            arrivals = self._read(Path(job["requests"]))
-            if job.get("at") is not None:
-                arrivals = _rescheduled(arrivals, [float(at) for at in job["at"]])
-            return serve(config, arrivals, Path(job["out"]), float(job.get("path_ms", 0.0)))
-        except (KeyError, ValueError, OSError) as error:
-            return {"error": f"{type(error).__name__}: {error}"}
+            config = self._application(job.config, job.profile, job.model)
+            arrivals = self._read(Path(job.requests))
+            if job.at is not None:
+                arrivals = _rescheduled(arrivals, job.at)
+            return Answer(speed=serve(config, arrivals, Path(job.out), job.path_ms))
+        except (ValueError, OSError) as error:
+            return Answer(error=f"{type(error).__name__}: {error}")
 
     def _application(self, config: str, profile: str, model: str | None) -> AppConfig:
         # A YAML rewritten in place (a search run again in its folder) is read again.
@@ -588,14 +627,19 @@ def _rescheduled(arrivals: list[Arrival], offsets: list[float]) -> list[Arrival]
     """The first ``len(offsets)`` requests at those offsets (a shorter run serves fewer)."""
     if len(offsets) > len(arrivals):
         raise ValueError(f"{len(offsets)} arrival offsets for {len(arrivals)} requests")
-    return [dataclasses.replace(a, at=at) for a, at in zip(arrivals, offsets, strict=False)]
+    return [msgspec.structs.replace(a, at=at) for a, at in zip(arrivals, offsets, strict=False)]
 
 
 def work(lines: Iterable[str], answer: Callable[[str], None]) -> None:
     worker = Worker()
     for line in lines:
         if line.strip():
-            answer(json.dumps(worker.answer(json.loads(line))))
+            try:
+                job = decode(line, Job)
+            except msgspec.ValidationError as error:
+                answer(encode(Answer(error=f"not a job: {error}")))
+                continue
+            answer(encode(worker.answer(job)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -625,11 +669,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if args.command == "describe":
-        print(json.dumps(describe(config)))
+        print(encode(describe(config)))
         return 0
     if args.requests is None or args.out is None:
         parser.error("run needs --requests and --out")
-    print(json.dumps(serve(config, read_arrivals(args.requests), args.out, args.path_ms)))
+    print(encode(serve(config, read_arrivals(args.requests), args.out, args.path_ms)))
     return 0
 
 

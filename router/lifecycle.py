@@ -40,7 +40,6 @@ from engines.protocol import GenerateChunk, GenerateRequest
 from router.dispatch import Dispatch, Dispatcher, Plan
 from router.http.auth import QueueSlot
 from router.http.errors import OpenAIError, Rejection
-from router.http.readiness import Readiness
 from router.observation.requests import RequestMetrics
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Refusal
 from router.settings import Priority, RouterConfig
@@ -61,6 +60,17 @@ class RouterClock(Protocol):
     def now(self) -> float: ...
 
     def deadline(self, after_s: float) -> float | None: ...
+
+
+class ReadinessView(Protocol):
+    """What a request's life asks of its model's readiness (router/http/readiness.py)."""
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    async def wait(self, timeout_s: float) -> bool: ...
+
+    def starting_error(self, retry_after_s: float) -> OpenAIError: ...
 
 
 class WallClock:
@@ -102,7 +112,7 @@ class Lifecycle:
         router: RouterConfig,
         dispatcher: Dispatcher,
         admission: AdmissionControl,
-        readiness: Readiness,
+        readiness: ReadinessView,
         metrics: RequestMetrics,
         clock: RouterClock | None = None,
     ) -> None:
@@ -114,9 +124,9 @@ class Lifecycle:
         self.metrics = metrics
         self.clock = clock or WallClock()
 
-    def enter(self, life: RequestLife, priority: Priority, slot: QueueSlot) -> None:
+    def enter(self, life: RequestLife, priority: Priority, slot: QueueSlot | None) -> None:
         """``life`` is this model's request now, at ``priority``, holding ``slot`` in
-        its API key's queue until its first token."""
+        its API key's queue until its first token (None: no key's queue holds it)."""
         life.model, life.priority, life.granted = self.model, priority, priority
         life.lifecycle, life.slot = self, slot
 

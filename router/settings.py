@@ -16,10 +16,10 @@ from engines.protocol import EngineRole
 from engines.settings import EngineSpec, ModelConfig, PlacementConfig
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel, refuse_renamed
+from splitserve.priorities import PRIORITIES as PRIORITIES  # re-exported for the router
+from splitserve.priorities import Priority as Priority
 from splitserve.registry import split_named_block, validate_settings
 
-Priority = Literal["high", "normal", "low"]
-PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
 # The router's routes (router/http/ingress.py), by which keys are allowed and paths opened.
 Route = Literal[
     "/v1/completions",

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
@@ -45,6 +44,18 @@ from loadgen.scheduling.runner import (
     service_level,
 )
 from loadgen.study.launcher import REPO_ROOT
+from splitserve.offline_exchange import (
+    Answer,
+    Arrival,
+    Description,
+    Job,
+    Outcome,
+    RunSpeed,
+    decode,
+    encode,
+    read_lines,
+    write_lines,
+)
 
 SIMULATOR = "deployments.simulate"
 
@@ -94,27 +105,27 @@ class SimulatorWorker:
         requests: Path,
         out: Path,
         at: list[float] | None = None,
-    ) -> dict[str, Any]:
-        job = {
-            "config": _absolute(target.config),
-            "profile": _absolute(target.profile),
-            "model": target.model,
-            "requests": str(requests),
-            "out": str(out),
-            "path_ms": target.path_ms,
-            "at": at,
-        }
+    ) -> RunSpeed:
+        job = Job(
+            config=_absolute(target.config),
+            profile=_absolute(target.profile),
+            model=target.model,
+            requests=str(requests),
+            out=str(out),
+            path_ms=target.path_ms,
+            at=at,
+        )
         process = self._started()
         assert process.stdin is not None and process.stdout is not None
-        process.stdin.write(json.dumps(job) + "\n")
+        process.stdin.write(encode(job) + "\n")
         process.stdin.flush()
         line = process.stdout.readline()
         if not line:
             raise RunError(f"{SIMULATOR} worker exited ({process.wait()})")
-        answer = dict(json.loads(line))
-        if "error" in answer:
-            raise RunError(f"{SIMULATOR} on {target.config}: {answer['error']}")
-        return answer
+        answer = decode(line, Answer)
+        if answer.speed is None:
+            raise RunError(f"{SIMULATOR} on {target.config}: {answer.error}")
+        return answer.speed
 
     def _started(self) -> subprocess.Popen[str]:
         if self._process is None or self._process.poll() is not None:
@@ -150,10 +161,10 @@ def _simulator(target: SimulatedTarget, *args: str, extra: tuple[str, ...] = ())
 
 
 @functools.cache
-def describe(target: SimulatedTarget) -> dict[str, Any]:
+def describe(target: SimulatedTarget) -> Description:
     """The served model, its context and the shape, as a client would discover them
     (once per target: a sweep asks for every cell)."""
-    return dict(json.loads(_simulator(target, "describe")))
+    return decode(_simulator(target, "describe"), Description)
 
 
 @dataclass
@@ -161,7 +172,7 @@ class _Prepared:
     run: Run  # closed: kept for its notes and its result
     endpoint: Endpoint
     prepared: PreparedRun
-    card: dict[str, Any]
+    card: Description
 
 
 async def _prepare_for(config: RunConfig, target: SimulatedTarget, console: Console) -> _Prepared:
@@ -172,7 +183,7 @@ async def _prepare_for(config: RunConfig, target: SimulatedTarget, console: Cons
     card = describe(target)
     run = Run(config, console, None)
     try:
-        endpoint = Endpoint(card["model"], config.max_model_len or int(card["max_model_len"]))
+        endpoint = Endpoint(card.model, config.max_model_len or card.max_model_len)
         prepared = await run.prepare_run(endpoint)
     finally:
         await run.close()
@@ -187,59 +198,57 @@ async def simulate_run(config: RunConfig, target: SimulatedTarget, console: Cons
         _write_requests(prepared, requests)
         extra: tuple[str, ...] = ("--requests", str(requests), "--out", str(outcomes))
         extra += ("--path-ms", str(target.path_ms))
-        speed = json.loads(_simulator(target, "run", extra=extra))
+        speed = decode(_simulator(target, "run", extra=extra), RunSpeed)
         records = [record for record, _ in prepared.items]
         _record_outcomes(records, outcomes)
     note = (
-        f"simulated offline on {target.profile}: {speed['virtual_s']:.1f} s of serving in"
-        f" {speed['wall_s']:.2f} s ({speed['speedup']:.0f}x real time), {speed['engines']}"
+        f"simulated offline on {target.profile}: {speed.virtual_s:.1f} s of serving in"
+        f" {speed.wall_s:.2f} s ({speed.speedup or 0:.0f}x real time), {speed.engines}"
         " engines"
     )
     server = ServerView(source="simulation", notes=[note])
-    server.set_gpu_utilization(dict(speed.get("utilization_pct", {})))
+    server.set_gpu_utilization(dict(speed.utilization_pct))
     # Virtual time starts at 0; the wall clock of a run that took no time is now.
     run.clock_origin, run.wall_origin = 0.0, time.time()
     run.notes.append(note)
     metrics = [request_metrics(record, 0.0) for record in records]
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    return run.result(
-        config.shape or str(card["shape"]), endpoint, prepared, metrics, server, started_at
-    )
+    return run.result(config.shape or card.shape, endpoint, prepared, metrics, server, started_at)
 
 
 def _write_requests(prepared: PreparedRun, path: Path) -> None:
     """What the simulation serves: each request's arrival, prompt and length."""
-    with path.open("w") as out:
-        for (record, payload), at in zip(prepared.items, prepared.schedule, strict=True):
-            body = json.loads(payload)
-            line = {
-                "index": record.index,
-                "at": at,
-                "prompt": body["prompt"],
-                "max_tokens": body["max_tokens"],
-            }
-            out.write(json.dumps(line) + "\n")
+    write_lines(
+        path,
+        (
+            _arrival(record.index, at, payload)
+            for (record, payload), at in zip(prepared.items, prepared.schedule, strict=True)
+        ),
+    )
+
+
+def _arrival(index: int, at: float, payload: str | bytes) -> Arrival:
+    body = json.loads(payload)  # the completions body a run would send
+    return Arrival(index, at, body["prompt"], body["max_tokens"])
 
 
 def _record_outcomes(records: list[RequestRecord], outcomes: Path) -> None:
     """Each request's record as the client would have filled it; times are virtual."""
     by_index = {record.index: record for record in records}
-    with outcomes.open() as lines:
-        for line in lines:
-            outcome = json.loads(line)
-            record = by_index[int(outcome["index"])]
-            arrival = float(outcome["arrival_s"])
-            record.scheduled_at = record.sent_at = arrival
-            record.status = int(outcome["status"])
-            record.outcome = outcome["outcome"]
-            record.error = outcome["error"]
-            record.prefill = outcome["prefill"]
-            times = [float(t) for t in outcome["token_times"]]
-            record.done_at = times[-1] if times else arrival
-            record.chunk_times, record.event_times = times, list(times)
-            record.chunk_tokens, record.event_counts = [1] * len(times), [1] * len(times)
-            record.prompt_tokens = int(outcome["prompt_tokens"])
-            record.completion_tokens = len(times) if record.outcome == "ok" else None
+    for outcome in read_lines(outcomes, Outcome):
+        record = by_index[outcome.index]
+        arrival = outcome.arrival_s
+        record.scheduled_at = record.sent_at = arrival
+        record.status = outcome.status
+        record.outcome = outcome.outcome
+        record.error = outcome.error
+        record.prefill = outcome.prefill
+        times = outcome.token_times
+        record.done_at = times[-1] if times else arrival
+        record.chunk_times, record.event_times = list(times), list(times)
+        record.chunk_tokens, record.event_counts = [1] * len(times), [1] * len(times)
+        record.prompt_tokens = outcome.prompt_tokens
+        record.completion_tokens = len(times) if record.outcome == "ok" else None
 
 
 class OfflineRates:

@@ -18,8 +18,6 @@ import random
 import uuid
 from collections.abc import Iterable
 
-from vllm import SamplingParams
-
 from engines.protocol import GenerateRequest
 from router.pool.pooled_engine import PooledEngine
 
@@ -43,6 +41,10 @@ async def calibrate_ttft(engines: Iterable[PooledEngine], prompt_tokens: int, vo
 
 
 async def _calibrate(engine: PooledEngine, prompt: list[int]) -> None:
+    # Imported here: the offline simulation reads this module's constants without vLLM,
+    # whose import costs seconds a run.
+    from vllm import SamplingParams
+
     request = GenerateRequest(
         request_id=f"calibration-{uuid.uuid4().hex[:12]}",
         subscriber="",

@@ -11,7 +11,7 @@ policies read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engines.protocol import CacheUpdate, EngineStats
@@ -31,10 +31,14 @@ class MovingAverage:
         self.value: float | None = None
 
     def add(self, sample: float) -> None:
-        if self.value is None:
-            self.value = sample
-        else:
-            self.value += self._weight * (sample - self.value)
+        self.add_all((sample,))
+
+    def add_all(self, samples: Iterable[float]) -> None:
+        """Each sample in turn, as ``add`` would, with one ``on_change`` after them all."""
+        value, weight = self.value, self._weight
+        for sample in samples:
+            value = sample if value is None else value + weight * (sample - value)
+        self.value = value
         if self._on_change is not None:
             self._on_change()
 
@@ -49,6 +53,63 @@ class PrefillTicket:
     priority: int = 0
     inside: bool = False  # let into the engine (past the router's prefill gate)
     closed: bool = False
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    """What one request's stream on an engine tells the engine's state: its first token
+    closes the prefill ticket (a sample of the per-token prefill time), and each later
+    chunk samples the decode step, per token (a multi-step group's tokens come in one
+    chunk). The router's stream (``PooledEngine.generate``) and the offline simulation
+    (deployments/simulate.py) time requests through this one class."""
+
+    state: EngineState
+    ticket: PrefillTicket
+    last_token_at: float | None = None
+
+    def tokens(self, now: float, count: int, finished: bool) -> None:
+        """``count`` tokens arrived at ``now`` in one chunk; ``finished``: the last."""
+        if self.last_token_at is None:
+            # A non-streamed answer arrives whole at the end: not a first-token time.
+            timed = count == 1 or not finished
+            self.state.finish_prefill(self.ticket, now, first_token=timed)
+        else:
+            self.state.step_s.add((now - self.last_token_at) / count)
+        self.last_token_at = now
+
+    def run_tokens(self, times: Sequence[float], finished: bool) -> None:
+        """A run of steps' tokens, one per time (equal times: one step's or multi-step
+        group's chunk), read as ``tokens`` would read their chunks one by one; the last
+        finishes the stream where ``finished``. (The offline simulation delivers a
+        request's tokens a run at a time.)"""
+        if self.last_token_at is None:
+            first = times[0]
+            count = 1
+            while count < len(times) and times[count] == first:
+                count += 1
+            self.tokens(first, count, finished and count == len(times))
+            times = times[count:]
+        if not times:
+            return
+        last = self.last_token_at
+        assert last is not None
+        if len(set(times)) == len(times):  # a step a token: the common case, in one pass
+            gaps = [at - before for before, at in zip((last, *times), times, strict=False)]
+        else:
+            gaps = []
+            count = 0
+            for index, at in enumerate(times):
+                count += 1
+                if index + 1 < len(times) and times[index + 1] == at:
+                    continue
+                gaps.append((at - last) / count)
+                last, count = at, 0
+        self.last_token_at = times[-1]
+        self.state.step_s.add_all(gaps)
+
+    def closed(self, now: float) -> None:
+        """The stream ended, with or without a first token."""
+        self.state.finish_prefill(self.ticket, now, first_token=False)
 
 
 @dataclass
@@ -202,6 +263,10 @@ class EngineState:
             return None
         step = self.step_s.value or 0.0
         return (self.tokens_ahead(priority) + prefill_tokens) * per_token + step
+
+    def open_stream(self, prefill_tokens: int, now: float, priority: int = 0) -> StreamTiming:
+        """A request's stream starts here, its prompt's ``prefill_tokens`` queued."""
+        return StreamTiming(self, self.enqueue_prefill(prefill_tokens, now, priority))
 
     def enqueue_prefill(self, tokens: int, now: float, priority: int = 0) -> PrefillTicket:
         """A request that must compute ``tokens`` prompt tokens here before its first token;

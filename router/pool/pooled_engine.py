@@ -29,7 +29,7 @@ from engines.protocol import (
     LoraAdapter,
 )
 from router.policies.prefill_gate import PrefillGate
-from router.pool.engine_state import EngineState, PrefillTicket
+from router.pool.engine_state import EngineState, StreamTiming
 from router.pool.mailbox import DeltaMailbox
 from splitserve.processes import ENGINE_CANNOT_START
 
@@ -280,7 +280,7 @@ class PooledEngine:
         self._pending[request.request_id] = mailbox
         if prefill_tokens is None:
             prefill_tokens = len(request.prompt_token_ids)
-        ticket = self.state.enqueue_prefill(prefill_tokens, time.perf_counter(), request.priority)
+        timing = self.state.open_stream(prefill_tokens, time.perf_counter(), request.priority)
         finished = False
         # Each of the request's n completions ends with a finish reason of its own.
         unfinished = getattr(request.sampling_params, "n", 1) or 1
@@ -293,7 +293,7 @@ class PooledEngine:
             if inside is not None:
                 wait_s = request.deadline - loop.time() if request.deadline else None
                 await asyncio.wait_for(inside.enter(request.priority), wait_s)
-            self.state.enter_engine(ticket)
+            self.state.enter_engine(timing.ticket)
             try:
                 await asyncio.wait_for(self._link.submit(request), self._submit_timeout_s)
             except TimeoutError:
@@ -301,7 +301,7 @@ class PooledEngine:
                 raise EngineUnavailable(f"{self.name} did not accept the request in time") from None
             if on_accepted is not None:
                 on_accepted()
-            async for item in self._deltas(mailbox, ticket):
+            async for item in self._deltas(mailbox, timing):
                 if inside is not None and item.token_ids:
                     inside.leave()  # its prefill is done: the next one may enter the engine
                 unfinished -= item.finish_reason is not None
@@ -318,17 +318,14 @@ class PooledEngine:
             if timer is not None:
                 timer.cancel()
             self._pending.pop(request.request_id, None)
-            self.state.finish_prefill(ticket, time.perf_counter(), first_token=False)
+            timing.closed(time.perf_counter())
             if not finished:
                 self._abort_soon(request.request_id)
 
     async def _deltas(
-        self,
-        mailbox: DeltaMailbox,
-        ticket: PrefillTicket,
+        self, mailbox: DeltaMailbox, timing: StreamTiming
     ) -> AsyncIterator[GenerateChunk]:
-        """The mailbox's chunks, timing the first token and the steps after it."""
-        last_token_at: float | None = None
+        """The mailbox's chunks, each with tokens timed (``StreamTiming``)."""
         while True:
             item = await mailbox.get()
             if item is PAST_DEADLINE:
@@ -336,14 +333,9 @@ class PooledEngine:
             if isinstance(item, GenerateFailure):
                 raise (EngineUnavailable if item.engine_dead else EngineFailed)(item.message)
             if item.token_ids:
-                now = time.perf_counter()
-                if last_token_at is None:
-                    # A non-streamed answer arrives whole at the end: not a first-token time.
-                    timed = len(item.token_ids) == 1 or item.finish_reason is None
-                    self.state.finish_prefill(ticket, now, first_token=timed)
-                else:
-                    self.state.step_s.add((now - last_token_at) / len(item.token_ids))
-                last_token_at = now
+                timing.tokens(
+                    time.perf_counter(), len(item.token_ids), item.finish_reason is not None
+                )
             yield item
 
     def _abort_soon(self, request_id: str) -> None:

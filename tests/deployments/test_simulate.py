@@ -3,7 +3,6 @@ its results as a load generator run's, and decode runs that change nothing but s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import subprocess
@@ -12,16 +11,28 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
 from deployments.config import load_application
 from deployments.launcher import config_path
-from deployments.simulate import Arrival, OfflineCluster, Worker, simulated_application
+from deployments.simulate import OfflineCluster, Worker, simulated_application, work
 from engines.simulated.frontend import FrontEnd
 from engines.simulated.scheduler import SimScheduler
 from loadgen.study.simulate import SimulatedTarget, describe
 from splitserve.latency.profile import load_profile
+from splitserve.offline_exchange import (
+    Answer,
+    Arrival,
+    Job,
+    Outcome,
+    RunSpeed,
+    decode,
+    encode,
+    read_lines,
+    write_lines,
+)
 
 PROFILE = "h100-llama-3.1-8b"
 
@@ -63,8 +74,10 @@ def test_every_request_gets_its_tokens_and_dp_spreads_them() -> None:
 
 
 def test_pd_always_prefills_remotely_and_the_decode_waits_for_the_hand_over() -> None:
-    cluster = _run("pd_always", _arrivals(20, rate=2.0, output=16))
+    cluster = OfflineCluster(simulated_application("pd_always", PROFILE))
     decode = cluster.engines["decode-0"]
+    calibrated = decode.scheduler.prefix_queries  # the router's calibration prefill
+    cluster.run(_arrivals(20, rate=2.0, output=16))
     profile = decode.profile
     for outcome in cluster.outcomes:
         assert outcome.prefill == "remote:always"
@@ -72,13 +85,14 @@ def test_pd_always_prefills_remotely_and_the_decode_waits_for_the_hand_over() ->
         # The second token comes after the KV's hand-over (alone, nothing queues here).
         gap = outcome.token_times[1] - outcome.token_times[0]
         assert gap >= profile.handover_seconds(1024)
-    assert decode.scheduler.prefix_queries == 0  # its prompts' KV arrived; none computed
+    # Its prompts' KV arrived; it computed none of them.
+    assert decode.scheduler.prefix_queries == calibrated
 
 
 def test_a_burst_of_hand_overs_to_one_decode_engine_queues_on_its_link() -> None:
     """Prompts that arrive together are prefilled together; their KV then crosses the
     decode engine's link one prompt after another, not all at the link's full rate."""
-    arrivals = [dataclasses.replace(a, at=0.0) for a in _arrivals(8, rate=1.0, output=2)]
+    arrivals = [msgspec.structs.replace(a, at=0.0) for a in _arrivals(8, rate=1.0, output=2)]
     cluster = _run("pd_always", arrivals)
     decode = cluster.engines["decode-0"]
     moving = decode.profile.handover_bytes_seconds(1024)
@@ -167,7 +181,7 @@ def test_the_simulator_runs_in_the_repository_whatever_the_callers_folder(
     (tmp_path / "kv_transfer.py").write_text("raise ImportError('the caller's module')\n")
     load_profile(f"{PROFILE}-tp1-pp1").save(tmp_path / "mine.yaml")
     monkeypatch.chdir(tmp_path)
-    assert describe(SimulatedTarget("dp", "mine.yaml"))["shape"] == "dp"
+    assert describe(SimulatedTarget("dp", "mine.yaml")).shape == "dp"
 
 
 def test_the_phase_shifting_bench_runs_offline(tmp_path: Path) -> None:
@@ -227,15 +241,17 @@ def test_advise_simulate_chooses_a_split_from_offline_cells(tmp_path: Path) -> N
     assert "| dp | 2 |" in (tmp_path / "advice" / "advice.md").read_text()
 
 
-def _write_arrivals(arrivals: list[Arrival], path: Path) -> None:
-    with path.open("w") as out:
-        for a in arrivals:
-            line = {"index": a.index, "at": a.at, "prompt": a.prompt, "max_tokens": a.max_tokens}
-            out.write(json.dumps(line) + "\n")
+def _answer(worker: Worker, **job: Any) -> Answer:
+    """The worker's answer to ``job``, sent as the load generator sends it: a line."""
+    answers: list[str] = []
+    work([encode(Job(**job))], answers.append)
+    (line,) = answers
+    return decode(line, Answer)
 
 
-def _outcomes(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def _speed(answer: Answer) -> RunSpeed:
+    assert answer.speed is not None, answer.error
+    return answer.speed
 
 
 def test_a_worker_serves_the_same_prompts_at_another_rate_from_their_offsets(
@@ -243,28 +259,36 @@ def test_a_worker_serves_the_same_prompts_at_another_rate_from_their_offsets(
 ) -> None:
     arrivals = _arrivals(30, rate=5.0, output=8)
     requests = tmp_path / "requests.jsonl"
-    _write_arrivals(arrivals, requests)
+    write_lines(requests, arrivals)
     worker = Worker()
     job = {"config": "dp", "profile": PROFILE, "requests": str(requests)}
-    slow = worker.answer({**job, "out": str(tmp_path / "slow.jsonl")})
-    assert slow["requests"] == 30 and slow["engines"] == 2
+    slow = _speed(_answer(worker, **job, out=str(tmp_path / "slow.jsonl")))
+    assert slow.requests == 30 and slow.engines == 2
     faster = [a.at / 4 for a in arrivals]
-    fast = worker.answer({**job, "out": str(tmp_path / "fast.jsonl"), "at": faster})
-    assert fast["virtual_s"] < slow["virtual_s"]
-    served = _outcomes(tmp_path / "fast.jsonl")
-    assert [o["arrival_s"] for o in served] == faster
+    fast = _speed(_answer(worker, **job, out=str(tmp_path / "fast.jsonl"), at=faster))
+    assert fast.virtual_s < slow.virtual_s
+    served = list(read_lines(tmp_path / "fast.jsonl", Outcome))
+    assert [o.arrival_s for o in served] == faster
     # The same as a cluster of its own serving the requests at those times.
     alone = _run(
-        "dp", [dataclasses.replace(a, at=at) for a, at in zip(arrivals, faster, strict=True)]
+        "dp", [msgspec.structs.replace(a, at=at) for a, at in zip(arrivals, faster, strict=True)]
     )
-    assert [o["token_times"] for o in served] == [o.token_times for o in alone.outcomes]
-    first = worker.answer({**job, "out": str(tmp_path / "first.jsonl"), "at": faster[:3]})
-    assert first["requests"] == 3  # a shorter run serves the file's first requests
-    assert [o["index"] for o in _outcomes(tmp_path / "first.jsonl")] == [0, 1, 2]
-    wrong = worker.answer({**job, "out": str(tmp_path / "x.jsonl"), "at": faster * 2})
-    assert wrong == {"error": "ValueError: 60 arrival offsets for 30 requests"}
-    unknown = worker.answer({**job, "config": "nowhere", "out": str(tmp_path / "y.jsonl")})
-    assert "error" in unknown and "nowhere" in unknown["error"]
+    assert [o.token_times for o in served] == [o.token_times for o in alone.outcomes]
+    first = _speed(_answer(worker, **job, out=str(tmp_path / "first.jsonl"), at=faster[:3]))
+    assert first.requests == 3  # a shorter run serves the file's first requests
+    assert [o.index for o in read_lines(tmp_path / "first.jsonl", Outcome)] == [0, 1, 2]
+    wrong = _answer(worker, **job, out=str(tmp_path / "x.jsonl"), at=faster * 2)
+    assert wrong == Answer(error="ValueError: 60 arrival offsets for 30 requests")
+    unknown = _answer(worker, **{**job, "config": "nowhere"}, out=str(tmp_path / "y.jsonl"))
+    assert unknown.error is not None and "nowhere" in unknown.error
+
+
+def test_a_worker_answers_a_malformed_job_with_the_field_it_lacks() -> None:
+    answers: list[str] = []
+    work(['{"config": "dp", "profile": "p", "requests": "r"}'], answers.append)
+    (line,) = answers
+    answer = decode(line, Answer)
+    assert answer.speed is None and answer.error is not None and "`out`" in answer.error
 
 
 def test_advise_simulate_searches_every_placement_of_a_budget(tmp_path: Path) -> None:
@@ -302,13 +326,16 @@ def test_a_request_lost_on_its_way_to_the_scheduler_fails_the_run_instead_of_han
     """The hand-over's KV arriving while its request is still in the front end once left
     the decode waiting forever, and the run polled forever: now it stops with a reason."""
     monkeypatch.setattr(FrontEnd, "kv_arrived", lambda self, request_id: True)
-    arrivals = [dataclasses.replace(a, at=0.0) for a in _arrivals(4, rate=1.0, output=2)]
+    arrivals = [msgspec.structs.replace(a, at=0.0) for a in _arrivals(4, rate=1.0, output=2)]
     with pytest.raises(RuntimeError, match="stalled"):
         _run("pd_always", arrivals)
 
 
 def test_kv_that_crosses_before_its_burst_is_released_is_loaded_on_release() -> None:
-    arrivals = [dataclasses.replace(a, at=0.0) for a in _arrivals(8, rate=1.0, output=2)]
-    cluster = _run("pd_always", arrivals)
+    arrivals = [msgspec.structs.replace(a, at=0.0) for a in _arrivals(8, rate=1.0, output=2)]
+    cluster = OfflineCluster(simulated_application("pd_always", PROFILE))
+    decode = cluster.engines["decode-0"].scheduler
+    calibrated = decode.prefix_queries  # the router's calibration prefill
+    cluster.run(arrivals)
     assert all(len(o.token_times) == 2 for o in cluster.outcomes)
-    assert cluster.engines["decode-0"].scheduler.prefix_queries == 0
+    assert decode.prefix_queries == calibrated
