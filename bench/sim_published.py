@@ -10,7 +10,13 @@ tokens over the run's span) and printed as ratios to the published ones, per run
 per set (calibration, held-out), as the median and worst |error|.
 
     python bench/sim_published.py [--set held-out] [--runs ID,ID] [--profiles DIR]
-        [--out results/sim_published]
+        [--groups] [--out results/sim_published]
+
+``--groups``: for each run that published every request's TTFT, its first tokens in
+groups (requests whose first token came within ``GROUP_S`` of the group's first), as
+published and as replayed: each group's time, requests and prompt tokens. A burst's
+groups are its prefill steps, so their period and size say where a replay's TTFT goes
+wrong (silent requests, whose TTFT the client recorded as 0, are left out).
 
 ``--profiles DIR``: profiles to replay on instead of the shipped ones (a fit's
 candidates, by the shipped files' names).
@@ -41,11 +47,16 @@ from splitserve.offline_exchange import Arrival, Outcome
 console = Console(width=160)
 
 
+GROUP_S = 0.006  # first tokens this close together came from one step
+GROUPS_SHOWN = 14
+
+
 @dataclass(frozen=True)
 class Replay:
     spec: ReplaySpec
     profile: str
     figures: dict[Figure, float]
+    ttfts: list[float]  # each request's, replayed, in the spec's order
 
     def ratios(self) -> dict[Figure, float]:
         published = self.spec.run.figures
@@ -80,7 +91,37 @@ def replay(spec: ReplaySpec, profile: Path | LatencyProfile) -> Replay:
         for index, request in enumerate(spec.requests)
     ]
     outcomes = cluster.run(arrivals)
-    return Replay(spec, profile.name, figures(spec, outcomes))
+    ttfts = [o.token_times[0] - r.at for o, r in zip(outcomes, spec.requests, strict=True)]
+    return Replay(spec, profile.name, figures(spec, outcomes), ttfts)
+
+
+def first_token_groups(ttfts: list[float], spec: ReplaySpec) -> list[tuple[float, int, int]]:
+    """(time, requests, prompt tokens) of each group of first tokens, silent ones left out."""
+    groups: list[list[float]] = []
+    timed = sorted(
+        (ttft, request.prompt_tokens)
+        for ttft, request in zip(ttfts, spec.requests, strict=True)
+        if not request.silent
+    )
+    for ttft, tokens in timed:
+        if groups and ttft - groups[-1][0] < GROUP_S:
+            groups[-1][1] += 1
+            groups[-1][2] += tokens
+        else:
+            groups.append([ttft, 1, tokens])
+    return [(at, int(count), int(tokens)) for at, count, tokens in groups]
+
+
+def _print_groups(replays: list[Replay]) -> None:
+    for item in replays:
+        published = [request.ttft for request in item.spec.requests]
+        if any(ttft is None for ttft in published):
+            continue
+        console.print(f"[bold]{item.spec.run.id}[/]: first-token groups, time s:requests/tokens")
+        for label, ttfts in (("published", published), ("replayed", item.ttfts)):
+            groups = first_token_groups([t or 0.0 for t in ttfts], item.spec)[:GROUPS_SHOWN]
+            shown = " ".join(f"{at:.3f}:{count}/{tokens}" for at, count, tokens in groups)
+            console.print(f"  {label:9} {shown}")
 
 
 def _args(spec: ReplaySpec, profile: Path) -> dict[str, Any]:
@@ -181,6 +222,7 @@ def main() -> None:
     parser.add_argument("--set", choices=("calibration", "held-out", "all"), default="all")
     parser.add_argument("--runs", help="only these run ids, comma-separated")
     parser.add_argument("--profiles", type=Path, default=PROFILES_DIR)
+    parser.add_argument("--groups", action="store_true", help="print first-token groups")
     parser.add_argument("--out", type=Path, default=Path("results/sim_published"))
     args = parser.parse_args()
     specs = [s for s in replay_specs() if args.set in ("all", s.set)]
@@ -195,6 +237,8 @@ def main() -> None:
             continue
         replays.append(replay(spec, path))
     _print(replays)
+    if args.groups:
+        _print_groups(replays)
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "sim_published.json"
     rows = [

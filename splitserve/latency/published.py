@@ -144,6 +144,8 @@ class ReplayRequest:
     # The client saw no token (the model's first was its end): benchmark_serving counts
     # its TTFT as 0 and its TPOT not at all.
     silent: bool = False
+    # Its own TTFT in the published run (seconds), where the run published each one's.
+    ttft: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,9 +236,12 @@ def _lambda_path(source: str) -> str | None:
 def _lambda_replay(run: PublishedRun, lengths: dict[str, Any]) -> list[ReplayRequest]:
     """Every request at once (rate inf), each with its prompt and what it generated:
     the runs did not ignore EOS, so a request's output length is where it stopped."""
+    ttfts = lengths.get("ttfts") or [None] * len(lengths["input_lens"])
     return [
-        ReplayRequest(0.0, prompt, max(1, output), silent=output == 0)
-        for prompt, output in zip(lengths["input_lens"], lengths["output_lens"], strict=True)
+        ReplayRequest(0.0, prompt, max(1, output), silent=output == 0, ttft=ttft)
+        for prompt, output, ttft in zip(
+            lengths["input_lens"], lengths["output_lens"], ttfts, strict=True
+        )
     ]
 
 
