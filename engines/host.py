@@ -46,6 +46,7 @@ from engines.sampler import start_replica_sampler
 from engines.settings import EngineSpec, member_name
 from engines.slo_meter import MeteredHost, SloMeter
 from engines.socket_folders import VLLM_IPC_ENV, owned_folder, remove_folder
+from engines.step_log import STEP_LOG_ENV, step_log_path
 from engines.transport import EngineTransportServer, TransportAddress
 from kv_transfer.backend_registry import make_kv_backend
 from kv_transfer.metrics import TransferTotals
@@ -308,6 +309,8 @@ class EngineHost:
 
     def _process_env(self, gpu_ids: list[int]) -> dict[str, str]:
         env = {**self._spec.process_env, VLLM_IPC_ENV: str(self._ipc_folder)}
+        if self._spec.backend.step_log:
+            env[STEP_LOG_ENV] = step_log_path(self._spec.backend.step_log, self._spec.name)
         if self._spec.device_offset is not None and gpu_ids:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
         return env

@@ -456,6 +456,13 @@ class EngineBackendConfig(StrictModel):
     step_interval_s: float = Field(
         0.0, ge=0, description="synthetic only: pause between steps; 0 runs them back to back."
     )
+    step_log: str | None = Field(
+        None,
+        description="vllm only: a folder where each engine appends one JSON line per engine"
+        " step (engines/step_log.py: its prefill tokens and sequences, decode sequences and"
+        " context, and its duration), the step-level ruler's input (bench/step_ruler.py)."
+        " Engines that overlap steps (async scheduling, PP) log none.",
+    )
     max_num_seqs: int = Field(
         0,
         ge=0,
@@ -482,6 +489,8 @@ class EngineBackendConfig(StrictModel):
         for name in ("profile", "time_scale", "spend"):
             if name in set_here and not simulated:
                 raise ValueError(f"engine.{name} is for engine.backend 'simulated' only")
+        if "step_log" in set_here and self.backend != "vllm":
+            raise ValueError("engine.step_log is for engine.backend 'vllm' only")
         return self
 
 

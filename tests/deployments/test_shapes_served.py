@@ -10,10 +10,12 @@ checked in-process (tests/router/http/test_http_api.py).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,9 +24,10 @@ import psutil
 import pytest
 
 from deployments.launcher import RunningApp, replica_engine_pids
+from engines.step_log import read_steps
 from tests.support.api_corpus import assert_answers_as
 from tests.support.greedy import metric
-from tests.support.shared_apps import SHAPES, SharedModel
+from tests.support.shared_apps import SHAPES, SharedModel, step_log_file
 
 pytestmark = pytest.mark.serving
 
@@ -98,6 +101,32 @@ def test_completion(shape: SharedModel, client: openai.OpenAI, name: str) -> Non
     assert response.usage.completion_tokens == MAX_TOKENS
     assert choice.prompt_token_ids == prompt
     _check_reference(shape, ("completion", name), choice.token_ids)
+
+
+def test_the_engine_logs_each_step_as_a_profile_counts_it(
+    shape: SharedModel, client: openai.OpenAI, serve_logs: Path
+) -> None:
+    """engine.step_log (single's engine logs its steps): one prompt's prefill, then a
+    decode step a token, each reading one more token of context."""
+    if not shape.step_log:
+        pytest.skip("this shape's engines log no steps")
+    log = step_log_file(serve_logs, shape)
+    before = len(read_steps(log)) if log.exists() else 0
+    prompt = [(i * 11) % 240 + 5 for i in range(300)]  # no other test's prefix
+    client.completions.create(prompt=prompt, **_completion_kwargs(shape))
+    steps = read_steps(log)[before:]
+    prefills = [step for step in steps if step.prefill_tokens]
+    decodes = [step for step in steps if step.decode_seqs]
+    assert sum(step.prefill_tokens for step in prefills) == len(prompt)
+    assert all(step.prefill_seqs == 1 and not step.decode_seqs for step in prefills)
+    # The whole prompt in one chunk: each query token attends to itself and those before.
+    assert prefills[0].attention_pairs == len(prompt) * (len(prompt) + 1) // 2
+    assert len(decodes) == MAX_TOKENS - 1  # the first token came with the prefill
+    assert [step.decode_context_tokens for step in decodes] == [
+        len(prompt) + 1 + k for k in range(MAX_TOKENS - 1)
+    ]
+    assert all(0 < step.seconds < 10 for step in steps)
+    assert all(a.started < b.started for a, b in itertools.pairwise(steps))
 
 
 @pytest.mark.parametrize("name", TOKEN_PROMPTS)

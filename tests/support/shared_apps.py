@@ -22,12 +22,14 @@ import yaml
 
 from deployments.config import deployment_slug
 from deployments.launcher import ROUTER_DEPLOYMENT
+from engines.step_log import step_log_path
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 # vLLM's CPU blocks hold 128 tokens: 64k tokens of KV per engine, 128 MB of the tiny
 # model's, where the shipped 1 GiB each would hold sixteen such applications' worth.
 TEST_KV_BLOCKS = 512
+STEP_LOGS = "steps"  # the folder of an application's step logs, beside its YAML
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class SharedModel:
     overrides: dict[str, Any] = field(default_factory=dict)
     # Of a YAML that serves several models (models.yaml): the one served under this name.
     entry: str | None = None
+    # Its vLLM engines log each step (engine.step_log) under the application's folder.
+    step_log: bool = False
 
     def engine(self, role: str, index: int) -> str:
         """The name of its ``index``-th engine of ``role``'s pool (``engine`` for mixed)."""
@@ -56,7 +60,7 @@ class SharedModel:
 # The shapes whose tests need only their own model (tests/deployments, the hostile and
 # agreement tests): one engine first, as the reference every split is held to.
 SHAPES: dict[str, SharedModel] = {
-    "single": SharedModel(EMBEDDED_MODEL_NAME, "single"),
+    "single": SharedModel(EMBEDDED_MODEL_NAME, "single", step_log=True),
     "dp": SharedModel("dp-tiny", "dp"),
     # dp.yaml with each engine a Serve replica of its own, over the engine transport.
     "dp_apart": SharedModel("dp-apart-tiny", "dp", {"router": {"engine_in_router": False}}),
@@ -158,7 +162,7 @@ def shared_app(folder: Path, name: str, models: dict[str, SharedModel], routers:
     """Write the application serving ``models`` (in order) behind ``routers`` router
     replicas to ``folder``/``name``.yaml."""
     first = _shipped(next(iter(models.values())).shipped)
-    entries = [_entry(model) for model in models.values()]
+    entries = [_entry(model, folder) for model in models.values()]
     shared = {key: first["args"][key] for key in ("accelerator",) if key in first["args"]}
     application = {**first["application"], "args": {**shared, "models": entries}}
     if routers > 1:
@@ -172,13 +176,21 @@ def shared_app(folder: Path, name: str, models: dict[str, SharedModel], routers:
     return path
 
 
-def _entry(model: SharedModel) -> dict[str, Any]:
+def step_log_file(folder: Path, model: SharedModel, role: str = "mixed", index: int = 0) -> Path:
+    """Where the engine ``index`` of ``role`` of a ``step_log`` model of an application
+    written to ``folder`` logs its steps."""
+    return Path(step_log_path(str(folder / STEP_LOGS), model.engine(role, index)))
+
+
+def _entry(model: SharedModel, folder: Path) -> dict[str, Any]:
     args = copy.deepcopy(_shipped(model.shipped)["args"])
     if model.entry is not None:
         (args,) = [m for m in args["models"] if m["model"]["served_model_name"] == model.entry]
     args.pop("accelerator", None)  # the application's, shared by every model
     args["model"] = {**args.get("model", {}), "served_model_name": model.name}
     merged = _merged(args, model.overrides)
+    if model.step_log:
+        merged["engine"] = {**merged.get("engine", {}), "step_log": str(folder / STEP_LOGS)}
     if merged.get("engine", {}).get("backend", "vllm") == "vllm":
         for pool in merged["pools"]:
             kwargs = pool.setdefault("engine_kwargs", {})
