@@ -14,32 +14,50 @@ client, no time between requests, which is what resolves on a box whose end-to-e
 figures move tens of percent between minutes. ``--profile`` judges a profile as well
 (e.g. the one ``python -m loadgen profile`` fitted over HTTP for bench/sim_fidelity.py).
 
+The scheduler replay: each held-out run is served again offline (deployments/simulate.py,
+single.yaml's router and the simulated scheduler) with every step taking what the real
+step that started then took, the requests arriving when the real engine could first
+have seen them. Then the simulated TTFT and last-token time of each request are set
+beside the real ones (median |error| per request): what is left is the scheduler
+model's and the router's, not the latency model's or the box's. The engine's steps
+and the client's requests are on one clock (``time.perf_counter``, CLOCK_MONOTONIC, is
+the host's), so each run's steps are lined up with its requests.
+
     python bench/step_ruler.py [--workloads general,prefill-heavy,decode-heavy]
         [--rates 2,8] [--rounds 2] [--num-requests 40] [--profile FILE]
-        [--out results/step_ruler]
+        [--runs results/step_ruler/runs.json] [--out results/step_ruler]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import itertools
 import json
+import random
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from rich.console import Console
 from rich.table import Table
+from sim_fidelity import zero_profile
 
 from deployments.launcher import config_path, niced_like_ray_workers, serve_run
+from deployments.simulate import EventQueue, OfflineCluster, simulated_application
 from engines.step_log import StepRecord, read_steps
 from loadgen.config import RunConfig, WorkloadConfig
+from loadgen.outputs.stats import RequestMetrics
 from loadgen.scheduling.runner import execute_run
-from splitserve.latency.profile import LatencyProfile, StepShape, load_profile
+from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes, load_profile
+from splitserve.offline_exchange import Arrival
 
 console = Console()
 # The profile's linear terms, in the order of a step's features (``features``).
@@ -51,6 +69,7 @@ TERMS = (
     "per_attention_pair_s",
 )
 TARGET = 0.05  # the issue's bar: median |error| per bucket on held-out steps
+REPLAY_TARGET = 0.03  # and per request, for the scheduler replay
 # Batch-shape buckets: what a step computes, by its kind and size.
 DECODE_BUCKETS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, 1 << 30))
 PREFILL_BUCKETS = ((1, 128), (129, 512), (513, 2048), (2049, 1 << 30))
@@ -159,10 +178,23 @@ def logging_config(out: Path) -> Path:
     return path
 
 
-def collect(args: argparse.Namespace) -> dict[int, list[StepRecord]]:
-    """Each round's steps: every cell run once a round, on one started engine."""
+@dataclass
+class ServedRun:
+    """One run on the real engine: its requests as the client saw them (seconds from
+    the run's start) and the engine's steps while it ran (``started`` from the same
+    start)."""
+
+    round: int
+    workload: str
+    rate: float
+    requests: list[dict[str, Any]]
+    steps: list[StepRecord]
+
+
+def collect(args: argparse.Namespace) -> list[ServedRun]:
+    """Every cell once a round, rounds in turn, on one started engine."""
     cells = [(w, r) for w in args.workloads.split(",") for r in map(float, args.rates.split(","))]
-    by_round: dict[int, list[StepRecord]] = {}
+    runs: list[ServedRun] = []
     with serve_run(str(logging_config(args.out))) as app:
         logs = args.out / "steps"
         for round_index in range(args.rounds):
@@ -178,15 +210,138 @@ def collect(args: argparse.Namespace) -> dict[int, list[StepRecord]]:
                     show_progress=False,
                 )
                 with niced_like_ray_workers():
-                    asyncio.run(execute_run(run, Console(quiet=True)))
-                for log in logs.glob("*.jsonl"):
-                    new = read_steps(log)[before.get(log, 0) :]
-                    by_round.setdefault(round_index, []).extend(new)
+                    result = asyncio.run(execute_run(run, Console(quiet=True)))
+                steps = [
+                    msgspec.structs.replace(step, started=step.started - result.clock_origin_s)
+                    for log in logs.glob("*.jsonl")
+                    for step in read_steps(log)[before.get(log, 0) :]
+                ]
+                requests = [_request(m) for m in result.requests if m.outcome == "ok"]
+                runs.append(ServedRun(round_index, workload, rate, requests, steps))
                 console.print(
-                    f"round {round_index + 1}, {workload} at {rate:g}/s:"
-                    f" {len(by_round.get(round_index, []))} steps so far"
+                    f"round {round_index + 1}, {workload} at {rate:g}/s: {len(steps)} steps,"
+                    f" {len(requests)} requests"
                 )
-    return by_round
+    return runs
+
+
+def _request(metrics: RequestMetrics) -> dict[str, Any]:
+    return {
+        "sent_s": metrics.sent_s,
+        "ttft_s": metrics.ttft_s,
+        "e2e_s": metrics.e2e_s,
+        "prompt_tokens": metrics.input_tokens,
+        "output_tokens": metrics.output_tokens,
+    }
+
+
+# ---- the scheduler replay ------------------------------------------------------------
+
+# A step that starts within this of the last one's end followed it back to back: its
+# gap is the engine core's own work between steps, part of the step's cycle.
+BACK_TO_BACK_S = 0.002
+# A request sent this long after the engine's last step ended found it idle: the time
+# to its first step is the router's path alone.
+IDLE_S = 0.010
+
+
+class MeasuredSteps(StepTimes):
+    """A simulated engine's steps timed by the real run's: each takes the cycle of the
+    real step that started nearest (the scheduler's and the engine's clocks lined up),
+    and says whether that step computed the same shape."""
+
+    def __init__(self, queue: EventQueue, epoch: float, steps: list[StepRecord]) -> None:
+        self._queue, self._epoch = queue, epoch
+        self._steps = steps
+        self._starts = [step.started for step in steps]
+        gaps = [
+            b.started - (a.started + a.seconds)
+            for a, b in itertools.pairwise(steps)
+            if b.started - (a.started + a.seconds) < BACK_TO_BACK_S
+        ]
+        between = statistics.median(gaps) if gaps else 0.0
+        self._cycles = [
+            b.started - a.started
+            if b.started - (a.started + a.seconds) < BACK_TO_BACK_S
+            else a.seconds + between
+            for a, b in itertools.pairwise(steps)
+        ] + ([steps[-1].seconds + between] if steps else [])
+        self.matched = self.steps = 0
+
+    def step(self, step: StepShape) -> float:
+        now = self._queue.now - self._epoch
+        index = bisect.bisect_left(self._starts, now)
+        near = min(
+            (i for i in (index - 1, index) if 0 <= i < len(self._steps)),
+            key=lambda i: abs(self._starts[i] - now),
+        )
+        real = self._steps[near]
+        self.steps += 1
+        self.matched += (real.prefill_tokens, real.decode_seqs) == (
+            step.prefill_tokens,
+            step.decode_seqs,
+        )
+        return self._cycles[near]
+
+    def decode_run_ends(self, batch: int, context_tokens: int, steps: int) -> list[float]:
+        raise AssertionError("a replay runs its steps one at a time")
+
+
+def path_delays(run: ServedRun) -> tuple[float, float]:
+    """(to the engine, back to the client) of the router's path: from the requests sent
+    to an idle engine, the time to the next step's start, and what their TTFT leaves
+    beyond that step."""
+    ends = [step.started + step.seconds for step in run.steps]
+    starts = [step.started for step in run.steps]
+    forward, back = [], []
+    for request in run.requests:
+        sent = request["sent_s"]
+        last = bisect.bisect_right(ends, sent) - 1
+        following = bisect.bisect_left(starts, sent)
+        if following >= len(starts) or (last >= 0 and sent - ends[last] < IDLE_S):
+            continue
+        if last + 1 != following:
+            continue  # a step was running when it was sent
+        to_engine = starts[following] - sent
+        forward.append(to_engine)
+        back.append(request["ttft_s"] - to_engine - run.steps[following].seconds)
+    if not forward:
+        return 0.0, 0.0
+    return statistics.median(forward), max(0.0, statistics.median(back))
+
+
+def replay(run: ServedRun, profile: Path) -> dict[str, Any]:
+    """``run`` offline with its measured steps: per-request errors and the steps whose
+    shape the simulated scheduler matched."""
+    forward, back = path_delays(run)
+    config = simulated_application("single", str(profile))
+    cluster = OfflineCluster(config)
+    (engine,) = cluster.engines.values()
+    measured = MeasuredSteps(cluster.queue, cluster.epoch, run.steps)
+    engine.time_steps_by(measured)
+    rng = random.Random(0)
+    arrivals = [
+        Arrival(
+            index,
+            request["sent_s"] + forward,
+            [rng.randrange(10, 250) for _ in range(request["prompt_tokens"])],
+            request["output_tokens"],
+        )
+        for index, request in enumerate(run.requests)
+    ]
+    outcomes = cluster.run(arrivals)
+    ttft, e2e = [], []
+    for request, outcome in zip(run.requests, outcomes, strict=True):
+        sent = request["sent_s"]
+        ttft.append(abs((outcome.token_times[0] - sent + back) / request["ttft_s"] - 1))
+        e2e.append(abs((outcome.token_times[-1] - sent + back) / request["e2e_s"] - 1))
+    return {
+        "requests": len(outcomes),
+        "ttft_median": statistics.median(ttft),
+        "e2e_median": statistics.median(e2e),
+        "steps_matched": measured.matched / max(1, measured.steps),
+        "path_ms": (1000 * forward, 1000 * back),
+    }
 
 
 def print_table(title: str, judged: dict[str, dict[str, dict[str, float]]]) -> None:
@@ -215,22 +370,18 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="a profile to judge beside the fit")
-    parser.add_argument(
-        "--steps", type=Path, help="judge the steps of an earlier run (its steps.json)"
-    )
+    parser.add_argument("--runs", type=Path, help="judge an earlier run's runs.json")
     parser.add_argument("--out", type=Path, default=Path("results/step_ruler"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.steps is not None:
-        saved = json.loads(args.steps.read_text())
-        by_round = {int(k): [StepRecord(**s) for s in v] for k, v in saved.items()}
+    if args.runs is not None:
+        runs = [_run_of(item) for item in json.loads(args.runs.read_text())]
     else:
-        by_round = collect(args)
-        (args.out / "steps.json").write_text(
-            json.dumps({k: [_record(s) for s in v] for k, v in by_round.items()})
-        )
-    calibration = by_round[0]
-    held_out = [step for index, steps in by_round.items() if index > 0 for step in steps]
+        runs = collect(args)
+        saved = [{**vars(run), "steps": [_record(s) for s in run.steps]} for run in runs]
+        (args.out / "runs.json").write_text(json.dumps(saved))
+    calibration = [step for run in runs if run.round == 0 for step in run.steps]
+    held_out = [step for run in runs if run.round > 0 for step in run.steps]
     terms = fit(calibration)
     judged = {"fit": errors(held_out, fitted_seconds(terms))}
     if args.profile is not None:
@@ -240,16 +391,51 @@ def main() -> None:
         + ", ".join(f"{name} {value * 1e6:.3g} us" for name, value in terms.items())
     )
     print_table(f"held-out steps ({len(held_out)}): |predicted / measured - 1|", judged)
+    replays = [
+        {"workload": run.workload, "rate": run.rate, **replay(run, zero_profile(args.out))}
+        for run in runs
+        if run.round > 0
+    ]
+    print_replays(replays)
     result = {
         "calibration_steps": len(calibration),
         "held_out_steps": len(held_out),
         "fitted_terms": terms,
         "calibration_error": errors(calibration, fitted_seconds(terms)),
         "held_out_error": judged,
+        "replays": replays,
         "target_median": TARGET,
+        "replay_target_median": REPLAY_TARGET,
     }
     (args.out / "step_ruler.json").write_text(json.dumps(result, indent=2))
     console.print(f"saved {args.out / 'step_ruler.json'}")
+
+
+def print_replays(replays: list[dict[str, Any]]) -> None:
+    table = Table(title="scheduler replay on the measured steps: median |simulated / real - 1|")
+    for column in ("workload", "rate", "requests", "TTFT", "last token", "steps matched"):
+        table.add_column(column, justify="right")
+    table.add_column("path ms (to, back)", justify="right")
+    for row in replays:
+        table.add_row(
+            row["workload"],
+            f"{row['rate']:g}",
+            str(row["requests"]),
+            _marked(row["ttft_median"], REPLAY_TARGET),
+            _marked(row["e2e_median"], REPLAY_TARGET),
+            f"{100 * row['steps_matched']:.0f}%",
+            "{:.1f}, {:.1f}".format(*row["path_ms"]),
+        )
+    console.print(table)
+
+
+def _marked(error: float, target: float) -> str:
+    return f"{100 * error:.1f}%" + (" ✓" if error <= target else "")
+
+
+def _run_of(item: dict[str, Any]) -> ServedRun:
+    steps = [StepRecord(**step) for step in item.pop("steps")]
+    return ServedRun(**item, steps=steps)
 
 
 def _record(step: StepRecord) -> dict[str, Any]:

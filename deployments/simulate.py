@@ -143,6 +143,7 @@ class VirtualEngine:
         self.scheduler = SimScheduler(self.limits)
         self._queue = queue
         self._step: ScheduledStep | None = None
+        self._single_steps = False
         self._started = 0.0
         self._ends: list[float] = []  # each step's end, from _started
         self._generation = 0  # an end event of an earlier generation was superseded
@@ -153,6 +154,12 @@ class VirtualEngine:
         # What a real-time simulated engine reports of its prompts and hand-overs.
         self.prompt_tokens: dict[str, int] = {}
         self.transfers = TransferTotals()
+
+    def time_steps_by(self, step_times: StepTimes) -> None:
+        """Time every step by ``step_times`` (a replay's measured steps), one step an
+        event: a run of decodes would ask for its steps' times before they start."""
+        self._step_times = step_times
+        self._single_steps = True
 
     def submit(self, request: SimRequest, on_tokens: Callable[[list[float], bool], None]) -> float:
         """Take ``request`` in; when the front end has (engines/simulated/frontend.py)."""
@@ -188,7 +195,7 @@ class VirtualEngine:
         step = self.scheduler.schedule()
         if step is None:
             return
-        steps = self.scheduler.decode_run_length(step)
+        steps = step.steps if self._single_steps else self.scheduler.decode_run_length(step)
         ends = step_ends(self._step_times, step, steps)
         self._step, self._started, self._ends = step, self._queue.now, ends
         self._generation += 1
