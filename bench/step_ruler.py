@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import psutil
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 import yaml
 from rich.console import Console
@@ -168,11 +169,14 @@ def _order(name: str) -> tuple[int, int]:
     return kind, int(digits or 0)
 
 
-def logging_config(out: Path) -> Path:
-    """single.yaml with its engine logging steps under ``out``/steps."""
+def logging_config(out: Path, engine_core: int | None) -> Path:
+    """single.yaml with its engine logging steps under ``out``/steps (and bound to
+    ``engine_core``, where given)."""
     document = yaml.safe_load(config_path("single").read_text())
     args = document["applications"][0]["args"]
     args["engine"] = {**args.get("engine", {}), "step_log": str((out / "steps").resolve())}
+    if engine_core is not None:
+        args["pools"][0]["cpu_binds"] = [str(engine_core)]
     path = out / "single-step-log.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
@@ -195,7 +199,11 @@ def collect(args: argparse.Namespace) -> list[ServedRun]:
     """Every cell once a round, rounds in turn, on one started engine."""
     cells = [(w, r) for w in args.workloads.split(",") for r in map(float, args.rates.split(","))]
     runs: list[ServedRun] = []
-    with serve_run(str(logging_config(args.out))) as app:
+    if args.engine_core is not None:
+        # The client keeps off the engine's core (the router's processes are Ray's).
+        others = [core for core in range(psutil.cpu_count() or 1) if core != args.engine_core]
+        psutil.Process().cpu_affinity(others or None)
+    with serve_run(str(logging_config(args.out, args.engine_core))) as app:
         logs = args.out / "steps"
         for round_index in range(args.rounds):
             for cell, (workload, rate) in enumerate(cells):
@@ -370,6 +378,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="a profile to judge beside the fit")
+    parser.add_argument(
+        "--engine-core", type=int, help="bind the engine to this core, the client off it"
+    )
     parser.add_argument("--runs", type=Path, help="judge an earlier run's runs.json")
     parser.add_argument("--out", type=Path, default=Path("results/step_ruler"))
     args = parser.parse_args()
