@@ -16,12 +16,12 @@ figures move tens of percent between minutes. ``--profile`` judges a profile as 
 
 The scheduler replay: each held-out run is served again offline (deployments/simulate.py,
 single.yaml's router and the simulated scheduler) with every step taking what the real
-step that started then took, the requests arriving when the real engine could first
-have seen them. Then the simulated TTFT and last-token time of each request are set
-beside the real ones (median |error| per request): what is left is the scheduler
-model's and the router's, not the latency model's or the box's. The engine's steps
-and the client's requests are on one clock (``time.perf_counter``, CLOCK_MONOTONIC, is
-the host's), so each run's steps are lined up with its requests.
+step that started then took, each request arriving when the real engine core took it
+in (the step log's request records). Then each request's simulated TTFT and last-token
+time, from that arrival, are set beside the engine core's (median |error| per
+request): what is left is the scheduler model's, not the latency model's, the HTTP
+path's or the box's. The engine's records and the client's requests are on one clock
+(``time.perf_counter``, CLOCK_MONOTONIC, is the host's), so each run's are lined up.
 
     python bench/step_ruler.py [--workloads general,prefill-heavy,decode-heavy]
         [--rates 2,8] [--rounds 2] [--num-requests 40] [--profile FILE]
@@ -36,6 +36,7 @@ import bisect
 import itertools
 import json
 import random
+import shutil
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from sim_fidelity import zero_profile
 
 from deployments.launcher import config_path, niced_like_ray_workers, serve_run
 from deployments.simulate import EventQueue, OfflineCluster, simulated_application
-from engines.step_log import StepRecord, read_steps
+from engines.step_log import LogRecord, RequestRecord, StepRecord, read_log
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.outputs.stats import RequestMetrics
 from loadgen.scheduling.runner import execute_run
@@ -185,20 +186,22 @@ def logging_config(out: Path, engine_core: int | None) -> Path:
 @dataclass
 class ServedRun:
     """One run on the real engine: its requests as the client saw them (seconds from
-    the run's start) and the engine's steps while it ran (``started`` from the same
-    start)."""
+    the run's start), and the engine core's steps and requests while it ran (their
+    times from the same start)."""
 
     round: int
     workload: str
     rate: float
     requests: list[dict[str, Any]]
     steps: list[StepRecord]
+    engine_requests: list[RequestRecord]
 
 
 def collect(args: argparse.Namespace) -> list[ServedRun]:
     """Every cell once a round, rounds in turn, on one started engine."""
     cells = [(w, r) for w in args.workloads.split(",") for r in map(float, args.rates.split(","))]
     runs: list[ServedRun] = []
+    shutil.rmtree(args.out / "steps", ignore_errors=True)  # this run's logs only
     if args.engine_core is not None:
         # The client keeps off the engine's core (the router's processes are Ray's).
         others = [core for core in range(psutil.cpu_count() or 1) if core != args.engine_core]
@@ -207,7 +210,7 @@ def collect(args: argparse.Namespace) -> list[ServedRun]:
         logs = args.out / "steps"
         for round_index in range(args.rounds):
             for cell, (workload, rate) in enumerate(cells):
-                before = {log: len(read_steps(log)) for log in logs.glob("*.jsonl")}
+                before = {log: len(read_log(log)) for log in logs.glob("*.jsonl")}
                 run = RunConfig(
                     base_url=app.base_url,
                     workload=WorkloadConfig(name=workload),
@@ -219,18 +222,33 @@ def collect(args: argparse.Namespace) -> list[ServedRun]:
                 )
                 with niced_like_ray_workers():
                     result = asyncio.run(execute_run(run, Console(quiet=True)))
-                steps = [
-                    msgspec.structs.replace(step, started=step.started - result.clock_origin_s)
+                records = [
+                    _from_run_start(record, result.clock_origin_s)
                     for log in logs.glob("*.jsonl")
-                    for step in read_steps(log)[before.get(log, 0) :]
+                    for record in read_log(log)[before.get(log, 0) :]
                 ]
+                steps = [r for r in records if isinstance(r, StepRecord)]
+                engine_requests = [r for r in records if isinstance(r, RequestRecord)]
                 requests = [_request(m) for m in result.requests if m.outcome == "ok"]
-                runs.append(ServedRun(round_index, workload, rate, requests, steps))
+                runs.append(
+                    ServedRun(round_index, workload, rate, requests, steps, engine_requests)
+                )
                 console.print(
                     f"round {round_index + 1}, {workload} at {rate:g}/s: {len(steps)} steps,"
                     f" {len(requests)} requests"
                 )
     return runs
+
+
+def _from_run_start(record: LogRecord, origin: float) -> LogRecord:
+    if isinstance(record, StepRecord):
+        return msgspec.structs.replace(record, started=record.started - origin)
+    return msgspec.structs.replace(
+        record,
+        arrived=record.arrived - origin,
+        first_token=record.first_token - origin,
+        last_token=record.last_token - origin,
+    )
 
 
 def _request(metrics: RequestMetrics) -> dict[str, Any]:
@@ -248,15 +266,17 @@ def _request(metrics: RequestMetrics) -> dict[str, Any]:
 # A step that starts within this of the last one's end followed it back to back: its
 # gap is the engine core's own work between steps, part of the step's cycle.
 BACK_TO_BACK_S = 0.002
-# A request sent this long after the engine's last step ended found it idle: the time
-# to its first step is the router's path alone.
-IDLE_S = 0.010
 
 
 class MeasuredSteps(StepTimes):
-    """A simulated engine's steps timed by the real run's: each takes the cycle of the
-    real step that started nearest (the scheduler's and the engine's clocks lined up),
-    and says whether that step computed the same shape."""
+    """A simulated engine's steps on the real run's clock: a step ends where the real
+    step that started nearest it was followed by the next (its duration and the engine
+    core's gap after it, ``between``, where they ran back to back), so that what the
+    replay can get wrong is only which requests each step computes, the scheduler
+    model's part; one that starts too late for that takes the real one's cycle. Its
+    tokens therefore come ``between`` after the real ones, which the replay adds to the
+    real times it compares with. Each step says whether its real one computed the same
+    shape."""
 
     def __init__(self, queue: EventQueue, epoch: float, steps: list[StepRecord]) -> None:
         self._queue, self._epoch = queue, epoch
@@ -267,7 +287,7 @@ class MeasuredSteps(StepTimes):
             for a, b in itertools.pairwise(steps)
             if b.started - (a.started + a.seconds) < BACK_TO_BACK_S
         ]
-        between = statistics.median(gaps) if gaps else 0.0
+        self.between = between = statistics.median(gaps) if gaps else 0.0
         self._cycles = [
             b.started - a.started
             if b.started - (a.started + a.seconds) < BACK_TO_BACK_S
@@ -289,66 +309,52 @@ class MeasuredSteps(StepTimes):
             step.prefill_tokens,
             step.decode_seqs,
         )
-        return self._cycles[near]
+        # It ends where the real next one began: a request the engine core took in
+        # between two steps (where it reads its input) is in the next one here too.
+        cycle = self._cycles[near]
+        until_next = self._starts[near] + cycle - now
+        return until_next if until_next >= cycle / 2 else cycle
 
     def decode_run_ends(self, batch: int, context_tokens: int, steps: int) -> list[float]:
         raise AssertionError("a replay runs its steps one at a time")
 
 
-def path_delays(run: ServedRun) -> tuple[float, float]:
-    """(to the engine, back to the client) of the router's path: from the requests sent
-    to an idle engine, the time to the next step's start, and what their TTFT leaves
-    beyond that step."""
-    ends = [step.started + step.seconds for step in run.steps]
-    starts = [step.started for step in run.steps]
-    forward, back = [], []
-    for request in run.requests:
-        sent = request["sent_s"]
-        last = bisect.bisect_right(ends, sent) - 1
-        following = bisect.bisect_left(starts, sent)
-        if following >= len(starts) or (last >= 0 and sent - ends[last] < IDLE_S):
-            continue
-        if last + 1 != following:
-            continue  # a step was running when it was sent
-        to_engine = starts[following] - sent
-        forward.append(to_engine)
-        back.append(request["ttft_s"] - to_engine - run.steps[following].seconds)
-    if not forward:
-        return 0.0, 0.0
-    return statistics.median(forward), max(0.0, statistics.median(back))
-
-
 def replay(run: ServedRun, profile: Path) -> dict[str, Any]:
-    """``run`` offline with its measured steps: per-request errors and the steps whose
-    shape the simulated scheduler matched."""
-    forward, back = path_delays(run)
+    """``run`` offline with its measured steps and the engine core's arrivals:
+    per-request errors and the steps whose shape the simulated scheduler matched."""
     config = simulated_application("single", str(profile))
     cluster = OfflineCluster(config)
     (engine,) = cluster.engines.values()
     measured = MeasuredSteps(cluster.queue, cluster.epoch, run.steps)
     engine.time_steps_by(measured)
     rng = random.Random(0)
+    # The run's own requests (its warm-up ones came before its start).
+    served = sorted(
+        (record for record in run.engine_requests if record.arrived >= 0),
+        key=lambda record: record.arrived,
+    )
     arrivals = [
         Arrival(
             index,
-            request["sent_s"] + forward,
-            [rng.randrange(10, 250) for _ in range(request["prompt_tokens"])],
-            request["output_tokens"],
+            record.arrived,
+            [rng.randrange(10, 250) for _ in range(record.prompt_tokens)],
+            record.output_tokens,
         )
-        for index, request in enumerate(run.requests)
+        for index, record in enumerate(served)
     ]
     outcomes = cluster.run(arrivals)
-    ttft, e2e = [], []
-    for request, outcome in zip(run.requests, outcomes, strict=True):
-        sent = request["sent_s"]
-        ttft.append(abs((outcome.token_times[0] - sent + back) / request["ttft_s"] - 1))
-        e2e.append(abs((outcome.token_times[-1] - sent + back) / request["e2e_s"] - 1))
+    ttft, last = [], []
+    shift = measured.between
+    for record, outcome in zip(served, outcomes, strict=True):
+        real_ttft = record.first_token + shift - record.arrived
+        ttft.append(abs((outcome.token_times[0] - record.arrived) / real_ttft - 1))
+        real_last = record.last_token + shift - record.arrived
+        last.append(abs((outcome.token_times[-1] - record.arrived) / real_last - 1))
     return {
         "requests": len(outcomes),
         "ttft_median": statistics.median(ttft),
-        "e2e_median": statistics.median(e2e),
+        "e2e_median": statistics.median(last),
         "steps_matched": measured.matched / max(1, measured.steps),
-        "path_ms": (1000 * forward, 1000 * back),
     }
 
 
@@ -389,7 +395,14 @@ def main() -> None:
         runs = [_run_of(item) for item in json.loads(args.runs.read_text())]
     else:
         runs = collect(args)
-        saved = [{**vars(run), "steps": [_record(s) for s in run.steps]} for run in runs]
+        saved = [
+            {
+                **vars(run),
+                "steps": [_record(s) for s in run.steps],
+                "engine_requests": [_record(r) for r in run.engine_requests],
+            }
+            for run in runs
+        ]
         (args.out / "runs.json").write_text(json.dumps(saved))
     calibration = [step for run in runs if run.round == 0 for step in run.steps]
     held_out = [step for run in runs if run.round > 0 for step in run.steps]
@@ -426,7 +439,6 @@ def print_replays(replays: list[dict[str, Any]]) -> None:
     table = Table(title="scheduler replay on the measured steps: median |simulated / real - 1|")
     for column in ("workload", "rate", "requests", "TTFT", "last token", "steps matched"):
         table.add_column(column, justify="right")
-    table.add_column("path ms (to, back)", justify="right")
     for row in replays:
         table.add_row(
             row["workload"],
@@ -435,7 +447,6 @@ def print_replays(replays: list[dict[str, Any]]) -> None:
             _marked(row["ttft_median"], REPLAY_TARGET),
             _marked(row["e2e_median"], REPLAY_TARGET),
             f"{100 * row['steps_matched']:.0f}%",
-            "{:.1f}, {:.1f}".format(*row["path_ms"]),
         )
     console.print(table)
 
@@ -446,11 +457,12 @@ def _marked(error: float, target: float) -> str:
 
 def _run_of(item: dict[str, Any]) -> ServedRun:
     steps = [StepRecord(**step) for step in item.pop("steps")]
-    return ServedRun(**item, steps=steps)
+    engine_requests = [RequestRecord(**r) for r in item.pop("engine_requests", [])]
+    return ServedRun(**item, steps=steps, engine_requests=engine_requests)
 
 
-def _record(step: StepRecord) -> dict[str, Any]:
-    return {name: getattr(step, name) for name in StepRecord.__struct_fields__}
+def _record(record: LogRecord) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in record.__struct_fields__}
 
 
 if __name__ == "__main__":

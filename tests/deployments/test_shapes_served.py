@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from deployments.launcher import RunningApp, replica_engine_pids
-from engines.step_log import read_steps
+from engines.step_log import RequestRecord, StepRecord, read_log
 from tests.support.api_corpus import assert_answers_as
 from tests.support.greedy import metric
 from tests.support.shared_apps import SHAPES, SharedModel, step_log_file
@@ -107,14 +107,15 @@ def test_the_engine_logs_each_step_as_a_profile_counts_it(
     shape: SharedModel, client: openai.OpenAI, serve_logs: Path
 ) -> None:
     """engine.step_log (single's engine logs its steps): one prompt's prefill, then a
-    decode step a token, each reading one more token of context."""
+    decode step a token, each reading one more token of context; then the request."""
     if not shape.step_log:
         pytest.skip("this shape's engines log no steps")
     log = step_log_file(serve_logs, shape)
-    before = len(read_steps(log)) if log.exists() else 0
+    before = len(read_log(log)) if log.exists() else 0
     prompt = [(i * 11) % 240 + 5 for i in range(300)]  # no other test's prefix
     client.completions.create(prompt=prompt, **_completion_kwargs(shape))
-    steps = read_steps(log)[before:]
+    records = read_log(log)[before:]
+    steps = [record for record in records if isinstance(record, StepRecord)]
     prefills = [step for step in steps if step.prefill_tokens]
     decodes = [step for step in steps if step.decode_seqs]
     assert sum(step.prefill_tokens for step in prefills) == len(prompt)
@@ -127,6 +128,11 @@ def test_the_engine_logs_each_step_as_a_profile_counts_it(
     ]
     assert all(0 < step.seconds < 10 for step in steps)
     assert all(a.started < b.started for a, b in itertools.pairwise(steps))
+    # And the request, once finished: taken in before its prefill, its tokens after.
+    (request,) = [record for record in records if isinstance(record, RequestRecord)]
+    assert (request.prompt_tokens, request.output_tokens) == (len(prompt), MAX_TOKENS)
+    assert request.arrived < prefills[0].started < request.first_token
+    assert request.first_token < request.last_token <= decodes[-1].started + 10
 
 
 @pytest.mark.parametrize("name", TOKEN_PROMPTS)
