@@ -41,7 +41,9 @@ def test_a_step_is_read_as_a_profile_counts_it() -> None:
         }
     )
     output = _Output({"chunked": 100, "whole": 50, "decoding": 1, "short": 1, "gone": 3})
-    prefill_tokens, prefill_seqs, pairs, decode_seqs, context = _shape(scheduler, output)
+    shape = _shape(scheduler, output)
+    assert shape is not None
+    prefill_tokens, prefill_seqs, pairs, decode_seqs, context = shape
     assert (prefill_tokens, prefill_seqs, decode_seqs) == (150, 2, 2)
     # Each query attends to what came before it and itself.
     assert pairs == 100 * 200 + 100 * 101 // 2 + 50 * 51 // 2
