@@ -9,8 +9,12 @@ from typing import Any
 import yaml
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
+# What the advisor writes beside them (`advise` answers as a YAML; git ignores them).
+ADVISED = "advised-"
 # Every application YAML shipped in deployments/, by name.
-SHIPPED = sorted(path.stem for path in DEPLOYMENTS.glob("*.yaml"))
+SHIPPED = sorted(
+    path.stem for path in DEPLOYMENTS.glob("*.yaml") if not path.name.startswith(ADVISED)
+)
 
 
 def shipped_args(name: str) -> dict[str, Any]:
