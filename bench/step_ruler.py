@@ -58,6 +58,7 @@ from engines.step_log import LogRecord, RequestRecord, StepRecord, read_log
 from loadgen.config import RunConfig, WorkloadConfig
 from loadgen.outputs.stats import RequestMetrics
 from loadgen.scheduling.runner import execute_run
+from splitserve.latency.fit import nonnegative_least_squares
 from splitserve.latency.profile import LatencyProfile, StepShape, StepTimes, load_profile
 from splitserve.offline_exchange import Arrival
 
@@ -116,23 +117,8 @@ def fit(steps: Sequence[StepRecord]) -> dict[str, float]:
     rows = np.array([features(step) for step in steps])
     seconds = np.array([step.seconds for step in steps])
     weights = 1.0 / seconds
-    solution = _nonnegative_least_squares(rows * weights[:, None], seconds * weights)
+    solution = nonnegative_least_squares(rows * weights[:, None], seconds * weights)
     return dict(zip(TERMS, (float(value) for value in solution), strict=True))
-
-
-def _nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with every term at least 0: a term whose best value is negative is
-    dropped (held at 0) and the rest solved again, the most negative first. Five terms
-    need no more than numpy (scipy is not a dependency)."""
-    active = list(range(a.shape[1]))
-    solution = np.zeros(a.shape[1])
-    while active:
-        values, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        if (values >= 0).all():
-            solution[active] = values
-            break
-        active.pop(int(np.argmin(values)))
-    return solution
 
 
 def fitted_seconds(terms: dict[str, float]) -> Callable[[StepRecord], float]:
@@ -210,7 +196,9 @@ def collect(args: argparse.Namespace) -> list[ServedRun]:
         logs = args.out / "steps"
         for round_index in range(args.rounds):
             for cell, (workload, rate) in enumerate(cells):
-                before = {log: len(read_log(log)) for log in logs.glob("*.jsonl")}
+                # Where each log ends now: the run's records are what follows (the
+                # engine is idle between runs, so no line is half written).
+                before = {log: log.stat().st_size for log in logs.glob("*.jsonl")}
                 run = RunConfig(
                     base_url=app.base_url,
                     workload=WorkloadConfig(name=workload),
@@ -225,7 +213,7 @@ def collect(args: argparse.Namespace) -> list[ServedRun]:
                 records = [
                     _from_run_start(record, result.clock_origin_s)
                     for log in logs.glob("*.jsonl")
-                    for record in read_log(log)[before.get(log, 0) :]
+                    for record in read_log(log, before.get(log, 0))
                 ]
                 steps = [r for r in records if isinstance(r, StepRecord)]
                 engine_requests = [r for r in records if isinstance(r, RequestRecord)]

@@ -65,9 +65,11 @@ def step_log_path(folder: str, engine: str) -> str:
     return str(Path(folder) / f"{engine.replace('/', '_')}.jsonl")
 
 
-def read_log(path: Path) -> list[LogRecord]:
+def read_log(path: Path, offset: int = 0) -> list[LogRecord]:
+    """The records of ``path`` from byte ``offset`` (a size it had earlier) on."""
     decoder = msgspec.json.Decoder(LogRecord)
     with path.open("rb") as lines:
+        lines.seek(offset)
         return [decoder.decode(line) for line in lines if line.strip()]
 
 
