@@ -25,6 +25,8 @@ Route = Literal[
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
     "/v1/models",

@@ -28,9 +28,19 @@ from router.settings import PRIORITIES, ApiKeyConfig, AuthConfig, Priority, chec
 KEYS_ENV = "SPLITSERVE_API_KEYS"
 VLLM_KEY_ENV = "VLLM_API_KEY"
 AUTHORIZATION_HEADER = "authorization"
+# Where Anthropic's clients send their key (its SDK, coding agents given a base URL).
+API_KEY_HEADER = "x-api-key"
 BEARER = "bearer"
 ANONYMOUS = "anonymous"  # the client of a router without keys
 KEY_QUEUE_FULL: RefusalReason = "key_queue_full"  # its own cap, beside admission's
+
+
+def _sent_key(headers: Mapping[str, str]) -> str:
+    """The key a request carries: ``Authorization: Bearer``'s, else ``x-api-key``'s."""
+    scheme, _, token = (headers.get(AUTHORIZATION_HEADER) or "").strip().partition(" ")
+    if scheme.lower() == BEARER and token.strip():
+        return token.strip()
+    return (headers.get(API_KEY_HEADER) or "").strip()
 
 
 class AuthSetupError(ValueError):
@@ -43,8 +53,10 @@ class Unauthorized(OpenAIError):
     def __init__(self, message: str) -> None:
         super().__init__(message, HTTPStatus.UNAUTHORIZED)
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return super().response({**(headers or {}), "WWW-Authenticate": "Bearer"})
+    def response(
+        self, headers: dict[str, str] | None = None, anthropic: bool = False
+    ) -> JSONResponse:
+        return super().response({**(headers or {}), "WWW-Authenticate": "Bearer"}, anthropic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +130,13 @@ class ApiKeys:
         """The request's Client, or Unauthorized (401) / OpenAIError 403."""
         if not self._digests or route in self._open_paths:
             return EVERYONE
-        scheme, _, token = (headers.get(AUTHORIZATION_HEADER) or "").strip().partition(" ")
-        if scheme.lower() != BEARER or not token.strip():
+        token = _sent_key(headers)
+        if not token:
             raise Unauthorized(
                 "missing API key: send it as the header 'Authorization: Bearer <key>'"
+                " (or 'x-api-key: <key>')"
             )
-        client = self._find(token.strip())
+        client = self._find(token)
         if client is None:
             raise Unauthorized("invalid API key")
         if client.routes is not None and route not in client.routes:

@@ -10,6 +10,8 @@ from starlette.exceptions import HTTPException
 
 from router.policies.qos import Refusal, RefusalReason
 
+# Routes whose clients read errors in Anthropic's format.
+ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
@@ -53,11 +55,21 @@ class OpenAIError(Exception):
             }
         }
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def anthropic_body(self) -> dict[str, object]:
+        """The same error as Anthropic's Messages API spells one (vLLM's
+        ``translate_error_response``: OpenAI's error type, the message)."""
+        error_type = _ERROR_TYPES.get(self.status, "APIError")
+        return {"type": "error", "error": {"type": error_type, "message": self.message}}
+
+    def response(
+        self, headers: dict[str, str] | None = None, anthropic: bool = False
+    ) -> JSONResponse:
+        """``anthropic``: in the Messages API's format (its routes, ANTHROPIC_ROUTES)."""
         headers = dict(headers or {})
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
-        return JSONResponse(self.body(), status_code=int(self.status), headers=headers)
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=int(self.status), headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:

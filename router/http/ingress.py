@@ -23,6 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from vllm.entrypoints.anthropic.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+)
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
@@ -50,7 +54,12 @@ app = FastAPI(title="splitserve router")
 app.add_exception_handler(StarletteHTTPException, routing_error_response)
 describe_request_bodies(
     app,
-    {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest},
+    {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/messages": AnthropicMessagesRequest,
+        "/v1/messages/count_tokens": AnthropicCountTokensRequest,
+    },
 )
 
 
@@ -112,6 +121,14 @@ class Router:
     @app.post("/v1/responses")
     async def responses(self, raw: Request) -> Response:
         return self._handle(raw, ResponsesRequest, "/v1/responses")
+
+    @app.post("/v1/messages")
+    async def messages(self, raw: Request) -> Response:
+        return self._handle(raw, AnthropicMessagesRequest, "/v1/messages")
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(self, raw: Request) -> Response:
+        return self._handle(raw, AnthropicCountTokensRequest, "/v1/messages/count_tokens")
 
     @app.post("/tokenize")
     async def tokenize(self, raw: Request) -> Response:

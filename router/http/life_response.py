@@ -12,7 +12,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from router.http.errors import OpenAIError
+from router.http.errors import ANTHROPIC_ROUTES, OpenAIError
 from router.lifecycle import RequestLife
 
 logger = logging.getLogger("splitserve.router")
@@ -31,17 +31,18 @@ class LifeResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         life = self._life
+        anthropic = life.route in ANTHROPIC_ROUTES
         try:
             try:
                 response = await self._answer()
             except OpenAIError as error:
-                response = error.response(life.headers)
-            except Exception as error:  # a bug of ours: still an answer in OpenAI's format
+                response = error.response(life.headers, anthropic)
+            except Exception as error:  # a bug of ours: still an answer in the API's format
                 logger.exception("the router failed a request on %s", life.route)
                 response = OpenAIError(
                     f"the router failed: {type(error).__name__}: {error}",
                     HTTPStatus.INTERNAL_SERVER_ERROR,
-                ).response()
+                ).response(anthropic=anthropic)
             life.status = response.status_code
             await response(scope, receive, send)
         finally:

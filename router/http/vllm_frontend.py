@@ -28,6 +28,15 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.engine.protocol import EngineClient
+from vllm.entrypoints.anthropic.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicCountTokensResponse,
+    AnthropicError,
+    AnthropicErrorResponse,
+    AnthropicMessagesRequest,
+    AnthropicMessagesResponse,
+)
+from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -481,6 +490,20 @@ class VllmFrontend:
             tool_parser=options.tool_call_parser,
             reasoning_parser=reasoning_parser,
         )
+        # Anthropic's Messages API: vLLM's chat serving class underneath, so the same
+        # template, tool parser and dispatch.
+        self.messages = AnthropicServingMessages(
+            client,
+            models,
+            RESPONSE_ROLE,
+            online_renderer=self._renderer,
+            request_logger=None,
+            chat_template=template,
+            chat_template_content_format="auto",
+            enable_auto_tools=options.enable_auto_tool_choice,
+            tool_parser=options.tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
         self.tokenization = ServingTokenization(
             models,
             self._renderer,
@@ -504,15 +527,17 @@ class VllmFrontend:
             if life.error is not None:
                 raise life.error from error
             response = create_error_response(error)
-            body = response.model_dump(mode="json")
-            return JSONResponse(body, status_code=response.error.code)
+            return _error_answer(request, response, response.model_dump(mode="json"))
         if life.error is not None:
             if events is not None:
                 await events.aclose()  # type: ignore[union-attr]
             raise life.error
         if isinstance(result, ErrorResponse):
-            body = result.model_dump(mode="json", by_alias=True)
-            return JSONResponse(body, status_code=result.error.code)
+            return _error_answer(request, result, result.model_dump(mode="json", by_alias=True))
+        if isinstance(result, AnthropicMessagesResponse | AnthropicCountTokensResponse):
+            # As vLLM's Anthropic routes write them: fields left unset are left out.
+            body = result.model_dump(mode="json", exclude_none=True)
+            return JSONResponse(body, headers=life.headers)
         if events is None:
             body = result.model_dump(mode="json", by_alias=True)
             return JSONResponse(body, headers=life.headers)
@@ -527,11 +552,24 @@ class VllmFrontend:
             return await _bound(self.completion, life).create_completion(request, raw)
         if isinstance(request, ResponsesRequest):
             return await _bound(self.responses, life).create_responses(request, raw)
+        if isinstance(request, AnthropicMessagesRequest):
+            return await _bound(self.messages, life).create_messages(request, raw)
+        if isinstance(request, AnthropicCountTokensRequest):
+            return await self.messages.count_tokens(request, raw)
         if isinstance(request, TokenizeRequest):
             return await self.tokenization.create_tokenize(request, raw)
         if isinstance(request, DetokenizeRequest):
             return await self.tokenization.create_detokenize(request, raw)
         raise TypeError(f"no vLLM serving class takes {type(request).__name__}")
+
+
+def _error_answer(request: Any, error: ErrorResponse, body: dict[str, Any]) -> JSONResponse:
+    """vLLM's error as its server answers it: ``body`` (OpenAI's format), or on
+    Anthropic's routes that error in Anthropic's format (vLLM's translate_error_response)."""
+    if isinstance(request, AnthropicMessagesRequest | AnthropicCountTokensRequest):
+        anthropic = AnthropicError(type=error.error.type, message=error.error.message)
+        body = AnthropicErrorResponse(error=anthropic).model_dump()
+    return JSONResponse(body, status_code=error.error.code)
 
 
 Serving = TypeVar("Serving")

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import psutil
@@ -192,6 +193,32 @@ def test_every_kind_of_request_is_answered_as_bare_vllm(
 ) -> None:
     """The API corpus (tests/support/api_corpus.py), each kind against `vllm serve`'s answer."""
     assert_answers_as(vllm_answers, app.base_url, shape.name)
+
+
+def test_anthropics_sdk_reads_a_message_whole_and_streamed(
+    shape: SharedModel, app: RunningApp
+) -> None:
+    """Anthropic's own client pointed at the router (as a coding agent given a base URL):
+    the Messages API, whole and streamed, greedy, reads the same text either way."""
+    question = dict(
+        model=shape.name,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        system="Answer briefly.",
+        messages=[{"role": "user", "content": CHAT_PROMPTS["question"]}],
+    )
+    with anthropic.Anthropic(base_url=app.base_url, api_key="unused", max_retries=0) as client:
+        whole = client.messages.create(**question)  # type: ignore[call-overload]
+        with client.messages.stream(**question) as stream:  # type: ignore[arg-type]
+            streamed = "".join(stream.text_stream)
+            final = stream.get_final_message()
+    assert whole.content[0].type == "text" and whole.content[0].text
+    assert streamed == whole.content[0].text
+    assert (final.stop_reason, final.usage.output_tokens) == (
+        whole.stop_reason,
+        whole.usage.output_tokens,
+    )
+    assert whole.usage.output_tokens <= MAX_TOKENS and whole.usage.input_tokens > 0
 
 
 def _owner(pid: int) -> str | None:

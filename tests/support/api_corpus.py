@@ -1,11 +1,13 @@
-"""One corpus of OpenAI requests, each answered by bare ``vllm serve`` and by every shape.
+"""One corpus of OpenAI and Anthropic requests, each answered by bare ``vllm serve`` and by
+every shape.
 
 Every kind exercises one feature of vLLM's API (tools, schemas, logprobs, seeds, n,
-echo, the Responses API, tokenize...), streamed and not. An answer is compared by what
-a client reads from it: the status, each choice's text and token ids, tool calls,
-finish reasons, usage, and logprobs within ``LOGPROB_TOLERANCE``; a stream is folded
-into the same shape first, since its chunking is the server's own business. Ids and
-timestamps, which differ on every call, are left out.
+echo, the Responses API, tokenize, Anthropic's Messages API...), streamed and not. An
+answer is compared by what a client reads from it: the status, each choice's text and
+token ids, tool calls, finish reasons, usage, and logprobs within ``LOGPROB_TOLERANCE``;
+a Messages answer by its content blocks, stop reason and usage. A stream is folded into
+one answer first, since its chunking is the server's own business. Ids and timestamps,
+which differ on every call, are left out.
 """
 
 from __future__ import annotations
@@ -50,6 +52,39 @@ def completion(**fields: Any) -> tuple[str, dict[str, Any]]:
 def chat(**fields: Any) -> tuple[str, dict[str, Any]]:
     body = {"model": MODEL, "messages": USER, "max_tokens": 8, **fields}
     return CHAT, body
+
+
+MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
+# Anthropic's spelling of WEATHER_TOOL.
+WEATHER_TOOL_ANTHROPIC = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": WEATHER_TOOL["function"]["parameters"],  # type: ignore[index]
+}
+TOOL_USE_HISTORY = [
+    *USER,
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+        ],
+    },
+    {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21 C"}],
+    },
+]
+MULTI_TURN = [
+    *USER,
+    {"role": "assistant", "content": "It is sunny."},
+    {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
+]
+
+
+def messages(**fields: Any) -> tuple[str, dict[str, Any]]:
+    """An Anthropic Messages request (temperature 0 unless told)."""
+    body = {"model": MODEL, "messages": USER, "max_tokens": 8, "temperature": 0, **fields}
+    return MESSAGES, body
 
 
 def _both(name: str, route_body: tuple[str, dict[str, Any]]) -> dict[str, tuple[str, dict]]:
@@ -161,6 +196,37 @@ CORPUS: dict[str, tuple[str, dict[str, Any]]] = {
     "tokenize-chat": ("/tokenize", {"model": MODEL, "messages": USER}),
     "detokenize": ("/detokenize", {"model": MODEL, "tokens": [72, 101, 108, 108, 111]}),
     "unknown-model": (COMPLETIONS, {"model": "gpt-17", "prompt": "x"}),
+    **_both("messages", messages()),
+    **_both(
+        "messages-system-multi-turn",
+        messages(system="Answer in one word.", messages=MULTI_TURN, max_tokens=12),
+    ),
+    "messages-system-blocks": messages(system=[{"type": "text", "text": "Be brief."}]),
+    **_both("messages-stop-sequences", messages(stop_sequences=["e"], max_tokens=16)),
+    # top_k 1: the sampling fields are taken and passed on, and the answer stays greedy.
+    "messages-sampling": messages(temperature=0.9, top_p=0.95, top_k=1, max_tokens=12),
+    "messages-tools-auto": messages(
+        tools=[WEATHER_TOOL_ANTHROPIC], tool_choice={"type": "auto"}, max_tokens=96
+    ),
+    **_both(
+        "messages-tools-any",
+        messages(tools=[WEATHER_TOOL_ANTHROPIC], tool_choice={"type": "any"}, max_tokens=96),
+    ),
+    **_both(
+        "messages-tools-named",
+        messages(
+            tools=[WEATHER_TOOL_ANTHROPIC],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            max_tokens=96,
+        ),
+    ),
+    "messages-tool-result": messages(messages=TOOL_USE_HISTORY, tools=[WEATHER_TOOL_ANTHROPIC]),
+    "messages-count-tokens": (
+        COUNT_TOKENS,
+        {"model": MODEL, "messages": MULTI_TURN, "system": "Answer in one word."},
+    ),
+    "messages-unknown-model": (MESSAGES, {**messages()[1], "model": "claude-17"}),
+    "messages-past-the-context": messages(max_tokens=10**6),
     "past-the-context": completion(max_tokens=10**6),
     "suffix": completion(suffix="!"),
 }
@@ -187,7 +253,9 @@ def ask(
         error = response.json()
         answer["error"] = (error.get("error") or {}).get("type") or error
         return answer
-    if body.get("stream"):
+    if body.get("stream") and route == MESSAGES:
+        answer["body"] = _fold_messages_stream(response.text)
+    elif body.get("stream"):
         answer["body"] = _fold_stream(response.text)
     else:
         answer["body"] = _read(response.json())
@@ -257,6 +325,48 @@ def _fold_stream(text: str) -> dict[str, Any]:
             _fold_choice(choices.setdefault(choice["index"], {}), choice)
     folded = [_folded(choices[i]) for i in sorted(choices)]
     return {"choices": folded, "usage": _usage(usage)}
+
+
+def _fold_messages_stream(text: str) -> dict[str, Any]:
+    """A Messages stream as one answer: its content blocks (text joined, a tool call's
+    input parsed from its JSON deltas), the last stop reason, and the usage its events
+    reported (the start's input tokens, the last delta's output tokens)."""
+    blocks: dict[int, dict[str, Any]] = {}
+    folded: dict[str, Any] = {"events": [], "usage": {}}
+    for line in text.split("\n"):
+        if not line.startswith("data: "):
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        kind = event.get("type")
+        folded["events"].append(kind)
+        if kind == "message_start":
+            folded["usage"].update(event["message"].get("usage") or {})
+        elif kind == "content_block_start":
+            block = _without_volatile(event["content_block"])
+            blocks[event["index"]] = {**block, "partial_json": ""}
+        elif kind == "content_block_delta":
+            _fold_block_delta(blocks[event["index"]], event["delta"])
+        elif kind == "message_delta":
+            folded["stop_reason"] = event["delta"].get("stop_reason")
+            folded["usage"].update(event.get("usage") or {})
+    folded["content"] = [_finished_block(blocks[index]) for index in sorted(blocks)]
+    # Pings are the server's own pacing; the order of the rest is the protocol's.
+    folded["events"] = [kind for kind in folded["events"] if kind != "ping"]
+    return folded
+
+
+def _fold_block_delta(block: dict[str, Any], delta: dict[str, Any]) -> None:
+    if delta.get("type") == "text_delta":
+        block["text"] = block.get("text", "") + delta["text"]
+    elif delta.get("type") == "input_json_delta":
+        block["partial_json"] += delta["partial_json"]
+
+
+def _finished_block(block: dict[str, Any]) -> dict[str, Any]:
+    partial = block.pop("partial_json")
+    if block.get("type") == "tool_use" and partial:
+        block["input"] = json.loads(partial)
+    return block
 
 
 def _folded(choice: dict[str, Any]) -> dict[str, Any]:

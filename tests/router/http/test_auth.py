@@ -97,6 +97,27 @@ def test_a_key_finds_its_client_by_name_whatever_the_scheme_case() -> None:
     assert client == Client("TEAM_A_KEY", "normal", 2, None)
 
 
+def test_a_key_in_x_api_key_is_taken_where_no_bearer_is_sent() -> None:
+    # Anthropic's SDK and the agents built on it send their key so.
+    assert keys().authenticate({"x-api-key": f" {TEAM_KEY} "}, CHAT).name == "TEAM_A_KEY"
+    with pytest.raises(Unauthorized):
+        keys().authenticate({"x-api-key": "sk-wrong"}, CHAT)
+    # Both sent: the bearer token is the key, as vllm serve reads it.
+    both = {**bearer(PROBE_KEY), "x-api-key": TEAM_KEY}
+    assert keys().authenticate(both, "/metrics").name == "prometheus"
+
+
+def test_a_401_in_anthropics_format_keeps_its_challenge() -> None:
+    with pytest.raises(Unauthorized) as raised:
+        keys().authenticate({}, "/v1/messages")
+    response = raised.value.response(anthropic=True)
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    assert isinstance(response.body, bytes)
+    body = json.loads(response.body)
+    assert body["type"] == "error" and body["error"]["type"] == "AuthenticationError"
+    assert set(body["error"]) == {"type", "message"}
+
+
 def test_a_key_not_allowed_a_route_is_a_403() -> None:
     with pytest.raises(OpenAIError) as raised:
         keys().authenticate(bearer(PROBE_KEY), CHAT)
