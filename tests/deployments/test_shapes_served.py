@@ -203,7 +203,8 @@ def test_anthropics_sdk_reads_a_message_whole_and_streamed(
     question = dict(
         model=shape.name,
         max_tokens=MAX_TOKENS,
-        temperature=0,
+        # This SDK release no longer takes temperature as an argument; the API still does.
+        extra_body={"temperature": 0},
         system="Answer briefly.",
         messages=[{"role": "user", "content": CHAT_PROMPTS["question"]}],
     )

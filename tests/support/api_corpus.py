@@ -350,8 +350,11 @@ def _fold_messages_stream(text: str) -> dict[str, Any]:
             folded["stop_reason"] = event["delta"].get("stop_reason")
             folded["usage"].update(event.get("usage") or {})
     folded["content"] = [_finished_block(blocks[index]) for index in sorted(blocks)]
-    # Pings are the server's own pacing; the order of the rest is the protocol's.
-    folded["events"] = [kind for kind in folded["events"] if kind != "ping"]
+    # Pings, and how many deltas a block's text or JSON came in, are the server's own
+    # chunking (a relay behind its engine joins deltas); the order of the rest is the
+    # protocol's.
+    kinds = [kind for kind in folded["events"] if kind != "ping"]
+    folded["events"] = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
     return folded
 
 
