@@ -134,24 +134,29 @@ def vllm_router(engines: int) -> Iterator[tuple[str, ...]]:
         yield (base_url,)
 
 
-def _request_bytes(url: str, max_tokens: int, model: str) -> tuple[str, int, bytes]:
-    """Host, port and the raw HTTP request of one streamed completion."""
+def completion_request(url: str, fields: dict[str, Any]) -> tuple[str, int, bytes]:
+    """Host, port and the raw HTTP request of one completion of ``fields`` (a request a
+    connection, as _one_stream reads it)."""
     address = urlsplit(url)
-    body = json.dumps(
-        {
-            "model": model,
-            "prompt": "relay",
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
+    body = json.dumps(fields).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
         "Content-Type: application/json\r\nConnection: close\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
     return address.hostname or "127.0.0.1", address.port or 80, head + body
+
+
+def _request_bytes(url: str, max_tokens: int, model: str) -> tuple[str, int, bytes]:
+    """One streamed completion with its usage."""
+    fields = {
+        "model": model,
+        "prompt": "relay",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return completion_request(url, fields)
 
 
 async def _one_stream(host: str, port: int, request: bytes) -> tuple[int, int]:

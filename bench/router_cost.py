@@ -49,12 +49,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import psutil
 import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from overhead import bare_vllm, engines_apart_url, serve_run_url
-from relay_capacity import _one_stream
+from relay_capacity import _one_stream, completion_request
 from rich.console import Console
 from rich.table import Table
 
@@ -147,26 +146,18 @@ class Cell:
 
 def request_bytes(url: str, path: str, max_tokens: int) -> tuple[str, int, bytes]:
     """Host, port and the raw HTTP request of one streamed completion on ``path``."""
-    address = urlsplit(url)
     usage: dict[str, bool] = {"include_usage": True}
     if path == "vllm":
         usage["continuous_usage_stats"] = True
-    body = json.dumps(
-        {
-            "model": EMBEDDED_MODEL_NAME,
-            "prompt": PROMPT,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": usage,
-        }
-    ).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\n"
-        "Content-Type: application/json\r\nConnection: close\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    return address.hostname or "127.0.0.1", address.port or 80, head + body
+    fields = {
+        "model": EMBEDDED_MODEL_NAME,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": usage,
+    }
+    return completion_request(url, fields)
 
 
 async def _closed_loop(target: tuple[str, int, bytes], cell: Cell) -> dict[str, int]:

@@ -49,17 +49,21 @@ class OpenAIError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": _ERROR_TYPES.get(self.status, "APIError"),
+                "type": self.error_type,
                 "param": self.param,
                 "code": int(self.status),
             }
         }
 
+    @property
+    def error_type(self) -> str:
+        """OpenAI's name for the status, which both formats carry."""
+        return _ERROR_TYPES.get(self.status, "APIError")
+
     def anthropic_body(self) -> dict[str, object]:
         """The same error as Anthropic's Messages API spells one (vLLM's
         ``translate_error_response``: OpenAI's error type, the message)."""
-        error_type = _ERROR_TYPES.get(self.status, "APIError")
-        return {"type": "error", "error": {"type": error_type, "message": self.message}}
+        return {"type": "error", "error": {"type": self.error_type, "message": self.message}}
 
     def response(
         self, headers: dict[str, str] | None = None, anthropic: bool = False

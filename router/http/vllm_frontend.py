@@ -58,7 +58,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from engines.model_source import resolve_model
 from engines.protocol import GenerateChunk, GenerateRequest, LoraAdapter, TokenLogprobs
 from engines.settings import ModelConfig
-from router.http.errors import OpenAIError
+from router.http.errors import ANTHROPIC_ROUTES, OpenAIError
 from router.lifecycle import RequestLife
 
 T = TypeVar("T")
@@ -463,18 +463,22 @@ class VllmFrontend:
             tool_parser=options.tool_call_parser,
             reasoning_parser=reasoning_parser,
         )
+        # What vLLM's chat serving class, and the Messages class built on it, both take.
+        chat_options: dict[str, Any] = {
+            "online_renderer": self._renderer,
+            "request_logger": None,
+            "chat_template": template,
+            "chat_template_content_format": "auto",
+            "enable_auto_tools": options.enable_auto_tool_choice,
+            "tool_parser": options.tool_call_parser,
+            "reasoning_parser": reasoning_parser,
+        }
         self.chat = OpenAIServingChat(
             client,
             models,
             RESPONSE_ROLE,
-            online_renderer=self._renderer,
-            request_logger=None,
-            chat_template=template,
-            chat_template_content_format="auto",
             trust_request_chat_template=options.trust_request_chat_template,
-            enable_auto_tools=options.enable_auto_tool_choice,
-            tool_parser=options.tool_call_parser,
-            reasoning_parser=reasoning_parser,
+            **chat_options,
         )
         self.completion = OpenAIServingCompletion(
             client, models, online_renderer=self._renderer, request_logger=None
@@ -492,18 +496,7 @@ class VllmFrontend:
         )
         # Anthropic's Messages API: vLLM's chat serving class underneath, so the same
         # template, tool parser and dispatch.
-        self.messages = AnthropicServingMessages(
-            client,
-            models,
-            RESPONSE_ROLE,
-            online_renderer=self._renderer,
-            request_logger=None,
-            chat_template=template,
-            chat_template_content_format="auto",
-            enable_auto_tools=options.enable_auto_tool_choice,
-            tool_parser=options.tool_call_parser,
-            reasoning_parser=reasoning_parser,
-        )
+        self.messages = AnthropicServingMessages(client, models, RESPONSE_ROLE, **chat_options)
         self.tokenization = ServingTokenization(
             models,
             self._renderer,
@@ -526,14 +519,13 @@ class VllmFrontend:
         except Exception as error:  # vLLM raises what it does not return, as its server
             if life.error is not None:
                 raise life.error from error
-            response = create_error_response(error)
-            return _error_answer(request, response, response.model_dump(mode="json"))
+            return _error_answer(life, create_error_response(error), by_alias=False)
         if life.error is not None:
             if events is not None:
                 await events.aclose()  # type: ignore[union-attr]
             raise life.error
         if isinstance(result, ErrorResponse):
-            return _error_answer(request, result, result.model_dump(mode="json", by_alias=True))
+            return _error_answer(life, result, by_alias=True)
         if isinstance(result, AnthropicMessagesResponse | AnthropicCountTokensResponse):
             # As vLLM's Anthropic routes write them: fields left unset are left out.
             body = result.model_dump(mode="json", exclude_none=True)
@@ -563,12 +555,15 @@ class VllmFrontend:
         raise TypeError(f"no vLLM serving class takes {type(request).__name__}")
 
 
-def _error_answer(request: Any, error: ErrorResponse, body: dict[str, Any]) -> JSONResponse:
-    """vLLM's error as its server answers it: ``body`` (OpenAI's format), or on
-    Anthropic's routes that error in Anthropic's format (vLLM's translate_error_response)."""
-    if isinstance(request, AnthropicMessagesRequest | AnthropicCountTokensRequest):
+def _error_answer(life: RequestLife, error: ErrorResponse, by_alias: bool) -> JSONResponse:
+    """vLLM's error as its server answers it: in OpenAI's format, or on Anthropic's routes
+    (ANTHROPIC_ROUTES, as the router's own errors) in Anthropic's, as vLLM's
+    translate_error_response spells it."""
+    if life.route in ANTHROPIC_ROUTES:
         anthropic = AnthropicError(type=error.error.type, message=error.error.message)
         body = AnthropicErrorResponse(error=anthropic).model_dump()
+    else:
+        body = error.model_dump(mode="json", by_alias=by_alias)
     return JSONResponse(body, status_code=error.error.code)
 
 

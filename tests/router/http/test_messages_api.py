@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from engines.tiny_model import EMBEDDED_MODEL_NAME
-from router.http import ingress
+from router.http.auth import KEYS_ENV
 from tests.support.in_process_router import REPLICA, http_client, in_process_router, metric
 
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
@@ -134,14 +134,7 @@ async def test_messages_are_counted_by_route_as_every_request(client: httpx.Asyn
 
 @pytest.fixture
 def anthropic_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPLITSERVE_API_KEYS", KEY)
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-
-    class Context:
-        class replica_id:  # the shape of Serve's context, which /health names
-            unique_id = "in-process"
-
-    monkeypatch.setattr(ingress.serve, "get_replica_context", Context)
+    monkeypatch.setenv(KEYS_ENV, KEY)
 
 
 async def test_a_key_is_taken_from_x_api_key_as_anthropics_clients_send_it(
