@@ -500,6 +500,30 @@ QOS = Row(
                 ),
             ),
         ),
+        Panel(
+            "Fair shares: requests by API key",
+            "Admitted and refused requests per second by API key (its configured name;"
+            " anonymous: requests without one), and each key's admitted requests waiting"
+            " for a first token, what its weighted share is kept against.",
+            "short",
+            (
+                Target(
+                    rate_by(c.KEY_REQUESTS.total, MODEL, "key, outcome"),
+                    legend("key, outcome"),
+                ),
+                Target(
+                    f"sum by (key) ({c.KEY_WAITING.name}{{{MODEL}}})",
+                    "waiting {{key}}",
+                ),
+            ),
+        ),
+        latency(
+            "Fair shares: TTFT by API key",
+            "Router-side time to first token of streamed requests, per API key.",
+            c.KEY_TTFT.bucket,
+            MODEL,
+            "key",
+        ),
     ),
 )
 

@@ -287,7 +287,7 @@ class AlwaysReady:
         raise AssertionError("an offline cluster is ready before its first request")
 
 
-def _uncounted(model: str, route: str, status: str, priority: str) -> None:
+def _uncounted(life: RequestLife) -> None:
     """Offline, a request's count is its outcome."""
 
 

@@ -384,7 +384,7 @@ class EngineHost:
                 "kv_transfer_params": request.kv_transfer_params,
             }
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
-        priority = request.priority if self._schedules_by_priority else 0
+        priority = request.scheduling_priority() if self._schedules_by_priority else 0
         lora = None if request.lora is None else _lora_request(request.lora)
         try:
             async for output in self._engine.generate(

@@ -30,6 +30,12 @@ class LoraAdapter(msgspec.Struct, array_like=True, frozen=True):
     path: str
 
 
+# A turn's bits below the priority's in ``GenerateRequest.scheduling_priority``: vLLM
+# carries priorities as int64, and three priorities' turns fit.
+TURN_BITS = 48
+TURN_LIMIT = (1 << TURN_BITS) - 1
+
+
 class GenerateRequest(msgspec.Struct, array_like=True):
     request_id: str
     # Which router process receives this request's deltas (see EngineReplica.deltas).
@@ -48,6 +54,15 @@ class GenerateRequest(msgspec.Struct, array_like=True):
     deadline: float | None = None
     # The adapter the request runs with; None for the base model.
     lora: LoraAdapter | None = None
+    # Its place among its priority's requests by its API key's fair share (lower first;
+    # router/policies/fair_share.py); 0 where no shares are kept.
+    turn: int = 0
+
+    def scheduling_priority(self) -> int:
+        """What an engine that schedules by priority orders by, then by arrival: the
+        priority, then the turn within it. A turn past TURN_LIMIT (2**38 requests of a
+        weight-1 key at one priority) orders by arrival only."""
+        return (self.priority << TURN_BITS) | min(self.turn, TURN_LIMIT)
 
 
 # SamplingParams.extra_args key: the token ids a handed-over request's output must start

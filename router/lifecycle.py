@@ -3,21 +3,24 @@
 A ``RequestLife`` takes one request from the moment the ingress reads it to the last
 byte of its answer, one method a step:
 
-1. ``enter``: its model is known and its API key took it, at a priority;
+1. ``enter``: its model is known and its API key took it, at a priority, with a place
+   in the key's own queue (or refused, past the key's cap);
 2. ``admit_early``: QoS refuses it before its body is parsed where its priority's queue
-   alone breaks a limit;
-3. ``plan``: the dispatcher plans its engines and where its prompt is computed, and QoS
-   refuses it by the plan's TTFT estimate;
+   alone breaks a limit and its key is not under its fair share;
+3. ``plan``: the dispatcher plans its engines and where its prompt is computed, QoS
+   refuses it by the plan's TTFT estimate, and an admitted request takes its key's
+   turn within its priority (router/policies/fair_share.py);
 4. ``open``: the plan starts and its first chunk is read, so that a failure before it
    is a status (an unavailable DP engine is replaced once); from the start it counts as
    in flight on its engines (their ``EngineState``), and once the first chunk is there
-   where it runs is final, headers included;
+   where it runs is final, headers included, and its turn and key's place are over;
 5. ``relay``: its chunks as they come, each streamed token timed, the prefix estimate
    set beside what the engine found, its end recorded;
 6. ``release``: once, however it ended: its engine streams closed (which aborts what
    still runs and frees a hand-over's KV nobody loaded), its engines' in-flight counts
-   undone, where its prompt ran counted, its key's queue slot given back, and the
-   request counted with its status. Nothing else counts a request.
+   undone, where its prompt ran counted, its key's queue slot and turn given back, and
+   the request counted with its status (and, by key, as admitted or refused). Nothing
+   else counts a request.
 
 The HTTP answer (router/http/life_response.py) holds the whole life in one
 ``try``/``finally``. ``Lifecycle`` is what one served model's requests live through;
@@ -38,9 +41,10 @@ from typing import Protocol
 from engines.contract import EngineFailed, EngineUnavailable
 from engines.protocol import GenerateChunk, GenerateRequest
 from router.dispatch import Dispatch, Dispatcher, Plan
-from router.http.auth import QueueSlot
+from router.http.auth import EVERYONE, QueueSlot
 from router.http.errors import OpenAIError, Rejection
 from router.observation.requests import RequestMetrics
+from router.policies.fair_share import FairShares, Flow, Standing, Turn
 from router.policies.qos import ENGINE_PRIORITY, AdmissionControl, Refusal
 from router.settings import Priority, RouterConfig
 
@@ -83,8 +87,10 @@ class WallClock:
         return asyncio.get_running_loop().time() + after_s
 
 
-# Counts one request once it ends: (model, route, status, priority).
-RequestCount = Callable[[str, str, str, str], None]
+# Counts one request once it ends (its model, route, status, priority, key's outcome).
+RequestCount = Callable[["RequestLife"], None]
+# The flow of requests without an API key: one, as fair shares count them.
+KEYLESS = EVERYONE.flow
 
 
 @dataclass(slots=True)
@@ -103,8 +109,9 @@ class Opened:
 
 
 class Lifecycle:
-    """What one served model's requests live through: its admission control,
-    dispatcher, readiness and metrics, and the clock they all read."""
+    """What one served model's requests live through: its admission control and its
+    keys' fair shares, dispatcher, readiness and metrics, and the clock they all read.
+    Without ``fair_shares``, no turns are given (the offline simulation's one flow)."""
 
     def __init__(
         self,
@@ -115,6 +122,7 @@ class Lifecycle:
         readiness: ReadinessView,
         metrics: RequestMetrics,
         clock: RouterClock | None = None,
+        fair_shares: FairShares | None = None,
     ) -> None:
         self.model = model
         self.router = router
@@ -123,17 +131,36 @@ class Lifecycle:
         self.readiness = readiness
         self.metrics = metrics
         self.clock = clock or WallClock()
+        self.fair_shares = fair_shares
 
-    def enter(self, life: RequestLife, priority: Priority, slot: QueueSlot | None) -> None:
-        """``life`` is this model's request now, at ``priority``, holding ``slot`` in
-        its API key's queue until its first token (None: no key's queue holds it)."""
+    def enter(
+        self,
+        life: RequestLife,
+        priority: Priority,
+        slot: QueueSlot | Refusal | None,
+        flow: Flow = KEYLESS,
+    ) -> None:
+        """``life`` is this model's request now, at ``priority``, of ``flow``, holding
+        ``slot`` in its API key's queue until its first token (None: no key's queue
+        holds it; a Refusal: the key's cap refused it, raised here)."""
         life.model, life.priority, life.granted = self.model, priority, priority
-        life.lifecycle, life.slot = self, slot
+        life.lifecycle, life.flow = self, flow
+        if isinstance(slot, Refusal):
+            self.refuse(life, slot)
+        else:
+            life.slot = slot
 
-    def refuse(self, refusal: Refusal | None, priority: Priority) -> None:
+    def refuse(self, life: RequestLife, refusal: Refusal | None) -> None:
+        """Every refusal of a request, counted (by reason and priority, and by key at its
+        release) and raised; None: admitted."""
         if refusal is not None:
-            self.metrics.model.rejections.labels(refusal.reason, priority).inc()
+            life.outcome = "refused"
+            self.metrics.model.rejections.labels(refusal.reason, life.priority).inc()
             raise Rejection(refusal)
+
+    def standing(self, life: RequestLife, priority: Priority) -> Standing | None:
+        shares = self.fair_shares
+        return None if shares is None else shares.standing(life.flow, priority)
 
 
 class RequestLife:
@@ -158,6 +185,10 @@ class RequestLife:
         self.error: OpenAIError | None = None
         self.lifecycle: Lifecycle | None = None
         self.slot: QueueSlot | None = None
+        self.flow = KEYLESS
+        self.turn: Turn | None = None  # from admission to its first token (fair shares)
+        # By key, once its model's admission has decided: "admitted" or "refused".
+        self.outcome: str | None = None
         self._count = count
         self._running: list[Dispatch] = []  # started, streams not yet closed
         self._opened: list[Dispatch] = []  # whose first chunk came: counted at release
@@ -185,12 +216,16 @@ class RequestLife:
         priority = self._priority
         dispatcher = model.dispatcher
         refusal = model.admission.check(
-            priority, dispatcher.queued_requests, lambda: dispatcher.earliest_ttft_s(priority)
+            priority,
+            dispatcher.queued_requests,
+            lambda: dispatcher.earliest_ttft_s(priority),
+            model.standing(self, priority),
         )
-        model.refuse(refusal, priority)
+        model.refuse(self, refusal)
 
     def plan(self, request: GenerateRequest) -> Plan:
-        """Where ``request`` runs (at the life's priority, with its deadline), admitted."""
+        """Where ``request`` runs (at the life's priority and its key's turn, with its
+        deadline), admitted."""
         model = self._model
         priority = self._priority
         request.priority = ENGINE_PRIORITY[priority]
@@ -200,9 +235,17 @@ class RequestLife:
         if estimate is not None:
             model.metrics.model.ttft_estimate.labels(plan.prefill_engine.name).set(estimate)
         refusal = model.admission.check(
-            priority, model.dispatcher.queued_requests, lambda: estimate
+            priority,
+            model.dispatcher.queued_requests,
+            lambda: estimate,
+            model.standing(self, priority),
         )
-        model.refuse(refusal, priority)
+        model.refuse(self, refusal)
+        self.outcome = "admitted"
+        if model.fair_shares is not None and self.turn is None:
+            self.turn = model.fair_shares.join(self.flow, priority)
+            request.turn = self.turn.number
+            model.metrics.key_waiting(self.flow.name, priority, +1)
         return plan
 
     async def wait_ready(self) -> None:
@@ -247,6 +290,7 @@ class RequestLife:
             self._opened.append(dispatch)
             if self.slot is not None:
                 self.slot.release()  # it has its first token: no longer queued for its key
+            self._turn_over(started=True)
             model.metrics.choices(dispatch.plan)
             return Opened(dispatch, chunk, model.clock.now())
 
@@ -259,7 +303,9 @@ class RequestLife:
         while True:
             if chunk.token_ids:
                 if streamed:
-                    metrics.token(self.arrival, opened.last_token_at, now, dispatch.decision)
+                    metrics.token(
+                        self.arrival, opened.last_token_at, now, dispatch.decision, self.flow
+                    )
                     opened.last_token_at = now
                 if not opened.generated:
                     metrics.prefix_estimate(dispatch, chunk)
@@ -316,11 +362,24 @@ class RequestLife:
         finally:
             if self.slot is not None:
                 self.slot.release()
+            self._turn_over(started=False)
             if self.lifecycle is not None:
                 for dispatch in self._opened:
                     self.lifecycle.metrics.prefill_decided(dispatch.decision)
-            status = CLIENT_CLOSED if self.status is None else self.status
-            self._count(self.model, self.route, str(int(status)), self.priority)
+            if self.status is None:
+                self.status = CLIENT_CLOSED
+            self._count(self)
+
+    def _turn_over(self, started: bool) -> None:
+        """Its key's turn given back: at its first token (``started``), else at its end."""
+        turn, self.turn = self.turn, None
+        if turn is None:
+            return
+        if started:
+            turn.started()
+        else:
+            turn.release()
+        self._model.metrics.key_waiting(self.flow.name, self._priority, -1)
 
     def _started(self, dispatch: Dispatch) -> None:
         self._running.append(dispatch)

@@ -357,6 +357,15 @@ class ApiKeyConfig(StrictModel):
     routes: list[Route] | None = Field(
         None, description="The routes this key may call (403 on others); None: all."
     )
+    weight: float = Field(
+        1.0,
+        ge=0.001,
+        le=1000,
+        description="This key's fair share against the other keys with requests waiting at"
+        " the same priority: served in turns in proportion to weights, and refused only"
+        " once over its share of a full queue (requests without a key: one flow of weight"
+        " 1).",
+    )
 
     @field_validator("key")
     @classmethod

@@ -149,6 +149,28 @@ PRIORITY_CAPPED = Family(
     " the one granted.",
     ("key", "requested", "granted"),
 )
+KEY_REQUESTS = Family(
+    "splitserve_key_requests",
+    "counter",
+    "Requests admission decided on, by API key (its configured name, never the key;"
+    " 'anonymous' for requests without one), priority and outcome (admitted or refused).",
+    (MODEL, "key", "priority", "outcome"),
+)
+KEY_WAITING = Family(
+    "splitserve_key_waiting_requests",
+    "gauge",
+    "Admitted requests waiting for their first token, by API key (its name) and priority:"
+    " what the key's fair share is weighed against.",
+    (MODEL, "key", "priority"),
+)
+KEY_TTFT = Family(
+    "splitserve_key_time_to_first_token_seconds",
+    "histogram",
+    "Router-side time from request arrival to the first token, streamed requests, by API"
+    " key (its name).",
+    (MODEL, "key"),
+    LATENCY_BUCKETS_S,
+)
 QUEUE = Family(
     "splitserve_queue_seconds",
     "histogram",
@@ -287,6 +309,9 @@ ROUTER_FAMILIES = (
     REQUESTS,
     REJECTIONS,
     PRIORITY_CAPPED,
+    KEY_REQUESTS,
+    KEY_WAITING,
+    KEY_TTFT,
     QUEUE,
     REPLICA_CHOICES,
     TTFT_ESTIMATE,

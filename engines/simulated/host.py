@@ -120,7 +120,7 @@ class SimulatedEngineHost:
             prompt_tokens=len(prompt),
             max_tokens=max(1, max_tokens),
             block_hashes=chain_hashes(prompt, self.limits.block_size),
-            priority=request.priority if self.limits.policy == "priority" else 0,
+            priority=request.scheduling_priority() if self.limits.policy == "priority" else 0,
             arrival=time.monotonic(),
             kv_from_elsewhere=handle is not None,
             kv_ready=handle is None,

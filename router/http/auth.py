@@ -20,8 +20,9 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from router.http.errors import OpenAIError, Rejection
+from router.http.errors import OpenAIError
 from router.observation.metrics import ModelMetrics
+from router.policies.fair_share import Flow
 from router.policies.qos import Refusal, RefusalReason
 from router.settings import PRIORITIES, ApiKeyConfig, AuthConfig, Priority, check_key_text
 
@@ -67,6 +68,11 @@ class Client:
     max_priority: Priority = "high"
     max_queued: int | None = None
     routes: frozenset[str] | None = None  # None: every route
+    weight: float = 1.0  # its fair share's weight (router/policies/fair_share.py)
+
+    @property
+    def flow(self) -> Flow:
+        return Flow(self.name, self.weight)
 
     def grant(self, requested: Priority) -> Priority:
         """The priority served: the one asked for, or this key's highest if it asked more."""
@@ -155,29 +161,27 @@ class ApiKeys:
 
     def admit(
         self, client: Client, requested: Priority, metrics: ModelMetrics
-    ) -> tuple[Priority, QueueSlot]:
+    ) -> tuple[Priority, QueueSlot | Refusal]:
         """The priority the client is served at (lowered to its key's highest, counted
-        in ``metrics.priority_capped``) and its place in its key's queue: Rejection (429)
-        when the key already has ``max_queued`` requests waiting for a first token."""
+        in ``metrics.priority_capped``) and its place in its key's queue, or the Refusal
+        (429) of a key that already has ``max_queued`` requests waiting for a first
+        token, for its model's lifecycle to count and raise."""
         granted = client.grant(requested)
         if granted != requested:
             metrics.priority_capped.labels(client.name, requested, granted).inc()
-        return granted, self._enqueue(client, granted, metrics)
+        return granted, self._enqueue(client)
 
-    def _enqueue(self, client: Client, priority: Priority, metrics: ModelMetrics) -> QueueSlot:
+    def _enqueue(self, client: Client) -> QueueSlot | Refusal:
         cap = client.max_queued
         if cap is None:
             return QueueSlot()
         waiting = self._waiting.get(client.name, 0)
         if waiting >= cap:
-            metrics.rejections.labels(KEY_QUEUE_FULL, priority).inc()
-            raise Rejection(
-                Refusal(
-                    KEY_QUEUE_FULL,
-                    f"the API key {client.name!r} already has {waiting} requests waiting for"
-                    " their first token, its cap; retry when one has started",
-                    self._retry_after_s,
-                )
+            return Refusal(
+                KEY_QUEUE_FULL,
+                f"the API key {client.name!r} already has {waiting} requests waiting for"
+                " their first token, its cap; retry when one has started",
+                self._retry_after_s,
             )
         self._waiting[client.name] = waiting + 1
         # Given back at the first token or when the request's life ends, if not before.
@@ -201,7 +205,7 @@ def _digest(key: str) -> bytes:
 
 def _client(name: str, config: ApiKeyConfig) -> Client:
     routes = frozenset(config.routes) if config.routes is not None else None
-    return Client(name, config.max_priority, config.max_queued, routes)
+    return Client(name, config.max_priority, config.max_queued, routes, config.weight)
 
 
 def _configured_key(config: ApiKeyConfig, index: int, environ: Mapping[str, str]) -> str:

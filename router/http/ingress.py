@@ -210,7 +210,7 @@ class Router:
         life.model = served.name
         life.priority = asked = served.priority_of(body, raw.headers)
         priority, slot = self._auth.admit(client, asked, served.metrics)
-        served.lifecycle.enter(life, priority, slot)
+        served.lifecycle.enter(life, priority, slot, client.flow)
         if model_cls in (CompletionRequest, ChatCompletionRequest):
             return await served.generate(life, raw, body, len(raw_body), model_cls)
         return await served.serve_by_vllm(life, raw, body, model_cls)
@@ -305,9 +305,15 @@ class Router:
             )
         return served
 
-    def _count(self, model: str, route: str, status: str, priority: str) -> None:
-        """Each request once, when its life ends (RequestLife.release)."""
-        self._metrics.requests.labels(model, route, status, priority).inc()
+    def _count(self, life: RequestLife) -> None:
+        """Each request once, when its life ends (RequestLife.release); by its key too,
+        where its model's admission decided on it."""
+        metrics = self._metrics
+        status = str(life.status)
+        metrics.requests.labels(life.model, life.route, status, life.priority).inc()
+        if life.outcome is not None:
+            labels = (life.model, life.flow.name, life.priority, life.outcome)
+            metrics.key_requests.labels(*labels).inc()
 
     async def check_health(self) -> None:
         # Serve restarts this replica when this raises.

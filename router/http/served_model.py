@@ -48,6 +48,7 @@ from router.http.vllm_frontend import (
 from router.lifecycle import Lifecycle, RequestLife
 from router.observation.metrics import ModelMetrics
 from router.observation.requests import RequestMetrics
+from router.policies.fair_share import FairShares
 from router.pool.calibration import calibrate_ttft
 from router.runtime import build_runtime
 from router.settings import ModelBinding, Priority
@@ -135,6 +136,7 @@ class ServedModel:
             runtime.admission,
             runtime.readiness,
             recorded,
+            fair_shares=FairShares(),
         )
 
     @property

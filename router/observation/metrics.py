@@ -25,6 +25,9 @@ class RouterMetrics:
     requests: Counter
     rejections: Counter
     priority_capped: Counter
+    key_requests: Counter
+    key_waiting: Gauge
+    key_ttft: Histogram
     queue: Histogram
     replica_choices: Counter
     ttft_estimate: Gauge

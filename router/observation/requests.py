@@ -15,6 +15,7 @@ from router.observation.metrics import ModelMetrics
 from router.observation.traffic_drift import TrafficDrift
 from router.observation.traffic_record import TrafficRecorder
 from router.pd_flow import PREFILL_FALLBACK_REASONS
+from router.policies.fair_share import Flow
 from router.policies.prefill_policy import PrefillDecision
 from router.pool.pooled_engine import PooledEngine
 
@@ -59,13 +60,24 @@ class RequestMetrics:
                 self.model.replica_requests.labels(*labels).inc()
 
     def token(
-        self, arrival: float, last_token_at: float | None, now: float, decision: PrefillDecision
+        self,
+        arrival: float,
+        last_token_at: float | None,
+        now: float,
+        decision: PrefillDecision,
+        flow: Flow,
     ) -> None:
-        """A streamed token: the first one's TTFT, or the gap since the last."""
+        """A streamed token: the first one's TTFT (also by its key), or the gap since the
+        last."""
         if last_token_at is None:
             self.model.ttft.labels(self._shape, decision.where).observe(now - arrival)
+            self.model.key_ttft.labels(flow.name).observe(now - arrival)
         else:
             self._itl.observe(now - last_token_at)
+
+    def key_waiting(self, key: str, priority: str, change: int) -> None:
+        """One more (or fewer) of the key's admitted requests waiting for a first token."""
+        self.model.key_waiting.labels(key, priority).inc(change)
 
     def prefix_estimate(self, dispatch: Dispatch, chunk: GenerateChunk) -> None:
         """Set the router's prefix-cache estimate beside what vLLM found, per engine."""

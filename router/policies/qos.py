@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from router.policies.fair_share import Standing
 from router.settings import Priority, QoSConfig
 
 # vLLM's priority scheduling runs lower numbers first.
@@ -38,7 +39,9 @@ class Refusal:
 
 class AdmissionControl:
     """Refuses what the cluster should not take: beyond a priority's queue cap (429), or
-    a priority whose estimated TTFT exceeds its early-rejection limit (503)."""
+    a priority whose estimated TTFT exceeds its early-rejection limit (503). An API
+    key under its fair share of its priority's waiting requests keeps its place past
+    either (router/policies/fair_share.py): the keys over theirs are refused first."""
 
     def __init__(self, config: QoSConfig) -> None:
         self._config = config
@@ -48,17 +51,19 @@ class AdmissionControl:
         priority: Priority,
         queued: Callable[[], int],
         ttft_estimate_s: Callable[[], float | None],
+        standing: Standing | None = None,
     ) -> Refusal | None:
         """A Refusal, or None to admit. ``queued``: requests router-wide that
         are still waiting for their first token; ``ttft_estimate_s``: the TTFT estimate
         (None until measured). Each is asked only when a rule needs it: both scan every
         engine on every request, and most priorities (every one, with QoS off) have no
-        rule that weighs them."""
+        rule that weighs them. ``standing``: the request's key among its priority's
+        (None: no shares are kept)."""
         config = self._config
         if not config.enabled:
             return None
         cap = config.queue_caps[priority]
-        if (waiting := queued()) >= cap:
+        if (waiting := queued()) >= cap and not (standing and standing.under_share(cap)):
             return Refusal(
                 "queue_full",
                 f"too many requests waiting ({waiting}, the cap for {priority} priority is"
@@ -66,8 +71,8 @@ class AdmissionControl:
                 config.retry_after_s,
             )
         limit = config.early_rejection_s.get(priority)
-        if limit is None:
-            return None
+        if limit is None or (standing and standing.under_share()):
+            return None  # an estimate of the whole queue: a key under its share goes sooner
         estimate = ttft_estimate_s()
         if estimate is not None and estimate > limit:
             return Refusal(

@@ -292,7 +292,7 @@ class PooledEngine:
         try:
             if inside is not None:
                 wait_s = request.deadline - loop.time() if request.deadline else None
-                await asyncio.wait_for(inside.enter(request.priority), wait_s)
+                await asyncio.wait_for(inside.enter(request.scheduling_priority()), wait_s)
             self.state.enter_engine(timing.ticket)
             try:
                 await asyncio.wait_for(self._link.submit(request), self._submit_timeout_s)

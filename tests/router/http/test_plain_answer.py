@@ -59,7 +59,7 @@ def _writes(chunks: list[GenerateChunk], fail: bool = False) -> tuple[list[str],
     recorded = RequestMetrics(metrics, "single", dispatcher, None, None)
     config = RouterConfig()
     lifecycle = Lifecycle("m", config, dispatcher, None, None, recorded)  # type: ignore[arg-type]
-    life = RequestLife("/v1/completions", "r", lambda *labels: counted.append(labels[2]))
+    life = RequestLife("/v1/completions", "r", lambda life: counted.append(str(life.status)))
     life.lifecycle = lifecycle
     prepared: Any = SimpleNamespace(stream=True, include_usage=False, prompt_token_ids=[1, 2])
     writer = ResponseWriter(chat=False, model="m", response_id="r", return_token_ids=False)

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from router.observation.metrics import RouterMetrics
 from router.observation.requests import RequestMetrics
+from router.policies.fair_share import Flow
 from router.policies.prefill_policy import PrefillDecision
 
 
@@ -39,11 +40,15 @@ def test_in_flight_gauges_show_the_engines_state_and_starts_are_counted() -> Non
 def test_the_first_token_is_a_ttft_by_where_it_was_prefilled_and_the_rest_gaps() -> None:
     observer, registry = _observer()
     remote = PrefillDecision("remote", "always")
-    observer.token(arrival=10.0, last_token_at=None, now=10.25, decision=remote)
-    observer.token(arrival=10.0, last_token_at=10.25, now=10.26, decision=remote)
+    team = Flow("team")
+    observer.token(arrival=10.0, last_token_at=None, now=10.25, decision=remote, flow=team)
+    observer.token(arrival=10.0, last_token_at=10.25, now=10.26, decision=remote, flow=team)
     ttft = {"shape": "pd", "prefill": "remote"}
     assert _value(registry, "splitserve_time_to_first_token_seconds_count", **ttft) == 1
     assert _value(registry, "splitserve_time_to_first_token_seconds_sum", **ttft) == 0.25
+    by_key = "splitserve_key_time_to_first_token_seconds"
+    assert _value(registry, f"{by_key}_count", key="team") == 1
+    assert _value(registry, f"{by_key}_sum", key="team") == 0.25
     gaps = _value(registry, "splitserve_inter_token_latency_seconds_count", shape="pd")
     assert gaps == 1
 
