@@ -1,14 +1,18 @@
 """Fair shares between API keys: within a priority, keys are served in weighted turns.
 
 A flow is one API key's requests (every request without a key is one flow). Within a
-priority, each request is given a turn: start-time fair queueing's finish tag, the
-later of the priority's virtual time and its flow's last tag, plus 1 / the flow's
+priority, each request is given a turn: its finish tag, that is its start (the later
+of the priority's virtual time and its flow's last finish tag) plus 1 / the flow's
 weight. The engines (vLLM's priority scheduling, the simulated scheduler) and the
 router's prefill gate order a priority's waiting requests by turn, then by arrival
 (``GenerateRequest.scheduling_priority``), so a flow with weight 3 is started three
 times for each start of a flow with weight 1 while both have requests waiting, a flow
 that was idle starts next rather than behind another's backlog, and a flow alone takes
-every start. The virtual time moves on as requests get their first token.
+every start. The virtual time is the earliest start among the priority's waiting
+requests (start-time fair queueing's: the start of the one in line), and where none
+waits the latest start served. Not the latest served: a model's engines each start
+their own queue, and one engine that reaches a flow's later turns first would move
+every other flow's new turns behind the rest of that flow's queue.
 
 Admission weighs the same shares (router/policies/qos.py): where a priority's queue cap
 or TTFT limit would refuse a request, a flow with fewer requests waiting than its
@@ -22,6 +26,8 @@ requests, and what a key's weight promises (its share of starts).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from router.settings import PRIORITIES, Priority
@@ -42,13 +48,24 @@ class Flow:
 
 @dataclass(slots=True)
 class _Priority:
-    """One priority's flows: requests waiting for their first token, finish tags."""
+    """One priority's flows: requests waiting for their first token, their starts,
+    each flow's last finish tag."""
 
-    virtual: float = 0.0
     waiting: dict[str, int] = field(default_factory=dict)
     waiting_weight: float = 0.0  # the weights of flows with requests waiting
     total: int = 0
     finish: dict[str, float] = field(default_factory=dict)
+    # The waiting requests' starts, least first; those no longer waiting are dropped
+    # when they reach the top.
+    starts: list[tuple[float, int]] = field(default_factory=list)
+    gone: set[int] = field(default_factory=set)
+    latest_started: float = 0.0
+
+    def virtual(self) -> float:
+        starts = self.starts
+        while starts and starts[0][1] in self.gone:
+            self.gone.discard(heapq.heappop(starts)[1])
+        return starts[0][0] if starts else self.latest_started
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,25 +86,29 @@ class Standing:
 
 class Turn:
     """One request's turn: counted as waiting from ``FairShares.join`` until its first
-    token (``started``, which moves the virtual time on) or its end (``release``)."""
+    token (``started``) or its end (``release``)."""
 
-    __slots__ = ("_flow", "_shares", "number", "tag")
+    __slots__ = ("_flow", "_id", "_shares", "_start", "number")
 
-    def __init__(self, shares: _Priority | None, flow: Flow, tag: float) -> None:
+    def __init__(
+        self, shares: _Priority | None, flow: Flow, start: float, finish: float, id_: int
+    ) -> None:
         self._shares = shares
         self._flow = flow
-        self.tag = tag
-        self.number = int(tag * TURN_SCALE)
+        self._start = start
+        self._id = id_
+        self.number = int(finish * TURN_SCALE)
 
     def started(self) -> None:
         if self._shares is not None:
-            self._shares.virtual = max(self._shares.virtual, self.tag)
+            self._shares.latest_started = max(self._shares.latest_started, self._start)
         self.release()
 
     def release(self) -> None:
         shares, self._shares = self._shares, None
         if shares is None:
             return
+        shares.gone.add(self._id)
         name = self._flow.name
         shares.waiting[name] -= 1
         shares.total -= 1
@@ -101,6 +122,7 @@ class FairShares:
 
     def __init__(self) -> None:
         self._priorities = {priority: _Priority() for priority in PRIORITIES}
+        self._ids = itertools.count()
 
     def standing(self, flow: Flow, priority: Priority) -> Standing:
         shares = self._priorities[priority]
@@ -111,14 +133,16 @@ class FairShares:
     def join(self, flow: Flow, priority: Priority) -> Turn:
         """An admitted request's turn, counted as waiting until it starts or ends."""
         shares = self._priorities[priority]
-        start = max(shares.virtual, shares.finish.get(flow.name, 0.0))
-        tag = shares.finish[flow.name] = start + 1.0 / flow.weight
+        start = max(shares.virtual(), shares.finish.get(flow.name, 0.0))
+        finish = shares.finish[flow.name] = start + 1.0 / flow.weight
         waiting = shares.waiting.get(flow.name, 0)
         if not waiting:
             shares.waiting_weight += flow.weight
         shares.waiting[flow.name] = waiting + 1
         shares.total += 1
-        return Turn(shares, flow, tag)
+        id_ = next(self._ids)
+        heapq.heappush(shares.starts, (start, id_))
+        return Turn(shares, flow, start, finish, id_)
 
     def waiting(self, flow: Flow, priority: Priority) -> int:
         return self._priorities[priority].waiting.get(flow.name, 0)

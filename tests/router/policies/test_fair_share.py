@@ -40,6 +40,21 @@ def test_a_key_that_was_idle_starts_next_not_behind_another_keys_backlog() -> No
     assert queued[0] <= late.number < queued[1]  # after the one in line, before the rest
 
 
+def test_an_engine_that_starts_a_keys_later_turns_first_leaves_other_keys_in_place() -> None:
+    # Two engines each start their own queue: one reaches the flood's last turns while
+    # the other still holds its first. A key arriving now goes in line with those.
+    shares = FairShares()
+    flood = [shares.join(LIGHT, "normal") for _ in range(10)]
+    for turn in flood[7:]:
+        turn.started()
+    late = shares.join(Flow("late"), "normal")
+    assert late.number <= min(turn.number for turn in flood[:7])
+    for turn in flood[:7]:
+        turn.started()
+    after = shares.join(Flow("after"), "normal")  # nothing waits but "late"
+    assert after.number == late.number
+
+
 def test_a_key_alone_takes_every_turn_in_arrival_order() -> None:
     shares = FairShares()
     numbers = [shares.join(HEAVY, "high").number for _ in range(50)]
