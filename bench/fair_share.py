@@ -43,7 +43,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from bench.overload import prompt_text
+from bench.overload import pct, prompt_text
 from deployments.launcher import REPO_ROOT, config_path, niced_like_ray_workers, serve_run
 
 console = Console(width=150)
@@ -123,10 +123,6 @@ def started_per_s(sent: list[Sent], since: float, until: float) -> float:
 
 def ttfts_ms(sent: list[Sent]) -> list[float]:
     return [1000 * (s.first_at - s.sent_at) for s in sent if s.first_at is not None]
-
-
-def pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 async def capacity(client: Client, args: Any) -> float:

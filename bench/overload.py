@@ -285,10 +285,10 @@ def summarize(phase: Phase) -> dict[str, Any]:
         rows[priority] = {
             "requests": len(mine),
             "statuses": statuses,
-            "ttft_p50_s": _pct(ttfts, 50),
-            "ttft_p95_s": _pct(ttfts, 95),
-            "refusal_p50_ms": _ms(_pct(refusals, 50)),
-            "refusal_p95_ms": _ms(_pct(refusals, 95)),
+            "ttft_p50_s": pct(ttfts, 50),
+            "ttft_p95_s": pct(ttfts, 95),
+            "refusal_p50_ms": _ms(pct(refusals, 50)),
+            "refusal_p95_ms": _ms(pct(refusals, 95)),
         }
     admitted = [o.ttft_s for o in phase.outcomes if o.ttft_s is not None]
     refused = [o.answered_s for o in phase.outcomes if o.status in REFUSALS and o.answered_s]
@@ -299,14 +299,14 @@ def summarize(phase: Phase) -> dict[str, Any]:
         "stream_errors": sum(1 for o in phase.outcomes if o.stream_error),
         "first_admitted_ttft_s": min(admitted) if admitted else None,
         "last_refusal_s": max(refused) if refused else None,
-        "refusal_p95_ms": _ms(_pct(refused, 95)),
-        "client_loop_lag_p50_ms": _ms(_pct(phase.loop_lags_s, 50)),
-        "client_loop_lag_p95_ms": _ms(_pct(phase.loop_lags_s, 95)),
+        "refusal_p95_ms": _ms(pct(refused, 95)),
+        "client_loop_lag_p50_ms": _ms(pct(phase.loop_lags_s, 50)),
+        "client_loop_lag_p95_ms": _ms(pct(phase.loop_lags_s, 95)),
     }  # fmt: skip
     return rows
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 

@@ -11,6 +11,7 @@ import httpx
 
 from engines.tiny_model import EMBEDDED_MODEL_NAME
 from tests.support.in_process_router import (
+    COMPLETIONS,
     http_client,
     in_process_router,
     metric,
@@ -20,7 +21,6 @@ from tests.support.in_process_router import (
     until,
 )
 
-COMPLETIONS = "/v1/completions"
 FLOOD_KEY = "sk-flood-0123456789"
 LIGHT_KEY = "sk-light-0123456789"
 AUTH = {"keys": [{"name": "flood", "key": FLOOD_KEY}, {"name": "light", "key": LIGHT_KEY}]}
