@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -225,13 +226,55 @@ def bare_vllm_answers(
 
     A module that holds the router to bare vLLM defines ``bare_vllm_reference(base_url)``
     (tests/support/api_corpus.py too, for every shape's modules). All of them are asked
-    of one bare server, started once for the session's first that needs it, and stopped
-    again at once: it would hold a core's worth of memory and a port for nothing."""
-    modules = {item.module for item in request.session.items if isinstance(item, pytest.Function)}
-    askers = [m for m in modules if hasattr(m, "bare_vllm_reference")]
-    askers.append(api_corpus)
-    with bare_vllm(tmp_path_factory.mktemp("bare-vllm")) as url:
-        return {module.__name__: module.bare_vllm_reference(url) for module in askers}
+    of one bare server, started once for the session's first that needs it (or early,
+    beside the tests that need no cluster), and stopped again at once: it would hold a
+    core's worth of memory and a port for nothing."""
+    return _bare_vllm_answers(request.session, tmp_path_factory).result()
+
+
+_BARE_ANSWERS: list[Future[dict[str, Any]]] = []  # the session's one asking of bare vLLM
+
+
+def _bare_vllm_answers(
+    session: pytest.Session, tmp_path_factory: pytest.TempPathFactory
+) -> Future[dict[str, Any]]:
+    """The session's bare vLLM answers, asked in a thread of their own on the first call."""
+    if not _BARE_ANSWERS:
+        modules = {item.module for item in session.items if isinstance(item, pytest.Function)}
+        askers = [m for m in modules if hasattr(m, "bare_vllm_reference")]
+        askers.append(api_corpus)
+        folder = tmp_path_factory.mktemp("bare-vllm")
+
+        def ask() -> dict[str, Any]:
+            with bare_vllm(folder) as url:
+                return {module.__name__: module.bare_vllm_reference(url) for module in askers}
+
+        asker = ThreadPoolExecutor(1, thread_name_prefix="bare-vllm")
+        _BARE_ANSWERS.append(asker.submit(ask))
+        asker.shutdown(wait=False)  # the thread ends with the asking
+    return _BARE_ANSWERS[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _first_application_started_early(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """What the first serving test needs, bare vLLM's answers and the shapes' shared
+    application, starts in threads while the tests that need no cluster run before it:
+    that start is about five minutes of both cores, those tests four of one. The engines
+    run at Ray's niceness (bare vLLM at the same), so the tests that run meanwhile keep
+    their core."""
+    items = request.session.items
+    serving = [item for item in items if item.get_closest_marker("serving") is not None]
+    if not serving or serving[0] is items[0]:
+        return
+    needs = set(getattr(serving[0], "fixturenames", ()))
+    if "bare_vllm_answers" in needs:
+        _bare_vllm_answers(request.session, tmp_path_factory)
+    if "shapes_app" in needs:
+        apps: ServedApps = request.getfixturevalue("served_apps")
+        logs: Path = request.getfixturevalue("serve_logs")
+        apps.start_early(str(shared_app(logs, "shapes", SHAPES)))
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,16 @@ replaced. Stopping is checked as ``serve_run`` checks it (no engine outlives the
 application), and its log must show no replica restarted or failed, neither while it
 stopped nor while tests used it, except for tests that kill engines and say so
 (``restarts_expected``).
+
+The session's first application may start early (``start_early``), in a thread, while
+the tests that need no cluster run: its engines run at Ray's niceness, so those tests
+keep their core, and the start takes the other.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -37,6 +42,33 @@ class ServedApps:
         self._stack: ExitStack | None = None
         # Where the running application's log must show no restart or failure from.
         self._checked_from: int | None = None
+        self._early: Future[tuple[RunningApp, ExitStack]] | None = None
+
+    def start_early(self, name_or_path: str) -> None:
+        """Start the application for a YAML in a thread; the next ``get`` or ``close``
+        takes it over (and raises what its start raised)."""
+        path = config_path(name_or_path).resolve()
+        starter = ThreadPoolExecutor(1, thread_name_prefix="early-app")
+        self._early = starter.submit(self._started, path)
+        starter.shutdown(wait=False)  # the thread ends with the start
+
+    def _started(self, path: Path) -> tuple[RunningApp, ExitStack]:
+        stack = ExitStack()
+        app = stack.enter_context(
+            serve_run(
+                str(path),
+                ray_address=self._ray_address,
+                log_dir=self._log_dir,
+                ingress_ports=SESSION_INGRESS_PORTS,
+            )
+        )
+        return app, stack
+
+    def _take_over_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            self._app, self._stack = early.result()
+            self._checked_from = 0
 
     def get(
         self, name_or_path: str, *, fresh: bool = False, restarts_expected: bool = False
@@ -45,20 +77,13 @@ class ServedApps:
         started unless the running one is it and serves; ``fresh``: started anew.
         ``restarts_expected``: the caller kills engines, so its replicas restart."""
         path = config_path(name_or_path).resolve()
+        self._take_over_early()
         app = self._app
         reused = not fresh and app is not None and app.config_path.resolve() == path
         if not (reused and app is not None and _serves(app)):
             self.close()
-            stack = ExitStack()
-            app = stack.enter_context(
-                serve_run(
-                    str(path),
-                    ray_address=self._ray_address,
-                    log_dir=self._log_dir,
-                    ingress_ports=SESSION_INGRESS_PORTS,
-                )
-            )
-            self._app, self._stack, self._checked_from = app, stack, 0
+            app, self._stack = self._started(path)
+            self._app, self._checked_from = app, 0
         if restarts_expected:
             self._check_log(app, "while tests used it")  # what came before this caller
             self._checked_from = None
@@ -68,6 +93,7 @@ class ServedApps:
 
     def close(self) -> None:
         """Stop the running application, if any (its port is free afterwards)."""
+        self._take_over_early()
         app, stack = self._app, self._stack
         if app is None or stack is None:
             return
