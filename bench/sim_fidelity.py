@@ -26,6 +26,12 @@ pd_always.yaml (python -m loadgen profile --handover-of).
 Each table ends with two counts: the simulated figures within 10% of the real ones, and
 the real figures within 10% of themselves between rounds (largest over smallest). The
 second is the ruler's resolution on this box.
+
+The end-to-end ruler (issue 56) follows each table: every figure's simulated error (the
+simulated median against the real rounds' median) beside the real engine's own spread
+(the largest distance of a real round from that median), and the figure counts as a
+match where the error is inside the spread. It needs three rounds or more: with two,
+the median sits halfway and every spread is half the rounds' difference.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from splitserve.latency.profile import LatencyProfile, load_profile
 console = Console()
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "output_tok_s")
 FIDELITY_TOLERANCE = 0.10  # issue 42's bar: a simulated figure within 10% of the real one
+SPREAD_TARGET = 0.90  # issue 56: figures whose simulated error is inside the real spread
 Cell = tuple[str, str, float]  # config, workload, rate
 # The configs that hand prompts over: a profile fitted for them fits the hand-over too.
 PD_CONFIGS = ("pd", "pd_always", "auto")
@@ -392,6 +399,82 @@ def agreement_counts(compared: list[dict[str, Any]]) -> dict[str, int]:
     }
 
 
+def real_spread(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, float]]:
+    """Each cell's real rounds around their median, per metric: the largest
+    |round / median - 1|. A simulated figure this close to the median is as close as
+    the real engine's own rounds come to it."""
+    by_cell: dict[Cell, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["kind"] == "real":
+            by_cell.setdefault((row["config"], row["workload"], row["rate"]), []).append(row)
+    spread = {}
+    for cell, group in by_cell.items():
+        if len(group) < 2:
+            continue
+        middle = {m: statistics.median(r[m] for r in group) for m in METRICS}
+        spread[cell] = {
+            m: max(abs(r[m] / middle[m] - 1) for r in group) for m in METRICS if middle[m] > 0
+        }
+    return spread
+
+
+def spread_figures(
+    compared: list[dict[str, Any]], spread: dict[Cell, dict[str, float]]
+) -> list[dict[str, Any]]:
+    """One entry per figure of a cell with real rounds: its simulated error, the real
+    spread and whether the error is inside it."""
+    figures = []
+    for cell in compared:
+        key = (cell["config"], cell["workload"], cell["rate"])
+        for metric, ratio in cell["simulated_over_real"].items():
+            if metric in spread.get(key, {}):
+                error, real = abs(ratio - 1), spread[key][metric]
+                figures.append(
+                    {
+                        "config": key[0],
+                        "workload": key[1],
+                        "rate": key[2],
+                        "metric": metric,
+                        "simulated_error": error,
+                        "real_spread": real,
+                        "inside": error <= real,
+                    }
+                )
+    return figures
+
+
+def print_spread(figures: list[dict[str, Any]], rounds: int) -> None:
+    table = Table(
+        title=f"end to end: |simulated / real - 1| against the real spread over {rounds}"
+        " rounds (largest |round / median - 1|); * inside"
+    )
+    for column in ("config", "workload", "req/s", *METRICS):
+        table.add_column(column, justify="right")
+    by_cell: dict[Cell, dict[str, dict[str, Any]]] = {}
+    for f in figures:
+        by_cell.setdefault((f["config"], f["workload"], f["rate"]), {})[f["metric"]] = f
+    for (config, workload, rate), row in sorted(by_cell.items()):
+        table.add_row(
+            config,
+            workload,
+            f"{rate:g}",
+            *(
+                f"{row[m]['simulated_error']:.1%} / {row[m]['real_spread']:.1%}"
+                + (" *" if row[m]["inside"] else "")
+                if m in row
+                else ""
+                for m in METRICS
+            ),
+        )
+    console.print(table)
+    inside = sum(f["inside"] for f in figures)
+    share = inside / len(figures) if figures else 0.0
+    console.print(
+        f"inside the real spread: {inside} of {len(figures)} figures ({share:.0%}; target"
+        f" {SPREAD_TARGET:.0%})"
+    )
+
+
 def print_table(rows: list[dict[str, Any]], simulated: str = SIMULATED) -> list[dict[str, Any]]:
     table = Table(
         title=f"real / {simulated} (ratio) / offline (ratio to simulated); medians over"
@@ -472,10 +555,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def tables(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The cells compared, with the second profile's (cells_b) where it ran."""
-    compared = {"cells": print_table(rows)}
-    if any(row["kind"] == SIMULATED_B for row in rows):
-        compared["cells_b"] = print_table(rows, SIMULATED_B)
+    """The cells compared, with the second profile's (cells_b) where it ran, and each
+    one's figures against the real spread (spread, spread_b)."""
+    spread = real_spread(rows)
+    rounds = len({row["round"] for row in rows if row["kind"] == "real"})
+    compared: dict[str, list[dict[str, Any]]] = {}
+    for suffix, kind in (("", SIMULATED), ("_b", SIMULATED_B)):
+        if any(row["kind"] == kind for row in rows):
+            cells = print_table(rows, kind)
+            compared[f"cells{suffix}"] = cells
+            compared[f"spread{suffix}"] = spread_figures(cells, spread)
+            print_spread(compared[f"spread{suffix}"], rounds)
     return compared
 
 
