@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 
 import psutil
@@ -53,25 +54,48 @@ WAIT_S = 20.0  # the children spin or sleep for 30 s
 EPSILON_S = 1e-9
 
 
-def _child(title: str, behaviour: str) -> subprocess.Popen[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-c", CHILD, title, behaviour], stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
-    return process
+# The engine replica the children are found under: a process of their own, since the
+# test process may have engine descendants of the suite's (an application started
+# early, bare vLLM). It prints its children's PIDs, spinner first, and keeps them until
+# its standard input closes.
+REPLICA = """
+import subprocess, sys
+child = sys.argv[1]
+titles = (
+    ("VLLM::Worker_TP0", "spin"), ("VLLM::EngineCore", "sleep"), ("python not-an-engine", "sleep")
+)
+children = [
+    subprocess.Popen([sys.executable, "-c", child, t, b], stdout=subprocess.PIPE, text=True)
+    for t, b in titles
+]
+assert all(c.stdout.readline().strip() == "ready" for c in children)
+print(" ".join(str(c.pid) for c in children), flush=True)
+sys.stdin.read()
+for c in children:
+    c.kill()
+    c.wait()
+"""
+
+
+@dataclass(frozen=True)
+class EngineChildren:
+    replica: int  # the PID the sampler walks from
+    spinner: int  # VLLM::Worker_TP0, which spins
 
 
 @pytest.fixture
-def engine_children() -> Iterator[list[subprocess.Popen[str]]]:
-    children = [
-        _child("VLLM::Worker_TP0", "spin"),
-        _child("VLLM::EngineCore", "sleep"),
-        _child("python not-an-engine", "sleep"),
-    ]
-    yield children
-    for child in children:
-        child.kill()
-        child.wait()
+def engine_children() -> Iterator[EngineChildren]:
+    replica = subprocess.Popen(
+        [sys.executable, "-c", REPLICA, CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert replica.stdout is not None and replica.stdin is not None
+    spinner, _sleeper, _other = (int(pid) for pid in replica.stdout.readline().split())
+    yield EngineChildren(replica.pid, spinner)
+    replica.stdin.close()
+    assert replica.wait(10) == 0
 
 
 def _by_device(samples: list[DeviceSample]) -> dict[str, DeviceSample]:
@@ -83,15 +107,15 @@ def _cpu_s(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def test_without_nvml_reports_cpu_of_engine_processes(engine_children: list) -> None:
+def test_without_nvml_reports_cpu_of_engine_processes(engine_children: EngineChildren) -> None:
     # This machine has no NVIDIA library: even asked for GPU 0, the real pynvml fails to
     # start and the sampler falls back to the CPU of the engine processes.
     with pytest.raises(pynvml.NVMLError):
         pynvml.nvmlInit()
-    source = choose_source([0], os.getpid())
+    source = choose_source([0], engine_children.replica)
     assert isinstance(source, EngineCpuSource)
     assert (source.kind, source.source) == ("cpu", "cpu")
-    spinner = psutil.Process(engine_children[0].pid)
+    spinner = psutil.Process(engine_children.spinner)
     # Every figure is bracketed by readings taken just before and just after each read,
     # so the checks hold however slowly this machine runs the children or the reads.
     cpu_before_first, before_first = _cpu_s(spinner), time.perf_counter()
@@ -314,7 +338,7 @@ def test_the_sampler_thread_ticks_on_schedule_until_stopped() -> None:
 
 
 def test_sampler_overhead_is_small_with_real_cpu_source(
-    engine_children: list, monkeypatch: pytest.MonkeyPatch
+    engine_children: EngineChildren, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     walks: list[float] = []
 
@@ -323,7 +347,7 @@ def test_sampler_overhead_is_small_with_real_cpu_source(
         return engine_processes(root)
 
     monkeypatch.setattr(sampler_module, "engine_processes", counted_walk)
-    sampler = UtilizationSampler(EngineCpuSource(os.getpid()), RecordingSink())
+    sampler = UtilizationSampler(EngineCpuSource(engine_children.replica), RecordingSink())
     started = time.perf_counter()
     for _ in range(20):
         sampler.tick()
