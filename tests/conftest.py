@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -275,6 +275,19 @@ def _first_application_started_early(
         apps: ServedApps = request.getfixturevalue("served_apps")
         logs: Path = request.getfixturevalue("serve_logs")
         apps.start_early(str(shared_app(logs, "shapes", SHAPES)))
+
+
+@pytest.fixture
+def early_starts_done() -> None:
+    """Waits until the early starts (``_first_application_started_early``) have ended.
+    For a test whose processes run in a niced session of their own (the load
+    generator's launched servers): the kernel's autogroup shares the CPU between
+    sessions first, and the starting engines, children of this session's Ray cluster,
+    count as this session's, so such a process got no CPU for a minute (the sweep's
+    first server came up 68 s late, under its 120 s ready timeout)."""
+    wait(_BARE_ANSWERS)
+    for apps in _STARTED_APPS:
+        apps.wait_early()
 
 
 @pytest.fixture(scope="module")

@@ -156,6 +156,7 @@ sys.exit(code)
 """
 
 
+@pytest.mark.usefixtures("early_starts_done")  # its servers run in a session of their own
 def test_sweep_launches_and_stops_each_shape(tmp_path: Path) -> None:
     port = free_port()
     server, stops = tmp_path / "noting_fake_server.py", tmp_path / "stops.txt"
@@ -211,6 +212,7 @@ def test_demo_without_its_application_is_a_clear_error() -> None:
     assert result.returncode == 1 and "no-such-config.yaml" in result.stdout
 
 
+@pytest.mark.usefixtures("early_starts_done")  # its server runs in a session of its own
 def test_demo_runs_a_burstgpt_shaped_load_and_names_the_plot(tmp_path: Path) -> None:
     command = (
         f"{sys.executable} -m loadgen fake-server --port {{port}} --shape {{shape}} --ttft-ms 1"

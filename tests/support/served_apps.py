@@ -18,7 +18,7 @@ keep their core, and the start takes the other.
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -51,6 +51,11 @@ class ServedApps:
         starter = ThreadPoolExecutor(1, thread_name_prefix="early-app")
         self._early = starter.submit(self._started, path)
         starter.shutdown(wait=False)  # the thread ends with the start
+
+    def wait_early(self) -> None:
+        """Until the early start, if one runs, has ended (without taking it over)."""
+        if self._early is not None:
+            wait([self._early])
 
     def _started(self, path: Path) -> tuple[RunningApp, ExitStack]:
         stack = ExitStack()
