@@ -443,9 +443,26 @@ def spread_figures(
     return figures
 
 
-def print_spread(figures: list[dict[str, Any]], rounds: int) -> None:
+def over_real(rows: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """Each cell's ``kind`` median over the real median, per metric, as print_table's
+    cells carry it (for the offline runs, which that table sets beside the simulated)."""
+    by_cell = medians(rows)
+    cells = []
+    for config, workload, rate, row_kind in sorted(by_cell):
+        real = by_cell.get((config, workload, rate, "real"))
+        if row_kind != kind or real is None:
+            continue
+        figures = by_cell[(config, workload, rate, kind)]
+        ratio = {m: figures[m] / real[m] for m in METRICS if real[m]}
+        cells.append(
+            {"config": config, "workload": workload, "rate": rate, "simulated_over_real": ratio}
+        )
+    return cells
+
+
+def print_spread(figures: list[dict[str, Any]], rounds: int, kind: str) -> None:
     table = Table(
-        title=f"end to end: |simulated / real - 1| against the real spread over {rounds}"
+        title=f"end to end: |{kind} / real - 1| against the real spread over {rounds}"
         " rounds (largest |round / median - 1|); * inside"
     )
     for column in ("config", "workload", "req/s", *METRICS):
@@ -565,7 +582,10 @@ def tables(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             cells = print_table(rows, kind)
             compared[f"cells{suffix}"] = cells
             compared[f"spread{suffix}"] = spread_figures(cells, spread)
-            print_spread(compared[f"spread{suffix}"], rounds)
+            print_spread(compared[f"spread{suffix}"], rounds, kind)
+    if any(row["kind"] == "offline" for row in rows):  # what the advisor answers from
+        compared["spread_offline"] = spread_figures(over_real(rows, "offline"), spread)
+        print_spread(compared["spread_offline"], rounds, "offline")
     return compared
 
 

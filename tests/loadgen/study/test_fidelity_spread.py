@@ -14,7 +14,7 @@ import pytest
 # shadow the package of that name.
 sys.path.append(str(Path(__file__).resolve().parents[3] / "bench"))
 
-from bench.sim_fidelity import METRICS, real_spread, spread_figures
+from bench.sim_fidelity import METRICS, over_real, real_spread, spread_figures
 
 CELL = {"config": "single", "workload": "general", "rate": 2.0}
 
@@ -59,3 +59,15 @@ def test_a_cell_with_one_real_round_has_no_spread_to_match() -> None:
     spread = real_spread([_row("real", 0, 100.0)])
     assert spread == {}
     assert spread_figures(_compared(100.0, {"ttft": 100.0}), spread) == []
+
+
+def test_offline_runs_are_held_to_the_real_median() -> None:
+    rows = [_row("real", i, ttft) for i, ttft in enumerate((90.0, 100.0, 110.0))]
+    rows.append(_row("offline", 0, 105.0))
+    (cell,) = over_real(rows, "offline")
+    assert cell["simulated_over_real"]["ttft_p50_ms"] == pytest.approx(1.05)
+    (figure,) = [
+        f for f in spread_figures([cell], real_spread(rows)) if f["metric"] == "ttft_p50_ms"
+    ]
+    assert figure["inside"]
+    assert over_real(rows, "simulated") == []  # no such runs
