@@ -323,7 +323,7 @@ def _no_idle_app_beside_other_serving_tests(request: pytest.FixtureRequest) -> N
 # single.yaml model is every other shape's reference), the modules that kill its engines
 # last; pd.yaml, started cold and then used warm; the model-free shared application.
 # Modules not named here keep pytest's order after them; modules that need no cluster
-# run first.
+# run first, the tests among them that wait for the early starts last.
 SERVING_ORDER = (
     # The shapes' shared application.
     "tests.router.http.test_hostile_served",
@@ -350,13 +350,14 @@ SERVING_ORDER = (
 
 @pytest.hookimpl(trylast=True)  # after pytest groups items by their module-scoped params
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, int]:
         if item.get_closest_marker("serving") is None:
-            return 0
+            # Those that wait for the early starts last, when there is least left to wait.
+            return 0, int("early_starts_done" in getattr(item, "fixturenames", ()))
         found = _module_of(item)
         module = found.__name__ if found is not None else ""
         in_order = module in SERVING_ORDER
-        return 1 + (SERVING_ORDER.index(module) if in_order else len(SERVING_ORDER))
+        return 1 + (SERVING_ORDER.index(module) if in_order else len(SERVING_ORDER)), 0
 
     items.sort(key=rank)  # stable: each module's own order is kept
 
