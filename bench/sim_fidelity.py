@@ -367,21 +367,26 @@ def within(ratio: float, tolerance: float = FIDELITY_TOLERANCE) -> bool:
     return abs(ratio - 1) <= tolerance
 
 
-def real_rounds_ratios(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, float]]:
-    """Each cell's real runs against each other: the largest round's figure over the
-    smallest's, per metric. It is the ruler's resolution on this box: a simulator cannot
-    be shown closer to the real engine than the real engine is to itself."""
+def real_rounds(rows: list[dict[str, Any]]) -> dict[Cell, list[dict[str, Any]]]:
+    """Each cell's real runs, one a round."""
     by_cell: dict[Cell, list[dict[str, Any]]] = {}
     for row in rows:
         if row["kind"] == "real":
             by_cell.setdefault((row["config"], row["workload"], row["rate"]), []).append(row)
+    return by_cell
+
+
+def real_rounds_ratios(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, float]]:
+    """Each cell's real runs against each other: the largest round's figure over the
+    smallest's, per metric. It is the ruler's resolution on this box: a simulator cannot
+    be shown closer to the real engine than the real engine is to itself."""
     return {
         cell: {
             m: max(r[m] for r in group) / min(r[m] for r in group)
             for m in METRICS
             if min(r[m] for r in group) > 0
         }
-        for cell, group in by_cell.items()
+        for cell, group in real_rounds(rows).items()
         if len(group) > 1
     }
 
@@ -403,12 +408,8 @@ def real_spread(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, float]]:
     """Each cell's real rounds around their median, per metric: the largest
     |round / median - 1|. A simulated figure this close to the median is as close as
     the real engine's own rounds come to it."""
-    by_cell: dict[Cell, list[dict[str, Any]]] = {}
-    for row in rows:
-        if row["kind"] == "real":
-            by_cell.setdefault((row["config"], row["workload"], row["rate"]), []).append(row)
     spread = {}
-    for cell, group in by_cell.items():
+    for cell, group in real_rounds(rows).items():
         if len(group) < 2:
             continue
         middle = {m: statistics.median(r[m] for r in group) for m in METRICS}

@@ -274,7 +274,7 @@ def _first_application_started_early(
     if "shapes_app" in needs:
         apps: ServedApps = request.getfixturevalue("served_apps")
         logs: Path = request.getfixturevalue("serve_logs")
-        apps.start_early(str(shared_app(logs, "shapes", SHAPES)))
+        apps.start_early(_shapes_app_path(logs))
 
 
 @pytest.fixture
@@ -290,13 +290,19 @@ def early_starts_done() -> None:
         apps.wait_early()
 
 
+def _shapes_app_path(serve_logs: Path) -> str:
+    """The shapes' shared application's YAML: the same path for the early start and for
+    ``shapes_app``, which takes that start over only for the same path."""
+    return str(shared_app(serve_logs, "shapes", SHAPES))
+
+
 @pytest.fixture(scope="module")
 def shapes_app(served_apps: ServedApps, serve_logs: Path) -> RunningApp:
     """The shipped shapes as the models of one application (tests/support/shared_apps.py):
     single.yaml's model first, answering under its own name and for bodies that name none.
     Started once for every module that asks for it (conftest.SERVING_ORDER keeps them
     together); a test that kills engines asks ``served_apps.get`` itself."""
-    return served_apps.get(str(shared_app(serve_logs, "shapes", SHAPES)))
+    return served_apps.get(_shapes_app_path(serve_logs))
 
 
 @pytest.fixture(scope="module")
