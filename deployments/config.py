@@ -21,7 +21,7 @@ from engines.settings import (
     ModelConfig,
     PoolConfig,
 )
-from engines.vllm_args import engine_arg_names
+from engines.vllm_args import VLLM_CPU_OFFLOAD_REFUSAL, engine_arg_names
 from kv_transfer.backend_registry import make_kv_backend
 from kv_transfer.settings import KVTransferConfig
 from router.settings import (
@@ -142,6 +142,13 @@ class AppConfig(StrictModel):
                         f" argument, so engine.backend {self.engine.backend!r} cannot take it;"
                         " only engine.backend 'simulated' replays it"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _kv_offloading_where_vllm_offloads(self) -> AppConfig:
+        for pool in self.pools:
+            if pool.kv_offloading_size is not None:
+                _check_kv_offloading(self, pool)
         return self
 
     @model_validator(mode="after")
@@ -346,6 +353,29 @@ def _stretched_prefill_policy(
 # or the transferred blocks would be read with the wrong layout. (The model's dtype and
 # block size are model fields, shared by every pool.)
 KV_LAYOUT_ENGINE_KWARGS = ("kv_cache_dtype",)
+
+
+def _check_kv_offloading(config: AppConfig, pool: PoolConfig) -> None:
+    """Refuse, before anything starts, a kv_offloading_size vLLM would fail or misapply."""
+    where = f"the {pool.role} pool's kv_offloading_size"
+    if config.engine.backend != "vllm":
+        raise ValueError(
+            f"{where} is vLLM's KV offloading; engine.backend {config.engine.backend!r} does"
+            " not model it: unset it"
+        )
+    if config.accelerator == "cpu":
+        raise ValueError(
+            f"{where}: vLLM cannot offload a CPU engine's KV (it refuses at start-up:"
+            f" {VLLM_CPU_OFFLOAD_REFUSAL!r}); unset it, or serve with accelerator: gpu"
+        )
+    if config.shape in KV_SHAPES:
+        # vLLM turns the size into a kv_transfer_config of its own, which would replace
+        # the hand-over's connector; both need vLLM's MultiConnector, not built yet.
+        raise ValueError(
+            f"{where}: shape {config.shape!r} hands KV over through a connector of ours,"
+            " and vLLM's offloading would replace it (combining both through vLLM's"
+            " MultiConnector is not built yet); offload in single, tp, pp or dp"
+        )
 
 
 def _check_kv_layouts_match(prefill: PoolConfig, decode: PoolConfig) -> None:

@@ -177,6 +177,9 @@ def build_engine_args(spec: EngineSpec, kv_events: KVEventRelay | None = None) -
         kwargs["reasoning_parser"] = spec.model.reasoning_parser
     if spec.accelerator == "gpu" and pool.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = pool.gpu_memory_utilization
+    if pool.kv_offloading_size is not None:
+        kwargs["kv_offloading_size"] = pool.kv_offloading_size
+        kwargs["kv_offloading_backend"] = pool.kv_offloading_backend
     if spec.kv_transfer is not None:
         kwargs["kv_transfer_config"] = spec.kv_transfer
     if kv_events is not None:

@@ -11,7 +11,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from engines.protocol import EngineRole
-from engines.vllm_args import engine_arg_names, reasoning_parser_names, tool_parser_names
+from engines.vllm_args import (
+    KVOffloadingBackend,
+    engine_arg_names,
+    reasoning_parser_names,
+    tool_parser_names,
+)
 from kv_transfer.settings import KVTransferConfig
 from splitserve.config_base import StrictModel
 
@@ -40,6 +45,8 @@ ENGINE_ARGS_SET_BY_FIELDS = {
     "tensor_parallel_size": "the pool's tensor_parallel_size",
     "pipeline_parallel_size": "the pool's pipeline_parallel_size",
     "gpu_memory_utilization": "the pool's gpu_memory_utilization",
+    "kv_offloading_size": "the pool's kv_offloading_size",
+    "kv_offloading_backend": "the pool's kv_offloading_backend",
     "kv_transfer_config": "shape and kv_transfer (the KV connector is set by them)",
     "kv_events_config": "router.prefix_signal",
     "disable_log_stats": "nothing: the router reads the engine's stats",
@@ -343,6 +350,20 @@ class PoolConfig(StrictModel):
         le=1,
         description="GPU only: the share of each GPU's memory the engine may take (weights,"
         " activations, KV cache); unset: vLLM's default, as vllm serve.",
+    )
+    kv_offloading_size: float | None = Field(
+        None,
+        gt=0,
+        description="GPU only: GiB of host memory each engine's vLLM keeps KV blocks in"
+        " once they leave its GPU cache (vllm serve's --kv-offloading-size, summed over the"
+        " engine's TP ranks); unset: no offloading, as vllm serve. Not on CPU engines,"
+        " which vLLM cannot offload, nor beside PD's and auto's KV hand-over yet.",
+    )
+    kv_offloading_backend: KVOffloadingBackend = Field(
+        "native",
+        description="Where kv_offloading_size's blocks go (vllm serve's"
+        " --kv-offloading-backend): native, vLLM's own host tier; lmcache, an LMCache"
+        " server the engine reaches (its own size then rules).",
     )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -14,8 +14,17 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
+from typing import Literal
 
 ENGINE_ARG_CLASSES = ("EngineArgs", "AsyncEngineArgs")
+
+# vLLM's KV offloading backends (vllm.config.cache.KVOffloadingBackend; the test checks it).
+KVOffloadingBackend = Literal["native", "lmcache"]
+# Why vLLM's native KV offloading does not run on a CPU engine, as vLLM raises it when the
+# engine's worker starts (CPUOffloadingSpec.get_worker, vllm/v1/kv_offload/cpu/spec.py):
+# a config is refused with it before anything starts. The test finds it in that source.
+VLLM_CPU_OFFLOAD_REFUSAL = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+VLLM_CPU_OFFLOAD_SOURCE = ("v1", "kv_offload", "cpu", "spec.py")
 
 
 @functools.cache

@@ -640,3 +640,44 @@ def test_simulated_engines_time_scale_stretches_the_routers_objectives() -> None
     assert split.max_transfer_s == 20 * plain_split.max_transfer_s
     assert split.min_ttft_gain == plain_split.min_ttft_gain  # a ratio
     assert split.prompt_length_threshold == plain_split.prompt_length_threshold
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {},
+            "the mixed pool's kv_offloading_size: vLLM cannot offload a CPU engine's KV"
+            " (it refuses at start-up: 'CPU Offloading is currently only supported on"
+            " CUDA-alike and XPU GPUs')",
+        ),
+        (
+            {"engine": {"backend": "synthetic"}},
+            "engine.backend 'synthetic' does not model it",
+        ),
+    ],
+)
+def test_kv_offloading_is_refused_where_vllm_cannot_offload(
+    change: dict[str, Any], message: str
+) -> None:
+    args = {**shipped_args("dp"), **change}
+    args["pools"][0]["kv_offloading_size"] = 4
+    with pytest.raises(ConfigError) as raised:
+        parse_app_config(args)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("shape", ["pd", "auto"])
+def test_kv_offloading_beside_the_kv_hand_over_is_refused(shape: str) -> None:
+    """vLLM would replace the hand-over's connector with its offloading connector."""
+    args = on_gpus(shape)
+    args["pools"][0]["kv_offloading_size"] = 4
+    with pytest.raises(ConfigError, match="vLLM's offloading would replace it"):
+        parse_app_config(args)
+
+
+def test_kv_offloading_is_a_pool_field_not_an_engine_kwarg() -> None:
+    args = on_gpus("dp")
+    args["pools"][0]["engine_kwargs"] = {"kv_offloading_size": 4}
+    with pytest.raises(ConfigError, match="the pool's kv_offloading_size"):
+        parse_app_config(args)

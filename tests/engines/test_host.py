@@ -5,6 +5,7 @@ written in the YAML says otherwise; on CPUs the embedded model keeps float32 and
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -98,3 +99,28 @@ def test_what_the_yaml_sets_wins_over_the_accelerators_defaults() -> None:
         8192,
     )
     assert engine["gpu_memory_utilization"] == 0.5
+
+
+def test_kv_offloading_reaches_vllm_which_makes_its_offloading_connector() -> None:
+    """The pool's offloading fields become vllm serve's flags, and vLLM's own config turns
+    them into its offloading connector with that many bytes of host memory."""
+    from vllm.config import CacheConfig, VllmConfig
+
+    args = on_gpus("dp")
+    args["model"] = {"source": MODEL}
+    for pool in args["pools"]:
+        pool["kv_offloading_size"] = 2.5
+    engines = _engine_args(args)
+    assert [(e["kv_offloading_size"], e["kv_offloading_backend"]) for e in engines] == [
+        (2.5, "native")
+    ] * len(engines)
+    assert all(e["kv_transfer_config"] is None for e in engines)
+
+    # vLLM's translation, run on just the two configs it reads and writes.
+    configs = SimpleNamespace(
+        cache_config=CacheConfig(kv_offloading_size=2.5), kv_transfer_config=None
+    )
+    VllmConfig._post_init_kv_transfer_config(configs)  # type: ignore[arg-type]
+    transfer = configs.kv_transfer_config
+    assert transfer.kv_connector in ("OffloadingConnector", "SimpleCPUOffloadConnector")
+    assert transfer.kv_connector_extra_config["cpu_bytes_to_use"] == 2.5 * 2**30
