@@ -6,6 +6,7 @@ One pydantic object per concern. Errors name the field and the allowed values, a
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -363,10 +364,16 @@ def _check_kv_offloading(config: AppConfig, pool: PoolConfig) -> None:
             f"{where} is vLLM's KV offloading; engine.backend {config.engine.backend!r} does"
             " not model it: unset it"
         )
-    if config.accelerator == "cpu":
+    if config.accelerator == "cpu" and pool.kv_offloading_backend == "native":
         raise ValueError(
             f"{where}: vLLM cannot offload a CPU engine's KV (it refuses at start-up:"
             f" {VLLM_CPU_OFFLOAD_REFUSAL!r}); unset it, or serve with accelerator: gpu"
+        )
+    if config.accelerator == "cpu" and importlib.util.find_spec("lmcache") is None:
+        # On GPUs the engines' nodes may have packages this process lacks.
+        raise ValueError(
+            f"{where}: kv_offloading_backend 'lmcache' needs the lmcache package, which"
+            " vLLM's LMCache connector imports and this machine does not have"
         )
     if config.shape in KV_SHAPES:
         # vLLM turns the size into a kv_transfer_config of its own, which would replace

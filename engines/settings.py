@@ -356,8 +356,8 @@ class PoolConfig(StrictModel):
         gt=0,
         description="GPU only: GiB of host memory each engine's vLLM keeps KV blocks in"
         " once they leave its GPU cache (vllm serve's --kv-offloading-size, summed over the"
-        " engine's TP ranks); unset: no offloading, as vllm serve. Not on CPU engines,"
-        " which vLLM cannot offload, nor beside PD's and auto's KV hand-over yet.",
+        " engine's TP ranks); unset: no offloading, as vllm serve. Not natively on CPU"
+        " engines, which vLLM cannot offload, nor beside PD's and auto's KV hand-over yet.",
     )
     kv_offloading_backend: KVOffloadingBackend = Field(
         "native",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -643,25 +644,34 @@ def test_simulated_engines_time_scale_stretches_the_routers_objectives() -> None
 
 
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("pool", "app", "message"),
     [
         (
+            {},
             {},
             "the mixed pool's kv_offloading_size: vLLM cannot offload a CPU engine's KV"
             " (it refuses at start-up: 'CPU Offloading is currently only supported on"
             " CUDA-alike and XPU GPUs')",
         ),
         (
+            {"kv_offloading_backend": "lmcache"},
+            {},
+            "kv_offloading_backend 'lmcache' needs the lmcache package",
+        ),
+        (
+            {},
             {"engine": {"backend": "synthetic"}},
             "engine.backend 'synthetic' does not model it",
         ),
     ],
 )
 def test_kv_offloading_is_refused_where_vllm_cannot_offload(
-    change: dict[str, Any], message: str
+    pool: dict[str, Any], app: dict[str, Any], message: str
 ) -> None:
-    args = {**shipped_args("dp"), **change}
-    args["pools"][0]["kv_offloading_size"] = 4
+    if pool and importlib.util.find_spec("lmcache") is not None:
+        pytest.skip("lmcache is installed here")
+    args = {**shipped_args("dp"), **app}
+    args["pools"][0].update(kv_offloading_size=4, **pool)
     with pytest.raises(ConfigError) as raised:
         parse_app_config(args)
     assert message in str(raised.value)
