@@ -364,12 +364,13 @@ def _check_kv_offloading(config: AppConfig, pool: PoolConfig) -> None:
             f"{where} is vLLM's KV offloading; engine.backend {config.engine.backend!r} does"
             " not model it: unset it"
         )
-    if config.accelerator == "cpu" and pool.kv_offloading_backend == "native":
+    native = pool.kv_offloading_backend == "native"
+    if config.accelerator == "cpu" and native:
         raise ValueError(
             f"{where}: vLLM cannot offload a CPU engine's KV (it refuses at start-up:"
             f" {VLLM_CPU_OFFLOAD_REFUSAL!r}); unset it, or serve with accelerator: gpu"
         )
-    if config.accelerator == "cpu" and importlib.util.find_spec("lmcache") is None:
+    if config.accelerator == "cpu" and not native and importlib.util.find_spec("lmcache") is None:
         # On GPUs the engines' nodes may have packages this process lacks.
         raise ValueError(
             f"{where}: kv_offloading_backend 'lmcache' needs the lmcache package, which"
