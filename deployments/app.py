@@ -112,13 +112,24 @@ def scaled_pool_settings(config: AppConfig, suffix: str = "") -> list[ScaledPool
 ENGINE_HOST_ENV = {**SERVE_REPLICA_ENV, "VLLM_LOGGING_LEVEL": "WARNING", ORPHAN_GUARD_ENV: "1"}
 
 
+# An eager engine's processes run no torch.compile at all. vLLM compiles a few helpers
+# whatever enforce_eager says (the logprob ranks, TP's masked embedding lookup) with
+# inductor, which on a CPU runs g++ in worker processes: 10 s and 13 CPU-seconds for the
+# first logprobs request of a machine, 2 s and 3 CPU-seconds in each engine process after
+# (docs/DECISIONS.md). The helpers are integer counts and masks: eager gives the same ids.
+NO_COMPILE_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+
+
 def engine_process_env(config: AppConfig, pool: PoolConfig, replica_index: int) -> dict[str, str]:
-    """What one engine's own processes need in their environment: cores and KV size."""
+    """What one engine's own processes need in their environment: cores, KV size, and
+    no compiling where the engine is eager on a CPU."""
     env: dict[str, str] = {}
     if config.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(pool.kv_cache_gib)
         if pool.cpu_binds is not None:
             env[CPU_BIND_ENV] = pool.cpu_binds[replica_index]
+        if config.model.eager_on(config.accelerator):
+            env.update(NO_COMPILE_ENV)
     return env
 
 

@@ -66,6 +66,19 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
     assert binds == ["0", "1"]
 
 
+def test_eager_cpu_engines_compile_nothing_and_compiling_ones_keep_torch_compile(
+    tmp_path: Path,
+) -> None:
+    eager = load_app_config(DEPLOYMENTS / "single.yaml")
+    assert engine_process_env(eager, eager.pools[0], 0)["TORCHDYNAMO_DISABLE"] == "1"
+    document = yaml.safe_load((DEPLOYMENTS / "single.yaml").read_text())
+    document["applications"][0]["args"]["model"]["enforce_eager"] = False
+    compiled_yaml = tmp_path / "compiled.yaml"
+    compiled_yaml.write_text(yaml.safe_dump(document))
+    compiled = load_app_config(compiled_yaml)
+    assert "TORCHDYNAMO_DISABLE" not in engine_process_env(compiled, compiled.pools[0], 0)
+
+
 def test_dp_holds_engines_of_any_tensor_parallel_degree() -> None:
     # DP of TP-4 engines: what a model too large for one GPU serves as (the advisor
     # writes it); each engine's ranks are its devices.

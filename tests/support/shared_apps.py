@@ -69,6 +69,8 @@ SHAPES: dict[str, SharedModel] = {
     "pd_always": SharedModel("pd-always-tiny", "pd_always"),
     # auto.yaml that always prefills on the peer: every hand-over path is taken.
     "auto": SharedModel("auto-tiny", "auto", {"prefill_policy": {"name": "always"}}),
+    # auto_scaled.yaml as shipped: an auto pool Serve scales, from one engine.
+    "auto_scaled": SharedModel("auto-scaled-tiny", "auto_scaled"),
     # models.yaml's split model, with its LoRA adapters (its other model, tiny-chat, is
     # single.yaml's under another name: single's model stands for it).
     "code": SharedModel("tiny-code", "models", entry="tiny-code"),
@@ -78,6 +80,8 @@ SHAPES: dict[str, SharedModel] = {
 # The model-free applications' engines: tokens as fast as steps allow, or paced.
 SYNTHETIC = {"backend": "synthetic"}
 PACED = {"backend": "synthetic", "step_interval_s": 0.01}
+SIMULATED_PROFILE = "h100-llama-3.1-8b"
+SIMULATED = {"backend": "simulated", "profile": SIMULATED_PROFILE, "time_scale": 1.0}
 # Two requests at a time at 10 ms a token: a queue, and a first token later than an
 # SLO of a second, from a handful of clients (the scaled pools' tests).
 QUEUEING = {**PACED, "max_num_seqs": 2}
@@ -145,6 +149,13 @@ def synthetic_models(folder: Path) -> dict[str, SharedModel]:
             "synthetic-ramp",
             "dp",
             {"engine": QUEUEING, "pools": _pool(1, autoscaling=SCALED_TO_FOUR)},
+        ),
+        # auto_scaled.yaml's pool on simulated engines keeping an H100's time for Llama
+        # 3.1 8B, as deployments.serve --simulate serves it (launcher.simulated_config).
+        "simulated": SharedModel(
+            "simulated-auto",
+            "auto_scaled",
+            {"engine": SIMULATED, "kv_transfer": {"backend": "simulated"}},
         ),
         # Its tests kill engines and a router: the last of this application's users.
         "apart": SharedModel(

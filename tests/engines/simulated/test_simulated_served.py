@@ -1,12 +1,14 @@
 """Simulated engines under real Ray Serve: auto_scaled.yaml's auto pool, whose
 engines are Serve replicas of their own reached over the engine transport, keeping an
-H100's time for Llama 3.1 8B (deployments.serve --simulate)."""
+H100's time for Llama 3.1 8B (deployments.serve --simulate): the ``simulated`` model of
+the model-free served tests' shared application (tests/support/shared_apps.py)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,13 +16,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards.prometheus import ray_discovery_file
-from deployments.launcher import config_path, simulated_config
+from deployments.launcher import RunningApp
 from tests.conftest import RAY_METRICS_EXPORT_MS
-from tests.support.served_apps import ServedApps
+from tests.support.shared_apps import synthetic_models
 
 pytestmark = pytest.mark.serving
 
-PROFILE = "h100-llama-3.1-8b"
+MODEL = synthetic_models(Path())["simulated"].name
 TTFT_COUNT = "ray_vllm_time_to_first_token_seconds_count"
 PROMPT = [10 + (index * 7) % 240 for index in range(600)]
 
@@ -35,9 +37,8 @@ def _complete(base_url: str, model: str, max_tokens: int) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
 
 
-def test_a_simulated_pool_serves_splits_and_reports_its_engines(served_apps: ServedApps) -> None:
-    app = served_apps.get(str(simulated_config(config_path("auto_scaled"), PROFILE)))
-    model = httpx.get(f"{app.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+def test_a_simulated_pool_serves_splits_and_reports_its_engines(model_free_app: RunningApp) -> None:
+    app, model = model_free_app, MODEL
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda _: _complete(app.base_url, model, 16), range(16)))
     assert all(response.status_code == 200 for response in responses), [
@@ -84,10 +85,9 @@ def _added(before: dict[Labels, float], after: dict[Labels, float]) -> dict[Labe
 
 
 def test_simulated_engines_export_vllms_metrics_through_ray(
-    served_apps: ServedApps, ray_address: str
+    model_free_app: RunningApp, ray_address: str
 ) -> None:
-    app = served_apps.get(str(simulated_config(config_path("auto_scaled"), PROFILE)))
-    model = httpx.get(f"{app.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    app, model = model_free_app, MODEL
     # The cluster is shared: earlier applications' engines export the same names, so
     # only what these requests add counts.
     before = _samples(_ray_metrics(ray_address), TTFT_COUNT)
