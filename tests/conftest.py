@@ -337,10 +337,10 @@ SERVING_ORDER = (
     "tests.deployments.test_shapes_served",
     "tests.deployments.test_auto_served",
     "tests.deployments.test_models_served",
-    "tests.deployments.test_auto_scaled_served",
     "tests.deployments.test_pd_served",  # kills an engine
     "tests.router.pool.test_engine_in_router_served",  # kills an engine
     # Applications of their own.
+    "tests.deployments.test_auto_scaled_served",
     "tests.deployments.test_cold_start_served",  # pd.yaml, cold ...
     "tests.router.policies.test_policies_served",  # ... then warm
     "tests.dashboards.test_prometheus_served",

@@ -1,8 +1,6 @@
-"""``serve run deployments/auto_scaled.yaml``: an auto pool that Serve scales, answering
-the API corpus as bare `vllm serve` does (the shipped shape the other parity tests do
-not start). It is the ``auto_scaled`` model of the shapes' shared application
-(tests/support/shared_apps.py): its pool, policies and autoscaling as shipped, one start
-shared with the other shapes."""
+"""``serve run deployments/auto_scaled.yaml``: an auto pool that Serve
+scales, answering the API corpus as bare `vllm serve` does (the shipped shape the
+other parity tests do not start)."""
 
 from __future__ import annotations
 
@@ -10,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from deployments.launcher import RunningApp
 from tests.support.api_corpus import assert_answers_as
-from tests.support.shared_apps import SHAPES
+from tests.support.served_apps import ServedApps
 
 pytestmark = pytest.mark.serving
 
 
 def test_every_kind_of_request_is_answered_as_bare_vllm(
-    shapes_app: RunningApp, vllm_answers: dict[str, Any]
+    served_apps: ServedApps, vllm_answers: dict[str, Any]
 ) -> None:
-    assert_answers_as(vllm_answers, shapes_app.base_url, SHAPES["auto_scaled"].name)
+    app = served_apps.get("auto_scaled")
+    assert_answers_as(vllm_answers, app.base_url)

@@ -69,8 +69,6 @@ SHAPES: dict[str, SharedModel] = {
     "pd_always": SharedModel("pd-always-tiny", "pd_always"),
     # auto.yaml that always prefills on the peer: every hand-over path is taken.
     "auto": SharedModel("auto-tiny", "auto", {"prefill_policy": {"name": "always"}}),
-    # auto_scaled.yaml as shipped: an auto pool Serve scales, from one engine.
-    "auto_scaled": SharedModel("auto-scaled-tiny", "auto_scaled"),
     # models.yaml's split model, with its LoRA adapters (its other model, tiny-chat, is
     # single.yaml's under another name: single's model stands for it).
     "code": SharedModel("tiny-code", "models", entry="tiny-code"),
