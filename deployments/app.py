@@ -114,9 +114,9 @@ ENGINE_HOST_ENV = {**SERVE_REPLICA_ENV, "VLLM_LOGGING_LEVEL": "WARNING", ORPHAN_
 
 # An eager engine's processes run no torch.compile at all. vLLM compiles a few helpers
 # whatever enforce_eager says (the logprob ranks, TP's masked embedding lookup) with
-# inductor, which on a CPU runs g++ in worker processes: 10 s and 13 CPU-seconds for the
-# first logprobs request of a machine, 2 s and 3 CPU-seconds in each engine process after
-# (docs/DECISIONS.md). The helpers are integer counts and masks: eager gives the same ids.
+# inductor, which on a CPU runs g++: the first logprobs request on a fresh engine took
+# 10 s instead of 0.03 s (bench/first_logprobs.py), and a warm cache still leaves about
+# 2 s per new process. The helpers are integer counts and masks: eager gives the same ids.
 NO_COMPILE_ENV = {"TORCHDYNAMO_DISABLE": "1"}
 
 
