@@ -52,10 +52,10 @@ CEILING_QPS = STREAMS / ((TTFT_MS + (OUTPUT_LEN - 1) * ITL_MS) / 1000)
 def test_the_knee_of_a_server_with_a_known_capacity(
     tmp_path: Path, early_starts_done: None
 ) -> None:
-    # After the early starts (conftest.py): their threads in this process (the answers
-    # bare vLLM gives, read and parsed) took the GIL from the fake server and the client
-    # often enough that one run missed its 100 ms objective at 16 req/s, a knee 0.28 of
-    # the capacity the same run measured.
+    # After the early starts (conftest.py): run beside them, one run missed its 100 ms
+    # objective at 16 req/s, a knee 0.28 of the capacity the same run measured. Their
+    # threads share this process's GIL with the fake server and the client (the likely
+    # cause, not proven), and their engines share the box.
     # A 100 ms TTFT objective holds until the queue builds, somewhat below capacity.
     config = FakeServerConfig(port=0, ttft_ms=TTFT_MS, itl_ms=ITL_MS, max_concurrent=STREAMS)
     with fake_server_in_thread(config) as url:
