@@ -237,6 +237,11 @@ def _is_engine(cmdline: str) -> bool:
     return any(marker in cmdline for marker in ENGINE_PROCESS_MARKERS)
 
 
+# How long serve run may take to answer: a cold start of the shipped shapes' engines
+# under load on a two-core box, with room.
+READY_TIMEOUT_S = 420.0
+
+
 @contextlib.contextmanager
 def serve_run(
     name_or_path: str,
@@ -244,7 +249,7 @@ def serve_run(
     ray_address: str | None = None,
     port: int = DEFAULT_PORT,
     direct_ingress: bool = True,
-    ready_timeout_s: float = 420.0,
+    ready_timeout_s: float = READY_TIMEOUT_S,
     stop_timeout_s: float = 90.0,
     log_dir: Path | None = None,
     ingress_ports: int | None = None,
