@@ -237,8 +237,7 @@ def _is_engine(cmdline: str) -> bool:
     return any(marker in cmdline for marker in ENGINE_PROCESS_MARKERS)
 
 
-# How long serve run may take to answer: a cold start of the shipped shapes' engines
-# under load on a two-core box, with room.
+# How long serve_run waits for every router to answer before it stops the start.
 READY_TIMEOUT_S = 420.0
 
 
