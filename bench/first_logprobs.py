@@ -30,13 +30,11 @@ import repo_first  # noqa: F401  (before deployments: see bench/repo_first.py)
 from rich.console import Console
 from rich.table import Table
 
+from deployments.app import NO_COMPILE_ENV
 from engines.tiny_model import embedded_model_path
 
 console = Console()
-SETTINGS = {
-    "torch.compile (vLLM's default)": {},
-    "TORCHDYNAMO_DISABLE=1 (ours)": {"TORCHDYNAMO_DISABLE": "1"},
-}
+SETTINGS = {"torch.compile (vLLM's default)": {}, "TORCHDYNAMO_DISABLE=1 (ours)": NO_COMPILE_ENV}
 ENGINE = """
 import json, sys, time
 from vllm import LLM, SamplingParams

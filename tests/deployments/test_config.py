@@ -66,16 +66,11 @@ def test_dp_names_one_deployment_per_replica_with_its_own_core() -> None:
     assert binds == ["0", "1"]
 
 
-def test_eager_cpu_engines_compile_nothing_and_compiling_ones_keep_torch_compile(
-    tmp_path: Path,
-) -> None:
+def test_eager_cpu_engines_compile_nothing_and_compiling_ones_keep_torch_compile() -> None:
     eager = load_app_config(DEPLOYMENTS / "single.yaml")
     assert engine_process_env(eager, eager.pools[0], 0)["TORCHDYNAMO_DISABLE"] == "1"
-    document = yaml.safe_load((DEPLOYMENTS / "single.yaml").read_text())
-    document["applications"][0]["args"]["model"]["enforce_eager"] = False
-    compiled_yaml = tmp_path / "compiled.yaml"
-    compiled_yaml.write_text(yaml.safe_dump(document))
-    compiled = load_app_config(compiled_yaml)
+    args = shipped_args("single")
+    compiled = parse_app_config({**args, "model": {**args["model"], "enforce_eager": False}})
     assert "TORCHDYNAMO_DISABLE" not in engine_process_env(compiled, compiled.pools[0], 0)
 
 
